@@ -1,0 +1,142 @@
+"""Typed run configuration: one tree of dataclasses, one flag per field, saved with every run.
+
+`moe-scale train --help` is generated from these fields (a field `num_experts` is the flag
+`--num-experts`), so a flag and the saved `config.json` key never drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moe_scale.errors import UserError
+
+
+def _f(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = _f(64, "embedding, LSTM and MoE input/output width")
+    expert_hidden: int = _f(128, "hidden width of each expert FFN")
+    num_experts: int = _f(16, "experts in the MoE layer")
+    top_k: int = _f(2, "experts per token (k); k=1 gives the router no task-loss gradient")
+    dropout: float = _f(0.1, "DropProb applied to every layer output but the softmax")
+    w_importance: float = _f(0.1, "weight of the CV^2(importance) loss")
+    w_load: float = _f(0.1, "weight of the CV^2(load) loss (smooth load estimator)")
+    noisy_gating: bool = _f(True, "trainable Gaussian noise on the gate logits during training")
+
+
+@dataclass
+class DataConfig:
+    data: str = _f("embedded", "training text: 'embedded' (built-in corpus), a file, a directory, or a glob "
+                               "of one-sentence-per-line files")
+    valid_data: str | None = _f(None, "validation text (default: valid* files beside --data, else held out)")
+    test_data: str | None = _f(None, "test text (default: test* files beside --data, else held out)")
+    holdout_fraction: float = _f(0.02, "share of training sentences held out for valid+test when none given")
+    vocab_size: int = _f(10000, "largest vocabulary, including <UNK>, <S>, </S>")
+    min_count: int = _f(1, "drop words seen fewer times than this from the vocabulary")
+    seq_len: int = _f(32, "tokens per training window (truncated back-propagation length)")
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = _f(64, "global batch: sequences per optimizer step over all ranks")
+    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+    max_steps: int = _f(600, "optimizer steps to train")
+    lr: float = _f(3e-3, "peak Adam learning rate")
+    warmup_steps: int = _f(100, "linear warm-up steps, then lr ∝ 1/sqrt(step) (Shazeer et al. App. C.1)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    seed: int = _f(1234, "seed for initialisation, data order, dropout and gate noise")
+    noise_rng: str = _f("rank", "gate noise per rank, or drawn per global token so any world size draws the "
+                                "same noise (costs global tokens x experts memory)", ("rank", "global"))
+    ep_size: int = _f(1, "expert-parallel ranks: experts are split over groups of this many ranks")
+    ds_config: str | None = _f(None, "DeepSpeed JSON (default: the built-in CPU config, ds_configs/cpu.json)")
+    out: str = _f("runs/lstm-moe", "run directory: config, vocab, summary, TensorBoard events, checkpoints")
+    resume: bool = _f(False, "continue from the latest complete checkpoint in --out")
+    overwrite: bool = _f(False, "replace an existing run in --out")
+    log_interval: int = _f(50, "steps between log lines and TensorBoard points")
+    eval_interval: int = _f(200, "steps between validation passes (and at the end)")
+    eval_max_batches: int = _f(0, "cap on validation batches per pass (0: the whole split)")
+    checkpoint_interval: int = _f(200, "steps between checkpoints (and at the end)")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str) -> "RunConfig":
+        if not isinstance(raw, dict):
+            raise UserError(f"{source}: expected a JSON object with sections model, data, train")
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = set(raw) - set(sections)
+        if unknown:
+            raise UserError(f"{source}: unknown section(s) {sorted(unknown)}; allowed: {sorted(sections)}")
+        built = {}
+        for f in dataclasses.fields(cls):
+            section_cls = type(getattr(cls(), f.name))
+            values = raw.get(f.name, {})
+            names = {sf.name for sf in dataclasses.fields(section_cls)}
+            bad = set(values) - names
+            if bad:
+                raise UserError(f"{source}: unknown key(s) {sorted(bad)} in section '{f.name}'; "
+                                f"see `moe-scale train --help` for the valid settings")
+            built[f.name] = section_cls(**values)
+        return cls(**built)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"--config {path}: no such file; pass a run's config.json or its run directory")
+        except json.JSONDecodeError as e:
+            raise UserError(f"--config {path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})")
+        config = cls.from_dict(raw, f"--config {path}")
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Checks that need no data or processes; the trainer checks world-size-dependent ones."""
+        m, d, t = self.model, self.data, self.train
+        positive = {"--d-model": m.d_model, "--expert-hidden": m.expert_hidden, "--num-experts": m.num_experts,
+                    "--top-k": m.top_k, "--seq-len": d.seq_len, "--batch-size": t.batch_size,
+                    "--grad-accum": t.grad_accum, "--max-steps": t.max_steps, "--ep-size": t.ep_size,
+                    "--log-interval": t.log_interval, "--eval-interval": t.eval_interval,
+                    "--checkpoint-interval": t.checkpoint_interval, "--min-count": d.min_count}
+        for flag, value in positive.items():
+            if value < 1:
+                raise UserError(f"{flag} must be at least 1 (got {value})")
+        if m.top_k > m.num_experts:
+            raise UserError(f"--top-k {m.top_k} is larger than --num-experts {m.num_experts}; "
+                            f"choose k <= number of experts")
+        if m.num_experts % t.ep_size:
+            raise UserError(f"--num-experts {m.num_experts} is not divisible by --ep-size {t.ep_size}; "
+                            f"each expert-parallel rank must hold the same number of experts")
+        if not 0.0 <= m.dropout < 1.0:
+            raise UserError(f"--dropout must be in [0, 1) (got {m.dropout})")
+        if not 0.0 < d.holdout_fraction < 0.5:
+            raise UserError(f"--holdout-fraction must be in (0, 0.5) (got {d.holdout_fraction})")
+        if d.vocab_size < 4:
+            raise UserError(f"--vocab-size must be at least 4 (3 special symbols and a word); got {d.vocab_size}")
+        if min(m.w_importance, m.w_load, t.lr, t.weight_decay, t.warmup_steps, t.eval_max_batches) < 0:
+            raise UserError("--w-importance, --w-load, --lr, --weight-decay, --warmup-steps and "
+                            "--eval-max-batches must not be negative")
+        if t.resume and t.overwrite:
+            raise UserError("--resume and --overwrite contradict each other; pass one of them")

@@ -1,0 +1,98 @@
+"""Language-model windows laid out so that the global batch does not depend on the world size.
+
+Legend: R global rows (= global batch size), B = R / world_size rows on this rank, T = seq_len,
+W = windows per row (num_windows). Row i holds the tokens of shard i of R contiguous sentence shards,
+each sentence as <S> w1 .. wn </S>; window w of a row is tokens [w*T, w*T + T] (T+1 tokens; consecutive
+windows share one token), split into inputs = window[:-1] and targets = window[1:].
+
+A rank reads and tokenizes only its own B rows. Step s uses window (s mod W) of every row (after an
+optional per-epoch permutation that every rank draws identically), so the batches of ranks 0..n-1,
+concatenated in rank order, are exactly the one-process batch — what makes an n-process run equal a
+one-process run. W is the minimum over all rows, found with the trainer's all-reduce MIN.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from datasets import Dataset
+
+from moe_scale.data.vocab import Vocab
+from moe_scale.errors import UserError
+
+
+def _encode_row(texts: list[str], vocab: Vocab) -> np.ndarray:
+    out: list[int] = []
+    for t in texts:
+        out.append(Vocab.BOS_ID)
+        out.extend(vocab.encode(t))
+        out.append(Vocab.EOS_ID)
+    return np.asarray(out, dtype=np.int32)
+
+
+class LMWindows:
+    """Token windows for a causal LM: `batch(step)` gives this rank's (inputs_BT, targets_BT), int64."""
+
+    def __init__(self, sentences: Dataset, vocab: Vocab, seq_len: int, global_rows: int,
+                 rank: int = 0, world_size: int = 1, min_over_ranks: Callable[[int], int] = lambda n: n,
+                 what: str = "the training data"):
+        if seq_len < 1 or global_rows < 1:
+            raise UserError(f"sequence length {seq_len} and batch size {global_rows} must be positive; "
+                            "set --seq-len and --batch-size to at least 1")
+        if global_rows % world_size != 0:
+            raise UserError(f"batch size {global_rows} is not divisible by the world size {world_size}; "
+                            f"use a --batch-size that is a multiple of {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.seq_len, self.global_rows, self.rank, self.world_size = seq_len, global_rows, rank, world_size
+        self.rows_per_rank = global_rows // world_size
+        first = rank * self.rows_per_rank
+        n_sentences = len(sentences)
+        self.rows: list[np.ndarray] = []  # B rows of int32 tokens
+        for i in range(first, first + self.rows_per_rank):
+            texts = sentences.shard(global_rows, i, contiguous=True)["text"] if i < n_sentences else []
+            self.rows.append(_encode_row(list(texts), vocab))
+        # All ranks take part in the reduction (and raise together) even if their rows are empty.
+        shortest = int(min_over_ranks(min(len(r) for r in self.rows)))
+        self.num_windows = (shortest - 1) // seq_len if shortest > 0 else 0  # W
+        if self.num_windows < 1:
+            raise UserError(
+                f"{what} is too small for batch size {global_rows} x sequence length {seq_len}: each of the "
+                f"{global_rows} rows needs at least {seq_len + 1} tokens (about {global_rows * (seq_len + 1)} "
+                f"tokens in all) but the shortest row has {shortest}; use a smaller --batch-size or --seq-len, "
+                "or more data")
+        self._perm: tuple[tuple[int, int], np.ndarray] | None = None  # ((seed, epoch), permutation)
+
+    def window_index(self, step: int, shuffle_seed: int | None = None) -> int:
+        """Which window of every row step `step` uses."""
+        epoch, w = divmod(step, self.num_windows)
+        if shuffle_seed is None:
+            return w
+        key = (shuffle_seed, epoch)
+        if self._perm is None or self._perm[0] != key:
+            self._perm = (key, np.random.default_rng(key).permutation(self.num_windows))
+        return int(self._perm[1][w])
+
+    def _window(self, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        T = self.seq_len
+        win_BT1 = np.stack([r[w * T: w * T + T + 1] for r in self.rows]).astype(np.int64)
+        win_BT1 = torch.from_numpy(win_BT1)
+        return win_BT1[:, :-1], win_BT1[:, 1:]
+
+    def batch(self, step: int, shuffle_seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs_BT, targets_BT) for this rank's rows at `step` (epoch = step // num_windows)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return self._window(self.window_index(step, shuffle_seed))
+
+    def all_windows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every window in order (for evaluation): (inputs_BT, targets_BT) per window."""
+        for w in range(self.num_windows):
+            yield self._window(w)
+
+    @property
+    def num_tokens(self) -> int:
+        """Target tokens per epoch on this rank (B * W * T)."""
+        return self.rows_per_rank * self.num_windows * self.seq_len

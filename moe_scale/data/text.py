@@ -1,0 +1,138 @@
+"""User text paths -> files per split -> sentence datasets (HuggingFace `datasets`, one sentence per line)."""
+
+from __future__ import annotations
+
+import glob
+import re
+from pathlib import Path
+
+import datasets
+from datasets import Dataset
+
+from moe_scale.data.embedded import EMBEDDED_NAME, cache_root, embedded_corpus_dir
+from moe_scale.errors import UserError
+
+SPLITS = ("train", "valid", "test")
+# A file or subdirectory name with one of these words (split at . _ -) belongs to that split.
+# `heldout` is lm1b's name for its test shards (Shazeer et al. 2017 evaluate on them).
+_SPLIT_WORDS = {"train": "train", "training": "train", "valid": "valid", "validation": "valid", "dev": "valid",
+                "test": "test", "heldout": "test"}
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def _has_words(path: Path) -> bool:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return True
+    return False
+
+
+def _visible_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def resolve_text_files(spec: str, what: str = "--data") -> list[Path]:
+    """A file, a directory (its regular, non-hidden files, sorted; not recursive) or a glob -> sorted files."""
+    path = Path(spec).expanduser()
+    if _GLOB_CHARS.search(spec) and not path.exists():
+        files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
+        if not files:
+            raise UserError(f"{what} {spec}: no files match this pattern; check the directory and the pattern")
+    elif path.is_dir():
+        files = _visible_files(path)
+        if not files:
+            raise UserError(f"{what} {spec}: directory has no (non-hidden) files; put text files in it "
+                            "(one sentence per line) or point to another directory")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise UserError(f"{what} {spec}: no such file or directory; check the path")
+    if not any(_has_words(f) for f in files):
+        raise UserError(f"{what} {spec}: all {len(files)} file(s) are empty or blank; "
+                        "provide text with one sentence per line")
+    return files
+
+
+def _split_of(name: str) -> str | None:
+    return next((_SPLIT_WORDS[w] for w in re.split(r"[._\-]", name.lower()) if w in _SPLIT_WORDS), None)
+
+
+def split_files(spec: str) -> dict[str, list[Path]]:
+    """Train/valid/test files for a --data spec (missing splits are []; see `load_splits`).
+
+    - "embedded": the embedded corpus;
+    - a directory whose files or subdirectories are named train*/valid*/test* (also training*, validation*,
+      dev*, heldout*): those (wikitext: train.txt valid.txt test.txt; lm1b: training/ heldout/);
+    - anything else (file, directory, glob): all training files.
+    """
+    if spec == EMBEDDED_NAME:
+        d = embedded_corpus_dir()
+        return {s: [d / f"{s}.txt"] for s in SPLITS}
+    path = Path(spec).expanduser()
+    if path.is_dir() and not _GLOB_CHARS.search(spec):
+        out: dict[str, list[Path]] = {s: [] for s in SPLITS}
+        for entry in sorted(p for p in path.iterdir() if not p.name.startswith(".")):
+            split = _split_of(entry.name)
+            if split is not None and entry.is_dir():
+                out[split] += resolve_text_files(str(entry), f"--data {split} directory")
+            elif split is not None and entry.is_file():
+                out[split].append(entry)
+        if out["train"]:
+            if not any(_has_words(f) for f in out["train"]):
+                raise UserError(f"--data {spec}: the training files are empty; provide text, one sentence per line")
+            return out
+    return {"train": resolve_text_files(spec), "valid": [], "test": []}
+
+
+def _hf_cache_dir() -> str:
+    d = cache_root() / "hf"
+    d.mkdir(parents=True, exist_ok=True)
+    return str(d)
+
+
+def load_sentences(files: list[Path]) -> Dataset:
+    """One sentence per line, stripped, empty lines dropped; files in the given order, lines in file order."""
+    if not files:
+        raise ValueError("load_sentences needs at least one file")
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    ds = datasets.load_dataset("text", data_files=[str(Path(f).resolve()) for f in files], split="train",
+                               cache_dir=_hf_cache_dir())
+    ds = ds.map(lambda b: {"text": [t.strip() for t in b["text"]]}, batched=True)
+    return ds.filter(lambda b: [bool(t) for t in b["text"]], batched=True)
+
+
+def holdout_split(ds: Dataset, fraction: float) -> tuple[Dataset, Dataset, Dataset]:
+    """(train, valid, test): the last `fraction` of sentences split equally into valid then test."""
+    if not 0.0 < fraction < 1.0:
+        raise UserError(f"holdout fraction {fraction} is out of range; use a value between 0 and 1, e.g. 0.02")
+    n = len(ds)
+    n_hold = int(round(n * fraction))
+    if n_hold < 2 or n_hold >= n:
+        raise UserError(f"cannot hold out {fraction:g} of {n} sentences for valid and test; give more data, "
+                        "a larger holdout fraction, or separate valid/test files")
+    n_train, n_valid = n - n_hold, n_hold // 2
+    return (ds.select(range(n_train)), ds.select(range(n_train, n_train + n_valid)),
+            ds.select(range(n_train + n_valid, n)))
+
+
+def load_splits(spec: str, holdout_fraction: float = 0.02) -> dict[str, Dataset]:
+    """split -> sentences for a --data spec; splits without files are cut from the end of the training data
+    (both missing: `holdout_split`; one missing: the last `holdout_fraction / 2` of train)."""
+    files = split_files(spec)
+    train = load_sentences(files["train"])
+    valid = load_sentences(files["valid"]) if files["valid"] else None
+    test = load_sentences(files["test"]) if files["test"] else None
+    if valid is None and test is None:
+        train, valid, test = holdout_split(train, holdout_fraction)
+    elif valid is None or test is None:
+        n = len(train)
+        n_hold = int(round(n * holdout_fraction / 2))
+        if n_hold < 1 or n_hold >= n:
+            raise UserError(f"--data {spec}: cannot hold out {holdout_fraction / 2:g} of {n} training sentences "
+                            "for the missing valid/test split; give more data or valid and test files")
+        held = train.select(range(n - n_hold, n))
+        train = train.select(range(n - n_hold))
+        valid, test = (held, test) if valid is None else (valid, held)
+    return {"train": train, "valid": valid, "test": test}

@@ -1,0 +1,101 @@
+"""Word vocabulary: ids 0, 1, 2 are <UNK>, <S>, </S>; the rest by descending frequency, ties alphabetical."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+from moe_scale.errors import UserError
+
+
+class Vocab:
+    UNK, BOS, EOS = "<UNK>", "<S>", "</S>"
+    SPECIALS = (UNK, BOS, EOS)
+    UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+    def __init__(self, words: list[str]):
+        if tuple(words[:3]) != self.SPECIALS:
+            raise ValueError(f"the first three vocabulary words must be {self.SPECIALS}, got {words[:3]}")
+        self.words = list(words)
+        self._ids = {w: i for i, w in enumerate(self.words)}
+        if len(self._ids) != len(self.words):
+            raise ValueError("vocabulary words must be unique")
+
+    @classmethod
+    def build(cls, sentences: Iterable[str], max_size: int | None = None, min_count: int = 1) -> "Vocab":
+        """Words with count >= min_count, most frequent first (ties alphabetical); max_size counts the specials."""
+        if max_size is not None and max_size < 4:
+            raise UserError(f"vocabulary size {max_size} is too small; use a vocabulary size of at least 4 "
+                            "(3 special tokens + 1 word)")
+        counts = Counter(w for s in sentences for w in s.split())
+        for special in cls.SPECIALS:
+            counts.pop(special, None)
+        ranked = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
+        if max_size is not None:
+            ranked = ranked[: max_size - 3]
+        return cls(list(cls.SPECIALS) + ranked)
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def id(self, word: str) -> int:
+        return self._ids.get(word, self.UNK_ID)
+
+    def encode(self, sentence: str) -> list[int]:
+        """Words -> ids (OOV -> UNK id); no BOS/EOS added."""
+        ids = self._ids
+        return [ids.get(w, 0) for w in sentence.split()]
+
+    def save(self, path: Path) -> None:
+        """One word per line, UTF-8, written atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write("".join(w + "\n" for w in self.words))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path) -> "Vocab":
+        path = Path(path)
+        fix = "delete it to rebuild the vocabulary from the data, or point to a file written by moe-scale"
+        try:
+            words = path.read_text(encoding="utf-8").split("\n")
+        except FileNotFoundError:
+            raise UserError(f"vocabulary file {path} does not exist; check the path or omit it to build one") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"vocabulary file {path} cannot be read ({e}); {fix}") from None
+        if words and words[-1] == "":
+            words.pop()
+        if tuple(words[:3]) != cls.SPECIALS:
+            raise UserError(f"vocabulary file {path} does not start with {' '.join(cls.SPECIALS)}; {fix}")
+        bad = [i + 1 for i, w in enumerate(words) if not w or any(c.isspace() for c in w)]
+        if bad:
+            raise UserError(f"vocabulary file {path} line {bad[0]} is empty or has whitespace; {fix}")
+        if len(set(words)) != len(words):
+            raise UserError(f"vocabulary file {path} has duplicate words; {fix}")
+        return cls(words)
+
+
+def unigram_perplexity(train_sentences: Iterable[str], eval_sentences: Iterable[str], vocab: Vocab) -> float:
+    """Perplexity of an add-one smoothed unigram model over `vocab` (one </S> per sentence, OOV -> <UNK>)."""
+    counts = [1] * len(vocab)
+    for s in train_sentences:
+        for i in vocab.encode(s):
+            counts[i] += 1
+        counts[Vocab.EOS_ID] += 1
+    log_total = math.log(sum(counts))
+    nll, n = 0.0, 0
+    for s in eval_sentences:
+        for i in vocab.encode(s) + [Vocab.EOS_ID]:
+            nll += log_total - math.log(counts[i])
+            n += 1
+    return math.exp(nll / n)

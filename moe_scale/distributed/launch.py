@@ -1,0 +1,93 @@
+"""Process-group setup for every way moe_scale is started.
+
+- `deepspeed --num_gpus N moe-scale train ...` (or torchrun): RANK/WORLD_SIZE/MASTER_* are set.
+- `srun moe-scale train ...` on SLURM: we derive them from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and the
+  first host of the job's node list.
+- `mpirun -np N moe-scale train ...` (Open MPI): from OMPI_COMM_WORLD_*.
+- plain `moe-scale train`: a one-process group on 127.0.0.1.
+
+On machines without CUDA, DS_ACCELERATOR=cpu and the gloo backend are used; this must happen before the
+first `import deepspeed`, which is why cli.py calls `select_accelerator()` first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def select_accelerator() -> str:
+    """Set DS_ACCELERATOR=cpu unless CUDA is usable (or the user chose). Returns the accelerator name."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    return os.environ.get("DS_ACCELERATOR", "cuda")
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list such as 'gpu[003-005,009],cpu01' -> 'gpu003'."""
+    match = re.match(r"([^\[,]+)(?:\[([^\]]+)\])?", nodelist)
+    if not match:
+        return nodelist
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def fill_env_from_launcher(env: dict[str, str] | None = None) -> None:
+    """Derive torch.distributed's env:// variables from SLURM or MPI when no launcher set them."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        pass
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        env.setdefault("MASTER_ADDR", _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")))
+        env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["OMPI_COMM_WORLD_RANK"], env["OMPI_COMM_WORLD_SIZE"]
+        env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", "29500")
+    else:
+        env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(_free_port()))
+    env.setdefault("LOCAL_RANK", "0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> DistEnv:
+    """Initialise torch.distributed through DeepSpeed (idempotent) and describe this process."""
+    accelerator = select_accelerator()
+    fill_env_from_launcher()
+    import deepspeed  # after select_accelerator: DeepSpeed picks its accelerator at import
+
+    backend = "gloo" if accelerator == "cpu" else "nccl"
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if accelerator == "cpu":
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    return DistEnv(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device, backend)

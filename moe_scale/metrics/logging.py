@@ -1,0 +1,58 @@
+"""What a run reports, on rank 0: TensorBoard scalars, a per-step JSON log, progress on the console.
+
+On a terminal a progress bar; otherwise (SLURM logs, pipes) one plain line per logging interval.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+
+class RunLogger:
+    def __init__(self, run: Path, total_steps: int, start_step: int, enabled: bool):
+        self.enabled = enabled
+        if not enabled:
+            return
+        self.tb = SummaryWriter(str(run / "tb"), purge_step=start_step + 1 if start_step else None)
+        self.step_log = (run / "train_log.jsonl").open("a")
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                        disable=not sys.stdout.isatty())
+
+    def step(self, record: dict) -> None:
+        """Every optimizer step: one JSON line (the record of what was trained) and the progress bar."""
+        if not self.enabled:
+            return
+        self.step_log.write(json.dumps(record) + "\n")
+        self.step_log.flush()
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}")
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        for tag, value in values.items():
+            self.tb.add_scalar(tag, value, step)
+        self.tb.flush()
+
+    def line(self, text: str) -> None:
+        """A log line: above the bar on a terminal, plain otherwise."""
+        if self.enabled:
+            (self.bar.write if not self.bar.disable else print)(text, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.close()
+            self.tb.close()
+            self.step_log.close()
+
+
+def summary_table(summary: dict) -> str:
+    rows = [(key, f"{value:.4g}" if isinstance(value, float) else str(value)) for key, value in summary.items()]
+    width = max(len(key) for key, _ in rows)
+    rule = "-" * (width + 3 + max(len(v) for _, v in rows))
+    return "\n".join([rule, *(f"{key:<{width}}   {value}" for key, value in rows), rule])

@@ -1,0 +1,104 @@
+"""The MoE layer: router ─▶ dispatcher ─▶ experts ─▶ dispatcher, wired into DeepSpeed.
+
+Legend: N tokens, D model dim, E global experts, K experts per token.
+
+DeepSpeed recognises MoE layers with `isinstance(module, deepspeed.moe.layer.MoE)`; that decides how
+expert gradients are reduced (over the expert-data-parallel group only), how ZeRO partitions expert
+parameters, and how checkpoints are written (one file per global expert). We subclass it for that check
+only: none of DeepSpeed's gate/dispatch code runs here. What the engine reads from us:
+
+- `num_experts`, `num_local_experts`, `ep_size`, `expert_group_name`, and `set_deepspeed_parallelism()`;
+- expert parameters flagged `allreduce=False` with `group_name` (DeepSpeed's `is_moe_param`);
+- state-dict keys `deepspeed_moe.experts.deepspeed_experts.<local id>.<name>` for expert weights (its
+  per-expert checkpoint files are keyed by that pattern) and no "expert" in any other key.
+  Our weights are stacked [L, ...]; two state-dict hooks present them per expert and stack them back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from deepspeed.moe.layer import MoE as DeepSpeedMoE
+from deepspeed.utils import groups
+from torch import nn
+
+from moe_scale.distributed.comm import autograd_all_reduce_sum
+from moe_scale.moe.dispatch import AllToAllDispatcher
+from moe_scale.moe.experts import GroupedExperts
+from moe_scale.moe.routers import NoisyTopKRouter
+
+_DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
+_STACKED_PREFIX = "experts."
+
+
+@dataclass
+class MoEStats:
+    """Balance statistics of the last forward, over the whole data-parallel batch (detached)."""
+
+    importance_E: torch.Tensor
+    load_E: torch.Tensor
+
+
+class MoELayer(DeepSpeedMoE):
+    """Sparsely-gated MoE of one-hidden-layer ReLU experts with a noisy top-k router (Shazeer et al. 2017)."""
+
+    def __init__(self, d_model: int, d_hidden: int, num_experts: int, k: int, ep_size: int = 1,
+                 ep_rank: int = 0, w_importance: float = 0.1, w_load: float = 0.1, noisy_gating: bool = True,
+                 seed: int = 0):
+        nn.Module.__init__(self)  # DeepSpeed's MoE.__init__ would build its own gate and experts
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        self.num_experts, self.ep_size, self.k = num_experts, ep_size, k
+        self.num_local_experts = num_experts // ep_size
+        self.ep_rank = ep_rank
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.router = NoisyTopKRouter(d_model, num_experts, k, w_importance=w_importance, w_load=w_load,
+                                      noisy=noisy_gating)
+        self.experts = GroupedExperts(self.num_local_experts, d_model, d_hidden,
+                                      first_global_expert=ep_rank * self.num_local_experts, seed=seed)
+        for param in self.experts.parameters():
+            param.allreduce = False
+            param.group_name = self.expert_group_name
+        self.dispatcher = AllToAllDispatcher(num_experts, self.num_local_experts)
+        self.stats: MoEStats | None = None
+        self._register_state_dict_hook(_stacked_to_per_expert_keys)
+        self._register_load_state_dict_pre_hook(_per_expert_to_stacked_keys, with_module=True)
+
+    # Called by deepspeed.initialize (and by tests) once torch.distributed is up.
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        if self.expert_group_name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(
+                self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        self.dispatcher.ep_group = groups._get_expert_parallel_group(self.expert_group_name)
+        actual_ep_rank = groups._get_expert_parallel_rank(self.expert_group_name)
+        if actual_ep_rank != self.ep_rank:
+            raise RuntimeError(f"built for expert-parallel rank {self.ep_rank}, but DeepSpeed placed this "
+                               f"process at rank {actual_ep_rank} of its expert-parallel group")
+        self.router.sum_over_batch = autograd_all_reduce_sum(groups._get_data_parallel_group())
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (y_ND, aux_loss)."""
+        if self.ep_size > 1 and self.dispatcher.ep_group is None:
+            raise RuntimeError("ep_size > 1 needs set_deepspeed_parallelism() (deepspeed.initialize calls it)")
+        route = self.router(x_ND)
+        self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach())
+        tokens_MD, state = self.dispatcher.dispatch(x_ND, route.experts_NK)
+        y_MD = self.experts(tokens_MD, state.tokens_per_expert)
+        return self.dispatcher.combine(y_MD, route.gates_NK, state).to(x_ND.dtype), route.aux_loss
+
+
+def _stacked_to_per_expert_keys(module: MoELayer, state_dict, prefix, local_metadata):
+    for name, _ in module.experts.named_parameters():
+        stacked = state_dict.pop(prefix + _STACKED_PREFIX + name)
+        for local_id in range(stacked.shape[0]):
+            state_dict[f"{prefix}{_DS_EXPERT_PREFIX}{local_id}.{name}"] = stacked[local_id]
+    return state_dict
+
+
+def _per_expert_to_stacked_keys(module: MoELayer, state_dict, prefix, local_metadata, strict, missing_keys,
+                                unexpected_keys, error_msgs):
+    for name, _ in module.experts.named_parameters():
+        keys = [f"{prefix}{_DS_EXPERT_PREFIX}{i}.{name}" for i in range(module.num_local_experts)]
+        if all(key in state_dict for key in keys):
+            state_dict[prefix + _STACKED_PREFIX + name] = torch.stack([state_dict.pop(key) for key in keys])

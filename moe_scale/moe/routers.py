@@ -1,0 +1,179 @@
+"""Noisy top-k gating (Shazeer et al. 2017, eq. 3-5, 8-11; spec §1.2-1.4), as in t2t's ``noisy_top_k_gating``.
+
+Legend: N tokens, D model dim, E experts, K top-k, M = min(K+1, E) logits kept for the load estimator.
+
+A router never talks to the network: the data-parallel sum of the balance statistics (``sum_over_batch``)
+and the noise (``noise_sampler``) are callables injected by the MoE layer.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_scale.moe.losses import cv_squared
+
+NoiseSampler = Callable[[int, int, torch.device], Tensor]
+
+
+@dataclass
+class RouterOutput:
+    gates_NK: Tensor  # float32 [N, K], softmax over the K kept (noisy) logits; rows sum to 1
+    experts_NK: Tensor  # int64 [N, K], expert ids of those gates, in descending logit order
+    aux_loss: Tensor  # scalar, w_importance * cv2(importance_E) + w_load * cv2(load_E)
+    importance_E: Tensor  # float32 [E], summed gates over the whole data-parallel batch
+    load_E: Tensor  # float32 [E], smooth load (training, noisy, K < E) or hard count, whole batch
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def prob_in_top_k(clean_NE: Tensor, noisy_NE: Tensor, std_NE: Tensor, top_values_NM: Tensor, k: int) -> Tensor:
+    """P(x, i): probability that expert i stays in the top k when only its own noise is redrawn (eq. 8-9).
+
+    The numerator uses the *clean* logit; the thresholds are *noisy* order statistics: the (k+1)-th value for an
+    expert that is in the top k, the k-th for one that is not (both equal "the k-th largest of the others").
+    ``std_NE`` includes the 1e-2. The thresholds are deliberately not detached (t2t keeps their gradient).
+    Needs M >= k+1 columns in ``top_values_NM``, so the caller falls back to a hard count when k == E.
+    """
+    thr_in_N1 = top_values_NM[:, k : k + 1]
+    thr_out_N1 = top_values_NM[:, k - 1 : k]
+    is_in_NE = noisy_NE > thr_in_N1  # strict, as t2t; equals "in the top k" apart from ties
+    denom_NE = math.sqrt(2.0) * std_NE + 1e-20  # 1e-20: at std 0 this becomes a step, never NaN
+    p_in_NE = 0.5 * (1.0 + torch.erf((clean_NE - thr_in_N1) / denom_NE))
+    p_out_NE = 0.5 * (1.0 + torch.erf((clean_NE - thr_out_N1) / denom_NE))
+    return torch.where(is_in_NE, p_in_NE, p_out_NE)
+
+
+class NoisyTopKRouter(nn.Module):
+    """Noisy top-k gate with importance and load CV² losses.
+
+    Both gating matrices start at zero (paper App. A), so at init routing is uniformly random (noise only, std
+    softplus(0) + 1e-2 = 0.703147) and the expected load is balanced.
+
+    k == 1 caveat: the softmax over a single kept logit is the constant 1, so the task loss gives ``w_gate`` no
+    gradient; only the balancing losses train the router. The paper uses k >= 2 for every LM/MT model.
+
+    ``sum_over_batch`` must be an autograd-aware all-reduce(SUM) over the data-parallel group in multi-process runs
+    (a detached one shrinks the router gradient by world_size). It is called exactly once per forward, on the
+    stacked ``[2, E]`` (importance, load), so it costs one collective, and it is called on every rank even when the
+    rank has no tokens, so collectives stay matched.
+
+    With ``noisy=False`` ``w_noise`` still exists (one parameter layout for every config) but gets no gradient.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        k: int,
+        w_importance: float = 0.1,
+        w_load: float = 0.1,
+        noisy: bool = True,
+        noise_epsilon: float = 1e-2,
+    ):
+        super().__init__()
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"router top-k must be in [1, num_experts={num_experts}], got k={k}")
+        self.d_model, self.num_experts, self.k = d_model, num_experts, k
+        self.w_importance, self.w_load = w_importance, w_load
+        self.noisy, self.noise_epsilon = noisy, noise_epsilon
+        # Names avoid the substring "expert": DeepSpeed's checkpointing treats such names as expert weights.
+        self.w_gate = nn.Parameter(torch.zeros(d_model, num_experts))
+        self.w_noise = nn.Parameter(torch.zeros(d_model, num_experts))
+        self.sum_over_batch: Callable[[Tensor], Tensor] = _identity
+        self.noise_sampler: Optional[NoiseSampler] = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, noisy={self.noisy}, "
+            f"w_importance={self.w_importance}, w_load={self.w_load}"
+        )
+
+    def _sample_noise(self, n: int, e: int, device: torch.device) -> Tensor:
+        if self.noise_sampler is None:
+            return torch.randn(n, e, device=device)
+        return self.noise_sampler(n, e, device)
+
+    def compute_logits(self, x_ND: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """(clean_NE, logits_NE, std_NE): logits are noisy in training with noise on, else clean (std None)."""
+        # At least float32 (float64 stays float64, for gradcheck); autocast off so bf16 autocast cannot undo it.
+        dtype = torch.promote_types(x_ND.dtype, torch.float32)
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            x_ND = x_ND.to(dtype)
+            clean_NE = x_ND @ self.w_gate.to(dtype)
+            if not (self.training and self.noisy):
+                return clean_NE, clean_NE, None
+            std_NE = F.softplus(x_ND @ self.w_noise.to(dtype)) + self.noise_epsilon
+            n, e = clean_NE.shape
+            noise_NE = self._sample_noise(n, e, x_ND.device).to(dtype)
+            return clean_NE, clean_NE + noise_NE * std_NE, std_NE
+
+    def forward(self, x_ND: Tensor) -> RouterOutput:
+        k, e = self.k, self.num_experts
+        clean_NE, logits_NE, std_NE = self.compute_logits(x_ND)
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            top_values_NM, top_idx_NM = logits_NE.topk(min(k + 1, e), dim=1)  # values keep their gradient
+            gates_NK = torch.softmax(top_values_NM[:, :k], dim=1)
+            experts_NK = top_idx_NM[:, :k]
+
+            # importance_E = sum over tokens of the dense gates, without building the dense [N, E] gates.
+            importance_E = gates_NK.new_zeros(e).index_add(0, experts_NK.reshape(-1), gates_NK.reshape(-1))
+            if std_NE is not None and k < e:
+                load_E = prob_in_top_k(clean_NE, logits_NE, std_NE, top_values_NM, k).sum(0)
+            else:  # eval, noise off, or k == E (no (k+1)-th value): a count, with no gradient
+                load_E = torch.bincount(experts_NK.reshape(-1), minlength=e).to(gates_NK.dtype)
+
+            # Balance over the whole data-parallel batch: one collective for both statistics.
+            stats_2E = self.sum_over_batch(torch.stack([importance_E, load_E]))
+            importance_E, load_E = stats_2E[0], stats_2E[1]
+            aux_loss = self.w_importance * cv_squared(importance_E) + self.w_load * cv_squared(load_E)
+        return RouterOutput(gates_NK, experts_NK, aux_loss, importance_E, load_E)
+
+
+def _mix_seed(*values: int) -> int:
+    """Deterministic 63-bit seed from a tuple of ints (splitmix64 steps), identical on every rank and run."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
+        h = (h + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h >> 1
+
+
+class GlobalTokenNoise:
+    """Noise that depends on the global token index, so a 1-process run and an N-process run with the same
+    global batch draw identical noise (used by the multi-process equivalence tests and ``--noise-rng global``).
+
+    Every rank generates the noise of the whole global batch ``[N_local * world_size, E]`` from a CPU generator
+    seeded with (seed, layer_index, step, micro_step) and keeps its own rows ``[rank*N_local, (rank+1)*N_local)``.
+    A CPU generator makes the noise independent of the device type. Assumes every rank has the same N_local (the
+    global batch is split evenly). Costs global tokens x experts memory and time: a test/debug option, not the default.
+
+    Call ``set_step(step)`` once per optimizer step; each call within the step (gradient-accumulation micro-steps)
+    advances a micro-step counter, so micro-batches draw different noise. A forward that is recomputed (activation
+    checkpointing) would advance the counter too: don't combine the two.
+    """
+
+    def __init__(self, seed: int, layer_index: int, rank: int, world_size: int):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.seed, self.layer_index, self.rank, self.world_size = seed, layer_index, rank, world_size
+        self.step, self.micro_step = 0, 0
+
+    def set_step(self, step: int) -> None:
+        self.step, self.micro_step = step, 0
+
+    def __call__(self, n_tokens_local: int, n_experts: int, device) -> Tensor:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(_mix_seed(self.seed, self.layer_index, self.step, self.micro_step))
+        self.micro_step += 1
+        noise_GE = torch.randn(n_tokens_local * self.world_size, n_experts, generator=gen)
+        start = self.rank * n_tokens_local
+        return noise_GE[start : start + n_tokens_local].to(device)

@@ -1,0 +1,34 @@
+"""Perplexity of a model over every window of a split, summed over all data-parallel ranks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from moe_scale.data import LMWindows
+from moe_scale.metrics.balance import MeanTracker, balance_metrics
+
+
+@torch.no_grad()
+def evaluate(model, windows: LMWindows, max_batches: int = 0, device=None) -> dict[str, float]:
+    """exp(total NLL / total tokens) over the split (every rank runs the same number of batches, which
+    expert-parallel all-to-alls need), plus the MoE balance statistics averaged over batches."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64)      # [NLL sum, tokens]
+    balance = MeanTracker()
+    for index, (inputs, targets) in enumerate(windows.all_windows()):
+        if max_batches and index >= max_batches:
+            break
+        out = model(inputs.to(device), targets.to(device))
+        totals += torch.tensor([float(out.nll_sum), out.num_tokens], dtype=torch.float64)
+        for layer in model.moe_layers():
+            balance.add(balance_metrics(layer.stats.importance_E, layer.stats.load_E))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    model.train(was_training)
+    nll, tokens = totals.tolist()
+    return {"ppl": math.exp(nll / tokens), "nll_per_token": nll / tokens, "tokens": int(tokens),
+            **balance.means()}

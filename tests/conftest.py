@@ -1,0 +1,56 @@
+"""Shared fixtures: real-text lm1b-style shards built from WikiText-2 (../shared/data/wikitext-2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_SHARED_CANDIDATES = [Path(__file__).resolve().parents[1].parent / "shared", Path("/work/shared")]
+
+
+def shared_dir() -> Path:
+    for d in _SHARED_CANDIDATES:
+        if (d / "data" / "wikitext-2" / "valid.txt").is_file():
+            return d
+    tried = [str(d) for d in _SHARED_CANDIDATES]
+    pytest.fail(f"WikiText-2 not found: need data/wikitext-2/valid.txt in one of {tried}")
+
+
+def wikitext_sentences(split: str) -> list[str]:
+    """WikiText-2 paragraphs split into sentences at ' . ' (each keeps its '.'); headings and blanks dropped."""
+    out = []
+    for line in (shared_dir() / "data" / "wikitext-2" / f"{split}.txt").read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line or (line.startswith("=") and line.endswith("=")):
+            continue
+        parts = line.split(" . ")
+        for j, part in enumerate(parts):
+            s = part.strip() + (" ." if j < len(parts) - 1 else "")
+            if s.strip(" ."):
+                out.append(s.strip())
+    return out
+
+
+@pytest.fixture
+def lm1b_shards(tmp_path) -> Path:
+    """An lm1b-style corpus under tmp_path/"lm1b", one sentence per line:
+    training/news.en-0000{0..3}-of-00004 (WikiText-2 valid) and heldout/news.en.heldout-00000-of-00001
+    (WikiText-2 test). Returns the root (so `split_files(str(root))` sees training/ and heldout/)."""
+    root = tmp_path / "lm1b"
+    (root / "training").mkdir(parents=True)
+    (root / "heldout").mkdir()
+    train = wikitext_sentences("valid")
+    n = len(train)
+    for k in range(4):
+        chunk = train[k * n // 4: (k + 1) * n // 4]
+        (root / "training" / f"news.en-{k:05d}-of-00004").write_text("\n".join(chunk) + "\n", encoding="utf-8")
+    heldout = wikitext_sentences("test")
+    (root / "heldout" / "news.en.heldout-00000-of-00001").write_text("\n".join(heldout) + "\n", encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="session")
+def embedded_cache(tmp_path_factory) -> Path:
+    """A session-wide MOE_SCALE_CACHE, so the embedded corpus is generated once per test session."""
+    return tmp_path_factory.mktemp("moe_scale_cache")

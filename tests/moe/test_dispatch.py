@@ -1,0 +1,216 @@
+"""AllToAllDispatcher: regrouping index, local dispatch/combine, and 2-rank gloo == 1 process."""
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import pytest
+import torch
+
+from moe_scale.moe.dispatch import AllToAllDispatcher, _source_major_to_expert_major
+from tests.multiproc import run_ranks
+
+D = 8
+
+
+# ---------------------------------------------------------------- regrouping index
+
+
+def brute_force_regroup(counts_PL: torch.Tensor) -> torch.Tensor:
+    """Label every arrived row with (source p, local expert l, j); return arrival positions in (l, p, j) order."""
+    labels = []
+    for p in range(counts_PL.shape[0]):
+        for l in range(counts_PL.shape[1]):
+            labels += [(l, p, j) for j in range(int(counts_PL[p, l]))]
+    order = sorted(range(len(labels)), key=lambda i: labels[i])
+    return torch.tensor(order, dtype=torch.long)
+
+
+@pytest.mark.parametrize("p,l", [(1, 1), (1, 5), (2, 4), (3, 2), (4, 3)])
+def test_source_major_to_expert_major_matches_brute_force(p, l):
+    gen = torch.Generator().manual_seed(p * 10 + l)
+    for trial in range(20):
+        counts = torch.randint(0, 4, (p, l), generator=gen)
+        if trial % 5 == 0:
+            counts[torch.rand(p, l, generator=gen) < 0.5] = 0     # many empty blocks
+        got = _source_major_to_expert_major(counts)
+        assert got.dtype == torch.long
+        assert torch.equal(got, brute_force_regroup(counts)), counts
+
+
+def test_source_major_to_expert_major_all_zero_and_one_block():
+    assert _source_major_to_expert_major(torch.zeros(2, 3, dtype=torch.long)).numel() == 0
+    counts = torch.zeros(3, 2, dtype=torch.long)
+    counts[1, 1] = 4
+    assert torch.equal(_source_major_to_expert_major(counts), torch.arange(4))
+
+
+# ---------------------------------------------------------------- data
+
+
+def distinct_experts(n: int, k: int, choices: list[int], gen: torch.Generator) -> torch.Tensor:
+    """[n, k] expert ids, distinct within each row (as top-k gives), drawn from `choices`."""
+    choices_t = torch.tensor(choices)
+    return torch.stack([choices_t[torch.randperm(len(choices), generator=gen)[:k]] for _ in range(n)])
+
+
+def make_case(name: str, n_per_rank: int = 12, k: int = 2, e: int = 8, world: int = 2):
+    """Global batch for a 2-rank run: rank r owns tokens [r*n, (r+1)*n). Same data in every process."""
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    n = n_per_rank * world
+    x = torch.randn(n, D, generator=gen, dtype=torch.float64)
+    gates = torch.rand(n, k, generator=gen, dtype=torch.float64)
+    w = torch.randn(e, D, D, generator=gen, dtype=torch.float64)      # per-expert function: rows @ w[e]
+    upstream = torch.randn(n, D, generator=gen, dtype=torch.float64)  # loss = sum(out * upstream)
+    half = e // world
+    if name == "random":
+        experts = distinct_experts(n, k, list(range(e)), gen)
+    elif name == "rank1_receives_nothing":              # every copy goes to rank 0's experts 0..3
+        experts = distinct_experts(n, k, list(range(half)), gen)
+    elif name == "some_experts_empty":                  # experts 1, 3, 4, 7 get nothing
+        experts = distinct_experts(n, k, [0, 2, 5, 6], gen)
+    elif name == "no_cross_traffic":                    # each rank only routes to its own experts
+        experts = torch.cat([distinct_experts(n_per_rank, k, list(range(r * half, (r + 1) * half)), gen)
+                             for r in range(world)])
+    else:
+        raise ValueError(name)
+    return x, experts, gates, w, upstream
+
+
+def apply_experts(rows_MD, w_LDD, tokens_per_expert):
+    """Per-expert function on contiguous expert blocks (plain autograd)."""
+    out, start = [], 0
+    for local, count in enumerate(tokens_per_expert):
+        out.append(rows_MD[start:start + count] @ w_LDD[local])
+        start += count
+    assert start == rows_MD.shape[0], "tokens_per_expert must cover every arrived row"
+    return torch.cat(out)
+
+
+def dense_reference(x, experts, gates, w):
+    """out[n] = sum_k gates[n, k] * (x[n] @ w[experts[n, k]]), one token and one k at a time."""
+    rows = []
+    for n in range(x.shape[0]):
+        acc = x.new_zeros(x.shape[1])
+        for j in range(experts.shape[1]):
+            acc = acc + gates[n, j] * (x[n] @ w[experts[n, j]])
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def local_moe(x, experts, gates, w):
+    """ep_size 1: dispatch -> per-expert function -> combine."""
+    dispatcher = AllToAllDispatcher(w.shape[0], w.shape[0])
+    rows, state = dispatcher.dispatch(x, experts)
+    return dispatcher.combine(apply_experts(rows, w, state.tokens_per_expert), gates, state), rows, state
+
+
+# ---------------------------------------------------------------- one process
+
+
+def test_identity_experts_give_gate_weighted_sum():
+    gen = torch.Generator().manual_seed(0)
+    n, k, e = 20, 3, 6
+    x = torch.randn(n, D, generator=gen, dtype=torch.float64)
+    experts = distinct_experts(n, k, list(range(e)), gen)
+    gates = torch.rand(n, k, generator=gen, dtype=torch.float64)
+    dispatcher = AllToAllDispatcher(e, e)
+    rows, state = dispatcher.dispatch(x, experts)
+    assert rows.shape == (n * k, D)
+    assert state.tokens_per_expert == torch.bincount(experts.reshape(-1), minlength=e).tolist()
+    # Rows are grouped by expert: block e holds exactly the tokens routed to e (in token order).
+    start = 0
+    for expert, count in enumerate(state.tokens_per_expert):
+        tokens = (experts == expert).any(1).nonzero().squeeze(1)
+        torch.testing.assert_close(rows[start:start + count], x[tokens], rtol=0, atol=0)
+        start += count
+    out = dispatcher.combine(rows, gates, state)
+    torch.testing.assert_close(out, gates.sum(1, keepdim=True) * x)
+
+
+def test_per_expert_scale_matches_dense_loop():
+    gen = torch.Generator().manual_seed(1)
+    n, k, e = 16, 2, 5
+    x = torch.randn(n, D, generator=gen, dtype=torch.float64)
+    experts = distinct_experts(n, k, [0, 1, 3, 4], gen)          # expert 2 gets no tokens
+    gates = torch.rand(n, k, generator=gen, dtype=torch.float64)
+    dispatcher = AllToAllDispatcher(e, e)
+    rows, state = dispatcher.dispatch(x, experts)
+    assert state.tokens_per_expert[2] == 0
+    scale = torch.repeat_interleave(torch.arange(1.0, e + 1, dtype=torch.float64),
+                                    torch.tensor(state.tokens_per_expert))
+    out = dispatcher.combine(rows * scale[:, None], gates, state)
+    want = torch.stack([sum(gates[t, j] * (experts[t, j] + 1) * x[t] for j in range(k)) for t in range(n)])
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("name", ["random", "some_experts_empty"])
+def test_local_dispatch_combine_and_grads_match_dense_loop(name):
+    x, experts, gates, w, upstream = make_case(name)
+    x.requires_grad_(True), gates.requires_grad_(True), w.requires_grad_(True)
+    out, _, _ = local_moe(x, experts, gates, w)
+    ref = dense_reference(x, experts, gates, w)
+    torch.testing.assert_close(out, ref)
+    got = torch.autograd.grad((out * upstream).sum(), (x, gates, w))
+    want = torch.autograd.grad((ref * upstream).sum(), (x, gates, w))
+    for g, r, what in zip(got, want, ("x", "gates", "w")):
+        torch.testing.assert_close(g, r, msg=lambda m, what=what: f"grad of {what}: {m}")
+
+
+def test_float32_gates_with_float64_rows_and_empty_batch():
+    dispatcher = AllToAllDispatcher(4, 4)
+    x = torch.randn(3, D, dtype=torch.float64)
+    experts = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    gates = torch.rand(3, 2)                                     # routers emit float32 gates
+    rows, state = dispatcher.dispatch(x, experts)
+    out = dispatcher.combine(rows, gates, state)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, gates.double().sum(1, keepdim=True) * x)
+    # No tokens at all (e.g. an empty micro-batch): shapes stay consistent.
+    rows, state = dispatcher.dispatch(x[:0], experts[:0])
+    assert rows.shape == (0, D) and state.tokens_per_expert == [0, 0, 0, 0]
+    assert dispatcher.combine(rows, gates[:0], state).shape == (0, D)
+
+
+# ---------------------------------------------------------------- two processes (gloo)
+
+
+def _two_rank_worker(rank, world, name):
+    x_all, experts_all, gates_all, w_all, upstream_all = make_case(name, world=world)
+    n = x_all.shape[0] // world
+    e = w_all.shape[0]
+    local = e // world
+    mine = slice(rank * n, (rank + 1) * n)
+    x = x_all[mine].clone().requires_grad_(True)
+    gates = gates_all[mine].clone().requires_grad_(True)
+    w = w_all[rank * local:(rank + 1) * local].clone().requires_grad_(True)
+    dispatcher = AllToAllDispatcher(e, local)
+    dispatcher.ep_group = torch.distributed.new_group([0, 1])
+    rows, state = dispatcher.dispatch(x, experts_all[mine])
+    out = dispatcher.combine(apply_experts(rows, w, state.tokens_per_expert), gates, state)
+    (out * upstream_all[mine]).sum().backward()
+    return {"out": out.detach(), "x_grad": x.grad, "gates_grad": gates.grad, "w_grad": w.grad,
+            "tokens_per_expert": state.tokens_per_expert, "arrived": rows.shape[0]}
+
+
+@pytest.mark.parametrize("name", ["random", "rank1_receives_nothing", "some_experts_empty", "no_cross_traffic"])
+def test_two_ranks_equal_single_process(name):
+    results = run_ranks(_two_rank_worker, world_size=2, args=(name,), timeout=60)
+
+    x, experts, gates, w, upstream = make_case(name)
+    x.requires_grad_(True), gates.requires_grad_(True), w.requires_grad_(True)
+    ref = dense_reference(x, experts, gates, w)
+    ref_gx, ref_gg, ref_gw = torch.autograd.grad((ref * upstream).sum(), (x, gates, w))
+    counts = torch.bincount(experts.reshape(-1), minlength=8)
+
+    n, local = x.shape[0] // 2, 4
+    for rank, res in enumerate(results):
+        mine, experts_mine = slice(rank * n, (rank + 1) * n), slice(rank * local, (rank + 1) * local)
+        assert res["tokens_per_expert"] == counts[experts_mine].tolist()
+        assert res["arrived"] == int(counts[experts_mine].sum())
+        torch.testing.assert_close(res["out"], ref[mine].detach())
+        torch.testing.assert_close(res["x_grad"], ref_gx[mine])
+        torch.testing.assert_close(res["gates_grad"], ref_gg[mine])
+        torch.testing.assert_close(res["w_grad"], ref_gw[experts_mine])
+    if name == "rank1_receives_nothing":
+        assert results[1]["arrived"] == 0 and torch.count_nonzero(results[1]["w_grad"]) == 0
