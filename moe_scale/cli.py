@@ -54,14 +54,14 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-scale", description=__doc__.split("\n")[0])
+    # The deepspeed launcher puts --local_rank=N before the subcommand; LOCAL_RANK is what we use.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train an LSTM-MoE language model",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     train.add_argument("--config", metavar="FILE", help="reload a saved config.json (or a run directory); "
                                                         "flags given here override it")
-    train.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                       help=argparse.SUPPRESS)   # added by the deepspeed launcher; LOCAL_RANK is used instead
     _add_config_flags(train)
 
     evaluate = sub.add_parser("eval", help="perplexity of a trained run on a split or on other text")
@@ -69,7 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", choices=("valid", "test"), default="valid")
     evaluate.add_argument("--data", metavar="PATH", help="evaluate on this text instead (file, dir or glob)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
-    evaluate.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
 

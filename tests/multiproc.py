@@ -1,15 +1,22 @@
-"""Run a test function on N CPU processes joined by a gloo process group.
+"""Run test functions on N CPU processes joined by a gloo process group.
 
     results = run_ranks(worker, world_size=2, args=(case,))     # worker(rank, world_size, case) -> picklable
 
-`worker` must be a module-level function (the processes are spawned, so they import it by name). Each rank
+`worker` must be a module-level function (the ranks are spawned processes and import it by name). Each rank
 returns a value (tensors are fine: results travel as `torch.save` bytes, so nothing depends on shared memory
-outliving the worker); `run_ranks` returns them in rank order. A rank that raises makes the test fail with
+outliving a worker); `run_ranks` returns them in rank order. A rank that raises makes the test fail with
 that rank's traceback; ranks that hang (a collective that never matches) are killed after `timeout` seconds
-and the test fails with "timed out", instead of hanging the whole test session.
+and the test fails with "timed out" instead of hanging the session.
 
-`deepspeed=True` initialises torch.distributed through `deepspeed.init_distributed` (what the engine does),
-so `deepspeed.utils.groups` can build expert-parallel groups; otherwise plain `init_process_group("gloo")`.
+Starting a rank costs seconds (importing torch and deepspeed), so the ranks of one world size are kept in a
+pool and reused by later calls; a failure or a timeout throws the pool away, and the next call starts a
+fresh one. Consequences for workers: seed every random draw explicitly (the global RNG carries over from
+earlier tasks), create process groups collectively (`torch.distributed.new_group` on every rank), and never
+init or destroy the default process group yourself.
+
+`deepspeed=True` also initialises DeepSpeed's communication backend (`deepspeed.init_distributed`, what
+the engine does) so `deepspeed.utils.groups` can build expert-parallel groups; its groups then persist in
+the pool, exactly as they persist in a training process.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import atexit
 import io
 import multiprocessing as mp
 import queue
@@ -28,6 +36,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
+
+COLLECTIVE_TIMEOUT_S = 60
+STARTUP_ALLOWANCE_S = 90
 
 
 def free_port() -> int:
@@ -46,61 +57,94 @@ def _from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _entry(fn: Callable, rank: int, world_size: int, port: int, use_deepspeed: bool, collective_timeout: float,
-           args: tuple, results: mp.Queue) -> None:
+def _rank_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    """A pooled rank: join the gloo group, then run tasks until told to stop (None)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size), DS_ACCELERATOR="cpu",
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
-        timeout = timedelta(seconds=collective_timeout)
-        if use_deepspeed:
-            import deepspeed
-
-            deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=timeout,
-                                       rank=rank, world_size=world_size)
-        else:
-            torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
-        value = fn(rank, world_size, *args)
-        results.put((rank, True, _to_bytes(value)))
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
+                                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        return
+    while (task := tasks.get()) is not None:
+        fn, args, use_deepspeed = task
+        try:
+            if use_deepspeed:
+                import deepspeed
+
+                # torch.distributed is up already: this only wraps it in DeepSpeed's backend (once).
+                deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                                           timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            results.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
+        except BaseException:  # noqa: BLE001
+            results.put((rank, False, traceback.format_exc()))
+    torch.distributed.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, self.tasks[rank], self.results),
+                                  daemon=True, name=f"test-rank-{rank}") for rank in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, args: tuple, timeout: float, use_deepspeed: bool) -> list[Any]:
+        for q in self.tasks:
+            q.put((fn, args, use_deepspeed))
+        received: dict[int, Any] = {}
+        for _ in range(self.world_size):
+            try:
+                rank, ok, payload = self.results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(received))
+                raise _RankFailure(f"{fn.__name__}{args}: ranks {missing} timed out after {timeout:.0f} s "
+                                   f"(a collective that never matched?)") from None
+            if not ok:
+                raise _RankFailure(f"{fn.__name__}{args}: rank {rank} failed:\n{payload}")
+            received[rank] = _from_bytes(payload)
+        return [received[r] for r in range(self.world_size)]
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self.tasks:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=5 if graceful else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+class _RankFailure(Exception):
+    pass
+
+
+_POOLS: dict[int, RankPool] = {}
 
 
 def run_ranks(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 60.0,
               deepspeed: bool = False) -> list[Any]:
-    """Run fn(rank, world_size, *args) on `world_size` spawned gloo ranks; return their results by rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, deepspeed, timeout, args, results),
-                         daemon=True) for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    received: dict[int, Any] = {}
-    failures: list[str] = []
+    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return their results in rank order."""
+    pool = _POOLS.get(world_size)
+    if pool is None:  # a fresh pool first imports torch (and may JIT-build DeepSpeed's CPU comm op): allow more
+        pool = _POOLS[world_size] = RankPool(world_size)
+        timeout += STARTUP_ALLOWANCE_S
     try:
-        for _ in range(world_size):
-            try:
-                rank, ok, payload = results.get(timeout=timeout)
-            except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(received) - {int(f.split()[1]) for f in failures})
-                pytest.fail(f"ranks {missing} timed out after {timeout:.0f} s (a collective hung?)"
-                            + "".join("\n" + f for f in failures))
-            if ok:
-                received[rank] = _from_bytes(payload)
-            else:
-                failures.append(f"rank {rank} failed:\n{payload}")
-                break  # the other ranks are probably stuck in a collective now
-        if failures:
-            pytest.fail("\n".join(failures))
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [received[r] for r in range(world_size)]
+        return pool.run(fn, args, timeout, deepspeed)
+    except _RankFailure as failure:
+        _POOLS.pop(world_size).close(graceful=False)   # ranks may be stuck in a collective: start afresh
+        pytest.fail(str(failure))
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()

@@ -83,5 +83,10 @@ class GroupedExperts(nn.Module):
                     weight[local_id].copy_(init)
 
     def forward(self, tokens_MD: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        hidden_MH = torch.relu(grouped_matmul(tokens_MD, self.w_in, tokens_per_expert))
-        return grouped_matmul(hidden_MH, self.w_out, tokens_per_expert) * self.output_scale
+        w_in, w_out = self.w_in, self.w_out
+        device_type = tokens_MD.device.type
+        if torch.is_autocast_enabled(device_type):  # autocast skips custom Functions: cast as it would for a matmul
+            dtype = torch.get_autocast_dtype(device_type)
+            tokens_MD, w_in, w_out = tokens_MD.to(dtype), w_in.to(dtype), w_out.to(dtype)
+        hidden_MH = torch.relu(grouped_matmul(tokens_MD, w_in, tokens_per_expert))
+        return grouped_matmul(hidden_MH, w_out, tokens_per_expert) * self.output_scale

@@ -99,7 +99,7 @@ def run_training(config: RunConfig) -> dict:
         dist.all_reduce(sums)
         nll, tokens, aux = sums.tolist()
         record = {"step": step + 1, "loss": nll / tokens, "aux_loss": aux / (env.world_size * t.grad_accum),
-                  "lr": engine.get_lr()[0]}
+                  "grad_norm": _grad_norm(engine), "lr": engine.get_lr()[0]}
         logger.step(record)
         interval.add({"nll": nll / tokens, "aux_loss": record["aux_loss"],
                       **balance_metrics(model.moe.stats.importance_E, model.moe.stats.load_E)})
@@ -134,6 +134,12 @@ def run_training(config: RunConfig) -> dict:
         logger.line(summary_table(summary))
     logger.close()
     return summary
+
+
+def _grad_norm(engine) -> float:
+    """Global gradient norm before clipping, as DeepSpeed computed it (expert gradients counted once)."""
+    norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float("nan")
 
 
 def _install_noise(model: LSTMMoELM, config: RunConfig, env: DistEnv) -> list[GlobalTokenNoise]:

@@ -136,3 +136,18 @@ def test_init_seed_matters_and_global_rng_untouched():
     c = GroupedExperts(16, 8, 16, seed=0)
     assert all(not torch.equal(b.w_in[0], c.w_in[j]) for j in range(16))
     torch.testing.assert_close(GroupedExperts(4, 8, 16, seed=1).w_in, b.w_in, rtol=0, atol=0)
+
+
+def test_grouped_experts_under_autocast_match_bf16_reference():
+    """Autocast does not reach inside a custom autograd Function: bf16 activations met fp32 weights and
+    torch.mm(out=...) raised a dtype mismatch (DeepSpeed's `torch_autocast` runs the model this way)."""
+    counts = [3, 0, 5, 2]
+    experts = GroupedExperts(len(counts), 8, 16, seed=2)
+    x = torch.randn(sum(counts), 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = experts(x.bfloat16(), counts)                       # what an autocast layer upstream hands over
+        ref = reference_experts(experts, x, counts)             # plain matmuls, cast by autocast itself
+    assert y.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref)
+    y.float().sum().backward()
+    assert experts.w_in.grad.dtype == torch.float32 and torch.count_nonzero(experts.w_in.grad[0]) > 0
