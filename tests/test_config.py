@@ -1,0 +1,84 @@
+"""The typed config, its flags, and the DeepSpeed JSON checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_scale.cli import _config_from_args, build_parser
+from moe_scale.config import RunConfig
+from moe_scale.errors import UserError
+from moe_scale.train.ds_config import DEFAULT_DS_CONFIG, complete_ds_config, load_ds_config, validate_ds_config
+
+DS_CONFIGS = sorted((Path(__file__).parents[1] / "ds_configs").glob("*.json"))
+
+
+def parse(*argv: str) -> RunConfig:
+    return _config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_every_field_is_a_flag_and_round_trips():
+    config = RunConfig()
+    help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    for section in dataclasses.fields(RunConfig):
+        for f in dataclasses.fields(getattr(config, section.name)):
+            assert "--" + f.name.replace("_", "-") in help_text, f.name
+    assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict())), "test") == config
+
+
+def test_flags_override_defaults_and_saved_config(tmp_path):
+    config = parse("--num-experts", "32", "--top-k", "4", "--ep-size", "2", "--no-noisy-gating", "--data", "x.txt",
+                   "--seed", "7", "--max-steps", "9", "--out", "somewhere")
+    assert (config.model.num_experts, config.model.top_k, config.model.noisy_gating) == (32, 4, False)
+    assert (config.train.ep_size, config.train.seed, config.train.max_steps, config.train.out) == (2, 7, 9, "somewhere")
+    assert config.data.data == "x.txt"
+    saved = tmp_path / "config.json"
+    config.train.resume = True
+    config.save(saved)
+    reloaded = parse("--config", str(saved), "--top-k", "2")
+    assert reloaded.model.num_experts == 32 and reloaded.model.top_k == 2
+    assert reloaded.train.resume is False             # a reloaded config starts a new run unless told
+    assert parse("--config", str(tmp_path)).model.num_experts == 32   # a run directory works too
+
+
+def test_launcher_local_rank_is_accepted():
+    args = build_parser().parse_args(["--local_rank=1", "train", "--max-steps", "3"])
+    assert _config_from_args(args).train.max_steps == 3
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--top-k", "3", "--num-experts", "2"], "--top-k 3"),
+    (["--num-experts", "6", "--ep-size", "4"], "not divisible by --ep-size"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--dropout", "1.5"], "--dropout"),
+    (["--resume", "--overwrite"], "contradict"),
+])
+def test_invalid_flags(argv, fragment):
+    with pytest.raises(UserError, match=fragment.replace("-", r"\-")):
+        parse(*argv)
+
+
+def test_cpu_json_is_the_built_in_default():
+    assert json.loads((Path(__file__).parents[1] / "ds_configs" / "cpu.json").read_text()) == DEFAULT_DS_CONFIG
+    assert load_ds_config(None) == DEFAULT_DS_CONFIG
+
+
+@pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.name)
+def test_shipped_ds_configs_validate(path):
+    assert load_ds_config(str(path))
+
+
+def test_ds_config_checks():
+    with pytest.raises(UserError, match="did you mean 'gradient_clipping'"):
+        validate_ds_config({"gradient_cliping": 1.0}, "x")
+    with pytest.raises(UserError, match="stage 3"):
+        validate_ds_config({"zero_optimization": {"stage": 3}}, "x")
+    done = complete_ds_config({"train_batch_size": "auto", "zero_optimization": {"stage": 2}}, 4, 2, 2, "x")
+    assert (done["train_batch_size"], done["train_micro_batch_size_per_gpu"], done["gradient_accumulation_steps"]) \
+        == (16, 4, 2)
+    assert done["zero_allow_untested_optimizer"] is True
+    with pytest.raises(UserError, match="gradient_accumulation_steps"):
+        complete_ds_config({"gradient_accumulation_steps": 3}, 4, 2, 2, "x")

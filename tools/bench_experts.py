@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""Forward+backward time of the expert computation: grouped experts vs the naive sliced loop vs a dense FFN.
+
+Legend: N tokens, K top-k (the expert layer sees R = N*K rows, already sorted by expert), D model dim,
+H expert hidden dim, E experts. Rows per expert are drawn from a uniform multinomial with a fixed seed.
+
+Implementations, all timed in the same run, interleaved repeat by repeat so machine noise hits them alike:
+  grouped      moe_scale's GroupedExperts (custom grouped-matmul autograd function).
+  sliced_loop  the naive reference: a Python loop of relu(x[a:b] @ w_in[e]) @ w_out[e] over nn.Parameter
+               stacks. Autograd builds a full-size [E, D, H] gradient per expert slice: O(E^2). Skipped
+               above --max-naive-experts (a JSON line with "skipped" says so).
+  dense        one D -> H -> D ReLU MLP over all R rows: the same active FLOPs as the experts.
+
+One JSON line per (experts, impl) on stdout (and in --out). Grouped and sliced_loop outputs and gradients
+(input, w_in, w_out) are compared on the warm-up step; the max abs diff is reported on both lines.
+
+    python tools/bench_experts.py --experts 64 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moe_scale.moe.experts import GroupedExperts
+
+IMPLS = ("grouped", "sliced_loop", "dense")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _expert_list(text: str) -> list[int]:
+    items = [t.strip() for t in text.split(",")]
+    if not items or any(not t for t in items):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
+    return [_positive_int(t) for t in items]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _Parser(prog="bench_experts.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=_expert_list, default=[8, 64, 256, 1024],
+                   help="comma-separated expert counts E (default 8,64,256,1024)")
+    p.add_argument("--tokens", type=_positive_int, default=2048, help="tokens N (default 2048)")
+    p.add_argument("--k", type=_positive_int, default=2, help="top-k: the experts see N*k rows (default 2)")
+    p.add_argument("--d", type=_positive_int, default=256, help="model dim D (default 256)")
+    p.add_argument("--h", type=_positive_int, default=512, help="expert hidden dim H (default 512)")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps after 1 warm-up (default 5)")
+    p.add_argument("--max-naive-experts", type=_non_negative_int, default=1024,
+                   help="skip sliced_loop when E is above this (O(E^2); default 1024, 0 = never run it)")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed for counts, inputs, weights (default 0)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu; cuda times with synchronize)")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON lines to this file")
+    args = p.parse_args(argv)
+    if args.out is not None and not args.out.parent.is_dir():
+        p.error(f"--out: directory {str(args.out.parent)!r} does not exist; create it or pick another path")
+    try:
+        args.device = torch.device(args.device)
+        torch.empty(0, device=args.device)
+    except (RuntimeError, AssertionError) as exc:
+        p.error(f"--device {args.device!r} is not usable here ({str(exc).splitlines()[0]}); try --device cpu")
+    return args
+
+
+def rows_per_expert(num_rows: int, num_experts: int, seed: int) -> list[int]:
+    """counts_E ~ Multinomial(num_rows, uniform over E), reproducible from seed."""
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.randint(num_experts, (num_rows,), generator=g)
+    return torch.bincount(draws, minlength=num_experts).tolist()
+
+
+def sliced_loop_forward(x_RD, w_in_EDH, w_out_EHD, counts_E, scale):
+    """The O(E^2) trap: w[e] on a Parameter stack inside a Python loop."""
+    outs, start = [], 0
+    for e, count in enumerate(counts_E):
+        if count:
+            outs.append(torch.relu(x_RD[start:start + count] @ w_in_EDH[e]) @ w_out_EHD[e])
+            start += count
+    return torch.cat(outs) * scale
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_one(num_experts: int, args: argparse.Namespace) -> list[dict]:
+    n_rows, dev = args.tokens * args.k, args.device
+    counts_E = rows_per_expert(n_rows, num_experts, args.seed)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    x_RD = torch.randn(n_rows, args.d, generator=g).to(dev).requires_grad_(True)
+    grad_RD = torch.randn(n_rows, args.d, generator=g).to(dev)
+
+    experts = GroupedExperts(num_experts, args.d, args.h, seed=args.seed).to(dev)
+    scale = experts.output_scale
+    run_naive = num_experts <= args.max_naive_experts
+    params = {"grouped": [experts.w_in, experts.w_out]}
+    if run_naive:
+        params["sliced_loop"] = [nn.Parameter(experts.w_in.detach().clone()),
+                                 nn.Parameter(experts.w_out.detach().clone())]
+    dense_in = nn.Parameter(torch.randn(args.d, args.h, generator=g).mul_(args.d ** -0.5).to(dev))
+    dense_out = nn.Parameter(torch.randn(args.h, args.d, generator=g).mul_(args.h ** -0.5).to(dev))
+    params["dense"] = [dense_in, dense_out]
+
+    forwards = {
+        "grouped": lambda: experts(x_RD, counts_E),
+        "sliced_loop": lambda: sliced_loop_forward(x_RD, *params["sliced_loop"], counts_E, scale),
+        "dense": lambda: torch.relu(x_RD @ dense_in) @ dense_out * scale,
+    }
+    impls = [i for i in IMPLS if i in params]
+
+    def step(impl: str):
+        for t in [x_RD, *params[impl]]:
+            t.grad = None
+        _sync(dev)
+        t0 = time.perf_counter()
+        out = forwards[impl]()
+        out.backward(grad_RD)
+        _sync(dev)
+        return time.perf_counter() - t0, out.detach()
+
+    warm = {}
+    for impl in impls:  # warm-up; keep grouped and sliced_loop results for the agreement check
+        _, out = step(impl)
+        if impl in ("grouped", "sliced_loop"):
+            warm[impl] = [out, x_RD.grad.clone(), *(p.grad for p in params[impl])]
+    max_abs_diff = None
+    if run_naive:
+        max_abs_diff = max((a - b).abs().max().item() for a, b in zip(warm["grouped"], warm["sliced_loop"]))
+    del warm
+
+    times = {impl: [] for impl in impls}
+    for _ in range(args.repeats):  # interleaved so drifting machine load hits every impl alike
+        for impl in impls:
+            times[impl].append(step(impl)[0])
+    ms = {impl: 1e3 * statistics.median(ts) for impl, ts in times.items()}
+
+    base = {"experts": num_experts, "k": args.k, "tokens": args.tokens, "rows": n_rows, "d": args.d, "h": args.h}
+    lines = []
+    for impl in IMPLS:
+        line = {**base, "impl": impl, "ms_per_step": None, "speedup_vs_sliced_loop": None,
+                "ratio_to_dense": None, "max_abs_diff": None, "skipped": None}
+        if impl not in ms:
+            line["skipped"] = f"experts {num_experts} > --max-naive-experts {args.max_naive_experts}"
+        else:
+            line["ms_per_step"] = round(ms[impl], 3)
+            if "sliced_loop" in ms:
+                line["speedup_vs_sliced_loop"] = round(ms["sliced_loop"] / ms[impl], 3)
+            line["ratio_to_dense"] = round(ms[impl] / ms["dense"], 3)
+            if impl != "dense":
+                line["max_abs_diff"] = max_abs_diff
+        line.update(repeats=args.repeats, threads=torch.get_num_threads(), device=str(dev))
+        lines.append(line)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out_lines = []
+    for num_experts in args.experts:
+        for line in bench_one(num_experts, args):
+            if line["skipped"]:
+                print(f"note: sliced_loop skipped at experts={num_experts} ({line['skipped']})", file=sys.stderr)
+            text = json.dumps(line)
+            print(text, flush=True)
+            out_lines.append(text)
+    if args.out is not None:
+        args.out.write_text("\n".join(out_lines) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
