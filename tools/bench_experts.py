@@ -83,13 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="torch device (default cpu; cuda times with synchronize)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON lines to this file")
     args = p.parse_args(argv)
-    if args.out is not None and not args.out.parent.is_dir():
-        p.error(f"--out: directory {str(args.out.parent)!r} does not exist; create it or pick another path")
+    if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
+        p.error(f"--out {str(args.out)!r}: need a file path in an existing directory")
     try:
-        args.device = torch.device(args.device)
-        torch.empty(0, device=args.device)
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as exc:
         p.error(f"--device {args.device!r} is not usable here ({str(exc).splitlines()[0]}); try --device cpu")
+    args.device = device
     return args
 
 

@@ -63,7 +63,9 @@ class NoisyTopKRouter(nn.Module):
     stacked ``[2, E]`` (importance, load), so it costs one collective, and it is called on every rank even when the
     rank has no tokens, so collectives stay matched.
 
-    With ``noisy=False`` ``w_noise`` still exists (one parameter layout for every config) but gets no gradient.
+    With ``noisy=False`` ``w_noise`` still exists (one parameter layout for every config) but gets no gradient,
+    and ``w_gate`` starts from small random values instead of zeros: without noise, zero logits tie everywhere and
+    top-k would send every token to the same k experts.
     """
 
     def __init__(
@@ -85,6 +87,8 @@ class NoisyTopKRouter(nn.Module):
         # Names avoid the substring "expert": DeepSpeed's checkpointing treats such names as expert weights.
         self.w_gate = nn.Parameter(torch.zeros(d_model, num_experts))
         self.w_noise = nn.Parameter(torch.zeros(d_model, num_experts))
+        if not noisy:
+            nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
         self.sum_over_batch: Callable[[Tensor], Tensor] = _identity
         self.noise_sampler: Optional[NoiseSampler] = None
 

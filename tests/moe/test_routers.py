@@ -329,3 +329,12 @@ def test_half_precision_input_under_autocast_computes_in_float32():
         out = router(x)
     assert out.gates_NK.dtype == torch.float32
     assert out.importance_E.dtype == out.load_E.dtype == out.aux_loss.dtype == torch.float32
+
+
+def test_noiseless_router_does_not_start_tied():
+    torch.manual_seed(0)
+    router = NoisyTopKRouter(16, 8, 2, noisy=False)
+    out = router(torch.randn(256, 16))
+    # zero init without noise would send every token to the same two experts
+    assert torch.unique(out.experts_NK).numel() == 8
+    assert NoisyTopKRouter(16, 8, 2).w_gate.abs().sum() == 0      # the noisy gate keeps the paper's zero init

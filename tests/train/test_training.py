@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -99,3 +100,17 @@ def test_lm1b_style_shards_from_real_text(tmp_path, lm1b_shards):
     held = run_eval(["--run", str(run), "--split", "test"], cwd=tmp_path)       # heldout/ shard
     text = run_eval(["--run", str(run), "--data", str(lm1b_shards / "heldout")], cwd=tmp_path)
     assert held["ppl"] == pytest.approx(text["ppl"], rel=1e-6)
+
+
+def test_bf16_config_trains(tmp_path, embedded_cache):
+    """The GPU bf16/ZeRO-2 JSON also runs on CPU: bf16 model, fp32 router statistics and master weights."""
+    run, reference = tmp_path / "bf16", tmp_path / "fp32"
+    common = [*TINY, "--max-steps", "3", "--eval-interval", "3", "--lr", "0.01", "--warmup-steps", "0"]
+    config = str(Path(__file__).parents[2] / "ds_configs" / "gpu_bf16_zero2.json")
+    run_train([*common, "--ds-config", config, "--out", str(run)], cwd=tmp_path, cache=embedded_cache)
+    run_train([*common, "--out", str(reference)], cwd=tmp_path, cache=embedded_cache)
+    low, full = step_log(run), step_log(reference)
+    assert all(math.isfinite(r["loss"]) for r in low)
+    assert low[0]["loss"] == pytest.approx(full[0]["loss"], rel=2e-2)   # same model, bf16 rounding only
+    assert low[0]["loss"] != full[0]["loss"]                          # and it really ran in bf16
+    assert json.loads((run / "ds_config.json").read_text())["bf16"]["enabled"] is True
