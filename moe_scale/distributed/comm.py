@@ -27,3 +27,10 @@ def autograd_all_reduce_sum(group):
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def collective_device() -> torch.device:
+    """Where small host-side tensors must live for a collective: NCCL only reduces GPU tensors."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

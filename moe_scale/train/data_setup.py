@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from moe_scale.config import DataConfig
 from moe_scale.data import LMWindows, Vocab, load_sentences, load_splits, resolve_text_files, split_files
+from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv
 from moe_scale.errors import UserError
 
@@ -27,7 +28,7 @@ class LMData:
 def min_over_ranks(value: int) -> int:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
 

@@ -1,4 +1,4 @@
-"""DeepSpeed engine setup: optimizer groups, learning-rate schedule, deepspeed.initialize."""
+"""DeepSpeed engine setup: optimizer groups, learning-rate schedule, deepspeed.initialize, the step."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 from torch import nn
 
 from moe_scale.config import TrainConfig
+from moe_scale.train.clipping import expert_aware_clip_
+from moe_scale.train.ds_config import zero_stage
 
 
 def inverse_sqrt_schedule(warmup_steps: int):
@@ -30,9 +32,27 @@ def optimizer_groups(model: nn.Module) -> list[dict[str, Any]]:
         {"params": [p for p in model.parameters() if p.requires_grad], "name": "dense"})
 
 
-def build_engine(model: nn.Module, ds_config: dict[str, Any], train: TrainConfig):
-    optimizer = torch.optim.AdamW(optimizer_groups(model), lr=train.lr, weight_decay=train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(train.warmup_steps))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, dist_init_required=False)
-    return engine
+class Trainer:
+    """The DeepSpeed engine plus the one thing we do around its step: expert-aware clipping without ZeRO."""
+
+    def __init__(self, model: nn.Module, ds_config: dict[str, Any], train: TrainConfig):
+        self.model = model
+        self.clip = 0.0
+        ds_config = dict(ds_config)
+        if zero_stage(ds_config) == 0 and not ds_config.get("bf16", {}).get("enabled") \
+                and not ds_config.get("fp16", {}).get("enabled"):
+            self.clip = float(ds_config.pop("gradient_clipping", 0.0))   # DeepSpeed's stage-0 norm is wrong
+        optimizer = torch.optim.AdamW(optimizer_groups(model), lr=train.lr, weight_decay=train.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(train.warmup_steps))
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                    config=ds_config, dist_init_required=False)
+        self.grad_norm = float("nan")
+
+    def backward_and_step(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+        if self.clip and self.engine.is_gradient_accumulation_boundary():
+            self.grad_norm = expert_aware_clip_(self.model, self.clip)
+        self.engine.step()
+        if not self.clip:
+            norm = self.engine.get_global_grad_norm()
+            self.grad_norm = float(norm) if norm is not None else float("nan")

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from moe_scale.data import LMWindows
+from moe_scale.distributed.comm import collective_device
 from moe_scale.metrics.balance import MeanTracker, balance_metrics
 
 
@@ -17,13 +18,13 @@ def evaluate(model, windows: LMWindows, max_batches: int = 0, device=None) -> di
     expert-parallel all-to-alls need), plus the MoE balance statistics averaged over batches."""
     was_training = model.training
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64)      # [NLL sum, tokens]
+    totals = torch.zeros(2, dtype=torch.float64, device=collective_device())      # [NLL sum, tokens]
     balance = MeanTracker()
     for index, (inputs, targets) in enumerate(windows.all_windows()):
         if max_batches and index >= max_batches:
             break
         out = model(inputs.to(device), targets.to(device))
-        totals += torch.tensor([float(out.nll_sum), out.num_tokens], dtype=torch.float64)
+        totals += torch.tensor([out.nll_sum.item(), out.num_tokens], dtype=torch.float64, device=totals.device)
         for layer in model.moe_layers():
             balance.add(balance_metrics(layer.stats.importance_E, layer.stats.load_E))
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from moe_scale.config import RunConfig
+from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv, init_distributed
 from moe_scale.errors import UserError
 from moe_scale.data import unigram_perplexity
@@ -25,7 +26,7 @@ from moe_scale.moe.routers import GlobalTokenNoise
 from moe_scale.train.checkpoint import load_checkpoint, save_checkpoint
 from moe_scale.train.data_setup import build_lm_data
 from moe_scale.train.ds_config import complete_ds_config, load_ds_config
-from moe_scale.train.engine import build_engine
+from moe_scale.train.engine import Trainer
 from moe_scale.train.evaluate import evaluate
 from moe_scale.train.run_dir import check_run_dir, create_run_dir, write_json_atomic
 
@@ -70,7 +71,8 @@ def run_training(config: RunConfig) -> dict:
 
     torch.manual_seed(t.seed)
     model = LSTMMoELM(m, len(data.vocab), ep_size=t.ep_size, ep_rank=env.rank % t.ep_size, seed=t.seed)
-    engine = build_engine(model.to(env.device), ds_config, t)
+    trainer = Trainer(model.to(env.device), ds_config, t)
+    engine = trainer.engine
     noises = _install_noise(model, config, env)
     start_step = load_checkpoint(engine, run) if t.resume else 0
 
@@ -87,19 +89,19 @@ def run_training(config: RunConfig) -> dict:
             noise.set_step(step)
         inputs, targets = data.train.batch(step, shuffle_seed=t.seed)
         began = time.perf_counter()
-        sums = torch.zeros(3, dtype=torch.float64)     # [NLL sum, tokens, aux loss sum]
+        sums = torch.zeros(3, dtype=torch.float64, device=collective_device())   # [NLL sum, tokens, aux sum]
         for micro_inputs, micro_targets in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)):
             out = engine(micro_inputs.to(env.device), micro_targets.to(env.device))
-            engine.backward(out.nll_sum / out.num_tokens + out.aux_loss)
-            engine.step()
-            sums += torch.tensor([out.nll_sum.item(), out.num_tokens, out.aux_loss.item()], dtype=torch.float64)
+            trainer.backward_and_step(out.nll_sum / out.num_tokens + out.aux_loss)
+            sums += torch.tensor([out.nll_sum.item(), out.num_tokens, out.aux_loss.item()], dtype=torch.float64,
+                                 device=sums.device)
         if step - start_step >= TIMING_WARMUP_STEPS:
             timed["seconds"] += time.perf_counter() - began
             timed["steps"] += 1
         dist.all_reduce(sums)
         nll, tokens, aux = sums.tolist()
         record = {"step": step + 1, "loss": nll / tokens, "aux_loss": aux / (env.world_size * t.grad_accum),
-                  "grad_norm": _grad_norm(engine), "lr": engine.get_lr()[0]}
+                  "grad_norm": trainer.grad_norm, "lr": engine.get_lr()[0]}
         logger.step(record)
         interval.add({"nll": nll / tokens, "aux_loss": record["aux_loss"],
                       **balance_metrics(model.moe.stats.importance_E, model.moe.stats.load_E)})
@@ -134,12 +136,6 @@ def run_training(config: RunConfig) -> dict:
         logger.line(summary_table(summary))
     logger.close()
     return summary
-
-
-def _grad_norm(engine) -> float:
-    """Global gradient norm before clipping, as DeepSpeed computed it (expert gradients counted once)."""
-    norm = engine.get_global_grad_norm()
-    return float(norm) if norm is not None else float("nan")
 
 
 def _install_noise(model: LSTMMoELM, config: RunConfig, env: DistEnv) -> list[GlobalTokenNoise]:

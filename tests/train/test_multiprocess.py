@@ -22,7 +22,7 @@ def _clip_config(tmp_path, name: str, clip: float):
     return path
 
 
-@pytest.mark.parametrize("ds_name", ["zero2_ep", "zero1_ep"])
+@pytest.mark.parametrize("ds_name", ["zero2_ep", "zero1_ep", "cpu"])
 def test_two_processes_expert_parallel_equal_one_process(tmp_path, embedded_cache, ds_name):
     ds = _clip_config(tmp_path, ds_name, clip=0.5)
     common = [*TINY, "--noise-rng", "global", "--dropout", "0", "--lr", "0.01", "--warmup-steps", "0",

@@ -1,0 +1,41 @@
+"""Gradient clipping without ZeRO that counts expert gradients correctly under expert parallelism.
+
+DeepSpeed's stage-0 clipping (`deepspeed.runtime.utils.clip_grad_norm_`) takes each rank's local norm
+(dense + this rank's experts) and averages those norms over the data-parallel ranks; with experts split
+over ranks that is not the norm of the full gradient, so every rank clips by a wrong factor. (ZeRO-1/2
+compute it correctly; tests/train/test_multiprocess.py checks all three.) Here:
+
+    norm² = ‖dense‖²  +  Σ_ranks ‖local experts‖² / (expert-data-parallel replicas)
+
+Dense gradients are identical on every rank after DeepSpeed's all-reduce; each expert's gradient lives on
+the ranks of its expert-data-parallel group, so the sum over all ranks counts it that many times.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.utils import is_moe_param
+from deepspeed.utils import groups
+
+from moe_scale.distributed.comm import collective_device
+
+
+def expert_aware_clip_(model: torch.nn.Module, max_norm: float) -> float:
+    """Clips gradients in place to a global norm of `max_norm`; returns the norm before clipping."""
+    grads = [(p.grad, is_moe_param(p)) for p in model.parameters() if p.grad is not None]
+    device = collective_device()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)     # [dense², local experts² / replicas]
+    for grad, is_expert in grads:
+        sums[int(is_expert)] += grad.detach().double().pow(2).sum().to(device)
+    group_names = {p.group_name for p in model.parameters() if is_moe_param(p)}
+    if dist.is_initialized() and dist.get_world_size() > 1 and group_names:
+        (name,) = group_names   # one expert-parallel size per model
+        sums[1] /= dist.get_world_size(groups._get_expert_data_parallel_group(name))
+        dist.all_reduce(sums[1:])
+    norm = float(sums.sum().sqrt())
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1.0:
+        for grad, _ in grads:
+            grad.mul_(scale)
+    return norm

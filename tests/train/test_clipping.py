@@ -1,0 +1,42 @@
+"""Expert-aware clipping in one process equals torch's clip_grad_norm_ (the 2-process case is in
+test_multiprocess.py, against a 1-process run)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch
+
+from moe_scale.config import ModelConfig
+from moe_scale.models.lstm_lm import LSTMMoELM
+from moe_scale.train.clipping import expert_aware_clip_
+
+
+def model_with_grads(seed: int) -> LSTMMoELM:
+    torch.manual_seed(seed)
+    model = LSTMMoELM(ModelConfig(d_model=8, expert_hidden=8, num_experts=4, top_k=2), vocab_size=30, seed=seed)
+    x = torch.randint(0, 30, (2, 6))
+    out = model(x, x)
+    (out.nll_sum + out.aux_loss).backward()
+    return model
+
+
+def test_matches_torch_clip_grad_norm():
+    ours, reference = model_with_grads(0), model_with_grads(0)
+    norm = expert_aware_clip_(ours, max_norm=0.1)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.1)
+    assert abs(norm - float(expected)) < 1e-5 * float(expected)
+    assert norm > 0.1
+    for a, b in zip(ours.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_no_clipping_below_the_threshold():
+    model = model_with_grads(1)
+    before = [p.grad.clone() for p in model.parameters()]
+    norm = expert_aware_clip_(model, max_norm=1e9)
+    assert norm > 0
+    for grad, param in zip(before, model.parameters()):
+        assert torch.equal(grad, param.grad)
