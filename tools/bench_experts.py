@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d", type=_positive_int, default=256, help="model dim D (default 256)")
     p.add_argument("--h", type=_positive_int, default=512, help="expert hidden dim H (default 512)")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps after 1 warm-up (default 5)")
-    p.add_argument("--max-naive-experts", type=_non_negative_int, default=1024,
+    p.add_argument("--max-naive-experts", type=_non_negative_int, default=256,
                    help="skip sliced_loop when E is above this (O(E^2); default 1024, 0 = never run it)")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seed for counts, inputs, weights (default 0)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads (default: torch's)")

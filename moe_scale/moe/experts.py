@@ -36,10 +36,12 @@ class _GroupedMatmul(torch.autograd.Function):
         x_MI, w_EIO = ctx.saved_tensors
         grad_MO = grad_MO.contiguous()
         grad_x = x_MI.new_empty(x_MI.shape) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(w_EIO) if ctx.needs_input_grad[1] else None
+        grad_w = torch.empty_like(w_EIO) if ctx.needs_input_grad[1] else None   # every expert written below
         start = 0
         for e, count in enumerate(ctx.tokens_per_expert):
             if not count:
+                if grad_w is not None:
+                    grad_w[e].zero_()
                 continue
             rows = slice(start, start + count)
             if grad_x is not None:
