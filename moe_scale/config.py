@@ -29,6 +29,20 @@ class ModelConfig:
     w_importance: float = _f(0.1, "weight of the CV^2(importance) loss")
     w_load: float = _f(0.1, "weight of the CV^2(load) loss (smooth load estimator)")
     noisy_gating: bool = _f(True, "trainable Gaussian noise on the gate logits during training")
+    gate: str = _f("noisy_topk", "router: noisy top-k (Shazeer §2.1), two-level hierarchical (App. B), strictly "
+                                 "balanced batchwise with learned thresholds (App. F), or MoA's softmax top-k",
+                   ("noisy_topk", "hierarchical", "batchwise", "softmax_topk"))
+    num_groups: int = _f(4, "hierarchical: primary groups a (each holds num_experts / a experts); --top-k is k "
+                            "of the primary level")
+    top_k_secondary: int = _f(2, "hierarchical: experts per token chosen inside each selected group")
+    batchwise_scope: str = _f("local", "batchwise: top-m per expert over this rank's batch, or over the whole "
+                                       "data-parallel batch", ("local", "global"))
+    threshold_reduction: str = _f("mean", "batchwise: threshold loss as the paper's sum over the batch, or "
+                                          "divided by the batch size", ("mean", "sum"))
+    moa_aux_weight: float = _f(0.01, "softmax_topk: weight α of the switch-style load-balancing loss")
+    moa_z_weight: float = _f(0.001, "softmax_topk: weight β of the router z-loss")
+    moa_renormalize: str = _f("none", "softmax_topk: keep the top-k probabilities as they are (released code) or "
+                                      "divide by their detached sum (paper eq. 9)", ("none", "detached"))
 
 
 @dataclass
@@ -129,6 +143,8 @@ class RunConfig:
         if m.num_experts % t.ep_size:
             raise UserError(f"--num-experts {m.num_experts} is not divisible by --ep-size {t.ep_size}; "
                             f"each expert-parallel rank must hold the same number of experts")
+        if m.gate == "hierarchical":
+            self._validate_hierarchical()
         if not 0.0 <= m.dropout < 1.0:
             raise UserError(f"--dropout must be in [0, 1) (got {m.dropout})")
         if not 0.0 < d.holdout_fraction < 0.5:
@@ -140,3 +156,18 @@ class RunConfig:
                             "--eval-max-batches must not be negative")
         if t.resume and t.overwrite:
             raise UserError("--resume and --overwrite contradict each other; pass one of them")
+
+    def _validate_hierarchical(self) -> None:
+        m, ep = self.model, self.train.ep_size
+        if m.num_groups < 1 or m.num_experts % m.num_groups:
+            raise UserError(f"--num-groups {m.num_groups} must divide --num-experts {m.num_experts} "
+                            f"(a groups x b experts = n)")
+        per_group = m.num_experts // m.num_groups
+        if m.top_k > m.num_groups:
+            raise UserError(f"--top-k {m.top_k} (primary k) is larger than --num-groups {m.num_groups}")
+        if not 1 <= m.top_k_secondary <= per_group:
+            raise UserError(f"--top-k-secondary {m.top_k_secondary} must be between 1 and the {per_group} experts "
+                            f"per group")
+        if m.num_groups % ep:
+            raise UserError(f"--num-groups {m.num_groups} is not divisible by --ep-size {ep}; each group's "
+                            f"experts must live on one expert-parallel rank")

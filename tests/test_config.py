@@ -82,3 +82,41 @@ def test_ds_config_checks():
     assert done["zero_allow_untested_optimizer"] is True
     with pytest.raises(UserError, match="gradient_accumulation_steps"):
         complete_ds_config({"gradient_accumulation_steps": 3}, 4, 2, 2, "x")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--gate", "hierarchical", "--num-experts", "16", "--num-groups", "3"], "--num-groups 3 must divide"),
+    (["--gate", "hierarchical", "--num-experts", "16", "--num-groups", "4", "--top-k", "5"], "primary k"),
+    (["--gate", "hierarchical", "--num-experts", "16", "--num-groups", "4", "--top-k-secondary", "5"],
+     "--top-k-secondary 5"),
+    (["--gate", "hierarchical", "--num-experts", "16", "--num-groups", "2", "--ep-size", "4"],
+     "not divisible by --ep-size"),
+    (["--gate", "batchwise", "--num-experts", "4", "--top-k", "5"], "--top-k 5"),
+])
+def test_invalid_gate_parameters(argv, fragment):
+    with pytest.raises(UserError, match=fragment.replace("-", r"\-")):
+        parse(*argv)
+
+
+def test_gate_choice_is_validated_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["train", "--gate", "nope"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gate", ["noisy_topk", "hierarchical", "batchwise", "softmax_topk"])
+def test_every_gate_builds_and_routes(gate):
+    import torch
+
+    from moe_scale.config import ModelConfig
+    from moe_scale.models.lstm_lm import LSTMMoELM
+
+    torch.manual_seed(0)
+    model = LSTMMoELM(ModelConfig(d_model=8, expert_hidden=8, num_experts=8, top_k=2, gate=gate, num_groups=2),
+                      vocab_size=20)
+    x = torch.randint(0, 20, (4, 6))
+    out = model(x, x)
+    (out.nll_sum + out.aux_loss).backward()
+    assert torch.isfinite(out.nll_sum) and model.moe.stats.importance_E.shape == (8,)
+    assert model.moe.router.__class__.__name__.lower().startswith(gate.split("_")[0][:4])

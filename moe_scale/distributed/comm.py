@@ -34,3 +34,33 @@ def collective_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class RowGatherer:
+    """t -> the rows of t from every rank of `group`, in rank order (detached: for selections over the global
+    batch). Ranks may hold different numbers of rows; `position()` gives (this rank's first row in the last
+    gathered batch, its total rows)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group) if world_size(group) > 1 else 0
+        self._position = (0, 0)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().contiguous()
+        if world_size(self.group) == 1:
+            self._position = (0, t.shape[0])
+            return t
+        sizes_W = torch.zeros(world_size(self.group), dtype=torch.int64, device=t.device)
+        sizes_W[self.rank] = t.shape[0]
+        dist.all_reduce(sizes_W, group=self.group)
+        sizes = sizes_W.tolist()
+        padded = t.new_zeros((max(sizes), *t.shape[1:]))
+        padded[: t.shape[0]] = t
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(pieces, padded, group=self.group)
+        self._position = (sum(sizes[: self.rank]), sum(sizes))
+        return torch.cat([piece[:size] for piece, size in zip(pieces, sizes)])
+
+    def position(self) -> tuple[int, int]:
+        return self._position

@@ -37,3 +37,14 @@ class MeanTracker:
 
     def reset(self) -> None:
         self.sums, self.count = {}, 0
+
+
+def moe_metrics(layers) -> dict[str, float]:
+    """Balance statistics and router metrics of every MoE layer's last forward; keys are prefixed with
+    `layer<i>_` when the model has more than one MoE layer."""
+    out: dict[str, float] = {}
+    for index, layer in enumerate(layers):
+        prefix = "" if len(layers) == 1 else f"layer{index}_"
+        values = {**balance_metrics(layer.stats.importance_E, layer.stats.load_E), **layer.stats.metrics}
+        out.update({prefix + name: float(value) for name, value in values.items()})
+    return out

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from moe_scale.config import ModelConfig
+from moe_scale.moe.gates import build_router
 from moe_scale.moe.layer import MoELayer
 from moe_scale.models.softmax import FullSoftmax
 
@@ -35,8 +36,7 @@ class LSTMMoELM(nn.Module):
         self.embedding = nn.Embedding(vocab_size, d)
         self.lstm1 = nn.LSTM(d, d, batch_first=True)
         self.moe = MoELayer(d, config.expert_hidden, config.num_experts, config.top_k, ep_size=ep_size,
-                            ep_rank=ep_rank, w_importance=config.w_importance, w_load=config.w_load,
-                            noisy_gating=config.noisy_gating, seed=seed)
+                            ep_rank=ep_rank, seed=seed, router=build_router(config))
         self.lstm2 = nn.LSTM(d, d, batch_first=True)
         self.dropout = nn.Dropout(config.dropout)
         self.softmax = FullSoftmax(d, vocab_size)

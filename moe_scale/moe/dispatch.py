@@ -1,7 +1,7 @@
 """Token dispatcher: send each (token, expert) copy to the rank that owns the expert, and bring it back.
 
-Legend: N local tokens, K experts per token, D model dim, E global experts, P expert-parallel ranks,
-L = E / P local experts per rank, M token copies that arrive at this rank.
+Legend: N local tokens, C (token, expert) pairs routed from this rank (N*K for a top-k gate), D model dim,
+E global experts, P expert-parallel ranks, L = E / P local experts per rank, M pairs that arrive here.
 
 Dropless: every copy is delivered; memory grows with N*K, never with N*E. Expert e lives on EP rank e // L.
 
@@ -26,8 +26,8 @@ import torch.distributed.nn.functional as dist_autograd
 class DispatchState:
     """What `combine` needs to undo `dispatch`."""
 
-    sort_order_C: torch.Tensor          # C = N*K copies: position in the expert-sorted list -> copy index
-    token_index_C: torch.Tensor         # token of each copy, in expert-sorted order
+    sort_order_C: torch.Tensor          # position in the expert-sorted list -> pair index
+    token_index_C: torch.Tensor         # token of each pair, in expert-sorted order
     send_splits: list[int]              # rows sent to each EP rank
     recv_splits: list[int]              # rows received from each EP rank
     regroup_M: torch.Tensor | None      # arrival order -> expert-grouped order (None when P == 1)
@@ -44,13 +44,14 @@ class AllToAllDispatcher:
         self.ep_group: dist.ProcessGroup | None = None
         self.ep_size = num_experts // num_local_experts
 
-    def dispatch(self, x_ND: torch.Tensor, experts_NK: torch.Tensor) -> tuple[torch.Tensor, DispatchState]:
-        num_tokens, k = experts_NK.shape
-        flat_experts_C = experts_NK.reshape(-1)
-        sort_order_C = torch.argsort(flat_experts_C, stable=True)
-        token_index_C = sort_order_C // k
+    def dispatch(self, x_ND: torch.Tensor, token_index_P: torch.Tensor,
+                 expert_P: torch.Tensor) -> tuple[torch.Tensor, DispatchState]:
+        """Sends row x[token_index_P[p]] to expert expert_P[p] for every (token, expert) pair p."""
+        num_tokens = x_ND.shape[0]
+        sort_order_C = torch.argsort(expert_P, stable=True)
+        token_index_C = token_index_P.index_select(0, sort_order_C)
         rows_CD = x_ND.index_select(0, token_index_C)
-        counts_E = torch.bincount(flat_experts_C, minlength=self.num_experts)
+        counts_E = torch.bincount(expert_P, minlength=self.num_experts)
 
         if self.ep_size == 1:
             tokens_per_expert = counts_E.tolist()
@@ -70,11 +71,12 @@ class AllToAllDispatcher:
                               recv_counts_PL.sum(0).tolist(), num_tokens)
         return arrived_MD.index_select(0, regroup_M), state
 
-    def combine(self, y_MD: torch.Tensor, gates_NK: torch.Tensor, state: DispatchState) -> torch.Tensor:
+    def combine(self, y_MD: torch.Tensor, gate_P: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """out[t] = sum over the pairs p of token t of gate_P[p] * (expert output for p)."""
         if state.regroup_M is not None:
             back_MD = torch.empty_like(y_MD).index_copy(0, state.regroup_M, y_MD)   # undo the regrouping
             y_MD = _all_to_all(back_MD, state.send_splits, state.recv_splits, self.ep_group)
-        gates_C = gates_NK.reshape(-1).index_select(0, state.sort_order_C).to(y_MD.dtype)
+        gates_C = gate_P.index_select(0, state.sort_order_C).to(y_MD.dtype)
         out_ND = y_MD.new_zeros(state.num_tokens, y_MD.shape[1])
         return out_ND.index_add(0, state.token_index_C, y_MD * gates_C[:, None])
 

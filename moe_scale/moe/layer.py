@@ -23,7 +23,7 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.utils import groups
 from torch import nn
 
-from moe_scale.distributed.comm import autograd_all_reduce_sum
+from moe_scale.distributed.comm import RowGatherer, autograd_all_reduce_sum
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.experts import GroupedExperts
 from moe_scale.moe.routers import NoisyTopKRouter
@@ -38,14 +38,18 @@ class MoEStats:
 
     importance_E: torch.Tensor
     load_E: torch.Tensor
+    metrics: dict[str, float]     # the router's own numbers (e.g. threshold agreement)
 
 
 class MoELayer(DeepSpeedMoE):
-    """Sparsely-gated MoE of one-hidden-layer ReLU experts with a noisy top-k router (Shazeer et al. 2017)."""
+    """Sparsely-gated MoE of one-hidden-layer ReLU experts (Shazeer et al. 2017).
+
+    The router defaults to noisy top-k with k experts per token; pass any other router (moe/gates.py).
+    """
 
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, k: int, ep_size: int = 1,
                  ep_rank: int = 0, w_importance: float = 0.1, w_load: float = 0.1, noisy_gating: bool = True,
-                 seed: int = 0):
+                 seed: int = 0, router: nn.Module | None = None):
         nn.Module.__init__(self)  # DeepSpeed's MoE.__init__ would build its own gate and experts
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
@@ -53,8 +57,8 @@ class MoELayer(DeepSpeedMoE):
         self.num_local_experts = num_experts // ep_size
         self.ep_rank = ep_rank
         self.expert_group_name = f"ep_size_{ep_size}"
-        self.router = NoisyTopKRouter(d_model, num_experts, k, w_importance=w_importance, w_load=w_load,
-                                      noisy=noisy_gating)
+        self.router = router if router is not None else NoisyTopKRouter(
+            d_model, num_experts, k, w_importance=w_importance, w_load=w_load, noisy=noisy_gating)
         self.experts = GroupedExperts(self.num_local_experts, d_model, d_hidden,
                                       first_global_expert=ep_rank * self.num_local_experts, seed=seed)
         for param in self.experts.parameters():
@@ -75,17 +79,22 @@ class MoELayer(DeepSpeedMoE):
         if actual_ep_rank != self.ep_rank:
             raise RuntimeError(f"built for expert-parallel rank {self.ep_rank}, but DeepSpeed placed this "
                                f"process at rank {actual_ep_rank} of its expert-parallel group")
-        self.router.sum_over_batch = autograd_all_reduce_sum(groups._get_data_parallel_group())
+        data_parallel = groups._get_data_parallel_group()
+        self.router.sum_over_batch = autograd_all_reduce_sum(data_parallel)
+        if hasattr(self.router, "gather_over_batch"):   # gates that select over the global batch
+            gatherer = RowGatherer(data_parallel)
+            self.router.gather_over_batch, self.router.rank_in_batch = gatherer, gatherer.position
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_ND, aux_loss)."""
         if self.ep_size > 1 and self.dispatcher.ep_group is None:
             raise RuntimeError("ep_size > 1 needs set_deepspeed_parallelism() (deepspeed.initialize calls it)")
         route = self.router(x_ND)
-        self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach())
-        tokens_MD, state = self.dispatcher.dispatch(x_ND, route.experts_NK)
+        self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach(), dict(route.metrics))
+        token_index_P, expert_P, gate_P = route.pairs()
+        tokens_MD, state = self.dispatcher.dispatch(x_ND, token_index_P, expert_P)
         y_MD = self.experts(tokens_MD, state.tokens_per_expert)
-        return self.dispatcher.combine(y_MD, route.gates_NK, state).to(x_ND.dtype), route.aux_loss
+        return self.dispatcher.combine(y_MD, gate_P, state).to(x_ND.dtype), route.aux_loss
 
 
 def _stacked_to_per_expert_keys(module: MoELayer, state_dict, prefix, local_metadata):

@@ -7,7 +7,7 @@ and the noise (``noise_sampler``) are callables injected by the MoE layer.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -26,6 +26,14 @@ class RouterOutput:
     aux_loss: Tensor  # scalar, w_importance * cv2(importance_E) + w_load * cv2(load_E)
     importance_E: Tensor  # float32 [E], summed gates over the whole data-parallel batch
     load_E: Tensor  # float32 [E], smooth load (training, noisy, K < E) or hard count, whole batch
+    metrics: dict[str, float] = field(default_factory=dict)  # gate-specific numbers for logging
+
+    def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(token_index_P, expert_P, gate_P): the routing as (token, expert) pairs, P = N*K, what a
+        dispatcher consumes (gates whose tokens get a variable number of experts produce pairs directly)."""
+        n, k = self.experts_NK.shape
+        token_index_P = torch.arange(n, device=self.experts_NK.device).repeat_interleave(k)
+        return token_index_P, self.experts_NK.reshape(-1), self.gates_NK.reshape(-1)
 
 
 def _identity(t: Tensor) -> Tensor:

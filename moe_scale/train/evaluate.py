@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from moe_scale.data import LMWindows
 from moe_scale.distributed.comm import collective_device
-from moe_scale.metrics.balance import MeanTracker, balance_metrics
+from moe_scale.metrics.balance import MeanTracker, moe_metrics
 
 
 @torch.no_grad()
@@ -25,8 +25,7 @@ def evaluate(model, windows: LMWindows, max_batches: int = 0, device=None) -> di
             break
         out = model(inputs.to(device), targets.to(device))
         totals += torch.tensor([out.nll_sum.item(), out.num_tokens], dtype=torch.float64, device=totals.device)
-        for layer in model.moe_layers():
-            balance.add(balance_metrics(layer.stats.importance_E, layer.stats.load_E))
+        balance.add(moe_metrics(model.moe_layers()))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(totals)
     model.train(was_training)

@@ -18,7 +18,7 @@ from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv, init_distributed
 from moe_scale.errors import UserError
 from moe_scale.data import unigram_perplexity
-from moe_scale.metrics.balance import MeanTracker, balance_metrics
+from moe_scale.metrics.balance import MeanTracker, moe_metrics
 from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token, tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.models.lstm_lm import LSTMMoELM
@@ -30,6 +30,7 @@ from moe_scale.train.engine import Trainer
 from moe_scale.train.evaluate import evaluate
 from moe_scale.train.run_dir import check_run_dir, create_run_dir, write_json_atomic
 
+_EVAL_TOTALS = ("ppl", "nll_per_token", "tokens")
 TIMING_WARMUP_STEPS = 3   # first steps pay for allocation and DeepSpeed's lazy setup; not counted in tokens/s
 
 
@@ -103,8 +104,7 @@ def run_training(config: RunConfig) -> dict:
         record = {"step": step + 1, "loss": nll / tokens, "aux_loss": aux / (env.world_size * t.grad_accum),
                   "grad_norm": trainer.grad_norm, "lr": engine.get_lr()[0]}
         logger.step(record)
-        interval.add({"nll": nll / tokens, "aux_loss": record["aux_loss"],
-                      **balance_metrics(model.moe.stats.importance_E, model.moe.stats.load_E)})
+        interval.add({"nll": nll / tokens, "aux_loss": record["aux_loss"], **moe_metrics(model.moe_layers())})
 
         done = step + 1
         if done % t.log_interval == 0 or done == t.max_steps:
@@ -113,9 +113,8 @@ def run_training(config: RunConfig) -> dict:
             perf = _throughput(timed, t.batch_size * config.data.seq_len, flops_per_step, env.world_size)
             logger.scalars(done, {"train/loss": last_train["nll"], "train/ppl": math.exp(last_train["nll"]),
                                   "train/aux_loss": last_train["aux_loss"], "train/lr": record["lr"],
-                                  "moe/cv_importance": last_train["cv_importance"],
-                                  "moe/cv_load": last_train["cv_load"],
-                                  "moe/max_over_mean_load": last_train["max_over_mean_load"],
+                                  **{f"moe/{name}": value for name, value in last_train.items()
+                                     if name not in ("nll", "aux_loss")},
                                   "perf/tokens_per_s": perf["tokens_per_s"],
                                   "perf/tflops_per_device": perf["tflops_per_device"]})
             logger.line(f"step {done}/{t.max_steps}  loss {last_train['nll']:.4f}  "
@@ -123,7 +122,8 @@ def run_training(config: RunConfig) -> dict:
                         f"{perf['tokens_per_s']:.0f} tok/s")
         if done % t.eval_interval == 0 or done == t.max_steps:
             valid = evaluate(model, data.valid, t.eval_max_batches, env.device)
-            logger.scalars(done, {"valid/ppl": valid["ppl"]})
+            logger.scalars(done, {"valid/ppl": valid["ppl"], **{f"valid_moe/{name}": value for name, value
+                                                                  in valid.items() if name not in _EVAL_TOTALS}})
             logger.line(f"step {done}/{t.max_steps}  valid ppl {valid['ppl']:.2f}")
         if done % t.checkpoint_interval == 0 or done == t.max_steps:
             save_checkpoint(engine, run, done, env.rank)
@@ -165,19 +165,19 @@ def _count(model: LSTMMoELM, env: DistEnv) -> str:
 def _summary(config, env, data, last_train, valid, timed, flops_per_step) -> dict:
     perf = _throughput(timed, config.train.batch_size * config.data.seq_len, flops_per_step, env.world_size)
     train_ppl = math.exp(last_train["nll"]) if last_train else float("nan")
+    train_moe = {name: value for name, value in last_train.items() if name not in ("nll", "aux_loss")}
+    valid_moe = {f"valid_{name}": value for name, value in valid.items() if name not in _EVAL_TOTALS}
     return {
         "steps": config.train.max_steps,
         "world_size": env.world_size,
         "ep_size": config.train.ep_size,
+        "gate": config.model.gate,
         "train_ppl": train_ppl,
         "valid_ppl": valid["ppl"],
         "unigram_valid_ppl": unigram_perplexity(data.train_sentences["text"], data.valid_sentences["text"],
                                                 data.vocab),
         "tokens_per_s": perf["tokens_per_s"],
         "tflops_per_device": perf["tflops_per_device"],
-        "cv_importance": last_train.get("cv_importance", float("nan")),
-        "cv_load": last_train.get("cv_load", float("nan")),
-        "max_over_mean_load": last_train.get("max_over_mean_load", float("nan")),
-        "valid_cv_load": valid.get("cv_load", float("nan")),
-        "valid_max_over_mean_load": valid.get("max_over_mean_load", float("nan")),
+        **train_moe,
+        **valid_moe,
     }

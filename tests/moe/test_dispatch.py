@@ -98,11 +98,17 @@ def dense_reference(x, experts, gates, w):
     return torch.stack(rows)
 
 
+def top_k_pairs(experts_NK):
+    """(token_index_P, expert_P) of a top-k routing, as RouterOutput.pairs() gives them."""
+    n, k = experts_NK.shape
+    return torch.arange(n).repeat_interleave(k), experts_NK.reshape(-1)
+
+
 def local_moe(x, experts, gates, w):
     """ep_size 1: dispatch -> per-expert function -> combine."""
     dispatcher = AllToAllDispatcher(w.shape[0], w.shape[0])
-    rows, state = dispatcher.dispatch(x, experts)
-    return dispatcher.combine(apply_experts(rows, w, state.tokens_per_expert), gates, state), rows, state
+    rows, state = dispatcher.dispatch(x, *top_k_pairs(experts))
+    return dispatcher.combine(apply_experts(rows, w, state.tokens_per_expert), gates.reshape(-1), state), rows, state
 
 
 # ---------------------------------------------------------------- one process
@@ -115,7 +121,7 @@ def test_identity_experts_give_gate_weighted_sum():
     experts = distinct_experts(n, k, list(range(e)), gen)
     gates = torch.rand(n, k, generator=gen, dtype=torch.float64)
     dispatcher = AllToAllDispatcher(e, e)
-    rows, state = dispatcher.dispatch(x, experts)
+    rows, state = dispatcher.dispatch(x, *top_k_pairs(experts))
     assert rows.shape == (n * k, D)
     assert state.tokens_per_expert == torch.bincount(experts.reshape(-1), minlength=e).tolist()
     # Rows are grouped by expert: block e holds exactly the tokens routed to e (in token order).
@@ -124,7 +130,7 @@ def test_identity_experts_give_gate_weighted_sum():
         tokens = (experts == expert).any(1).nonzero().squeeze(1)
         torch.testing.assert_close(rows[start:start + count], x[tokens], rtol=0, atol=0)
         start += count
-    out = dispatcher.combine(rows, gates, state)
+    out = dispatcher.combine(rows, gates.reshape(-1), state)
     torch.testing.assert_close(out, gates.sum(1, keepdim=True) * x)
 
 
@@ -135,11 +141,11 @@ def test_per_expert_scale_matches_dense_loop():
     experts = distinct_experts(n, k, [0, 1, 3, 4], gen)          # expert 2 gets no tokens
     gates = torch.rand(n, k, generator=gen, dtype=torch.float64)
     dispatcher = AllToAllDispatcher(e, e)
-    rows, state = dispatcher.dispatch(x, experts)
+    rows, state = dispatcher.dispatch(x, *top_k_pairs(experts))
     assert state.tokens_per_expert[2] == 0
     scale = torch.repeat_interleave(torch.arange(1.0, e + 1, dtype=torch.float64),
                                     torch.tensor(state.tokens_per_expert))
-    out = dispatcher.combine(rows * scale[:, None], gates, state)
+    out = dispatcher.combine(rows * scale[:, None], gates.reshape(-1), state)
     want = torch.stack([sum(gates[t, j] * (experts[t, j] + 1) * x[t] for j in range(k)) for t in range(n)])
     torch.testing.assert_close(out, want)
 
@@ -162,14 +168,14 @@ def test_float32_gates_with_float64_rows_and_empty_batch():
     x = torch.randn(3, D, dtype=torch.float64)
     experts = torch.tensor([[0, 1], [1, 2], [3, 0]])
     gates = torch.rand(3, 2)                                     # routers emit float32 gates
-    rows, state = dispatcher.dispatch(x, experts)
-    out = dispatcher.combine(rows, gates, state)
+    rows, state = dispatcher.dispatch(x, *top_k_pairs(experts))
+    out = dispatcher.combine(rows, gates.reshape(-1), state)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, gates.double().sum(1, keepdim=True) * x)
     # No tokens at all (e.g. an empty micro-batch): shapes stay consistent.
-    rows, state = dispatcher.dispatch(x[:0], experts[:0])
+    rows, state = dispatcher.dispatch(x[:0], *top_k_pairs(experts[:0]))
     assert rows.shape == (0, D) and state.tokens_per_expert == [0, 0, 0, 0]
-    assert dispatcher.combine(rows, gates[:0], state).shape == (0, D)
+    assert dispatcher.combine(rows, gates[:0].reshape(-1), state).shape == (0, D)
 
 
 # ---------------------------------------------------------------- two processes (gloo)
@@ -186,8 +192,8 @@ def _two_rank_worker(rank, world, name):
     w = w_all[rank * local:(rank + 1) * local].clone().requires_grad_(True)
     dispatcher = AllToAllDispatcher(e, local)
     dispatcher.ep_group = torch.distributed.new_group([0, 1])
-    rows, state = dispatcher.dispatch(x, experts_all[mine])
-    out = dispatcher.combine(apply_experts(rows, w, state.tokens_per_expert), gates, state)
+    rows, state = dispatcher.dispatch(x, *top_k_pairs(experts_all[mine]))
+    out = dispatcher.combine(apply_experts(rows, w, state.tokens_per_expert), gates.reshape(-1), state)
     (out * upstream_all[mine]).sum().backward()
     return {"out": out.detach(), "x_grad": x.grad, "gates_grad": gates.grad, "w_grad": w.grad,
             "tokens_per_expert": state.tokens_per_expert, "arrived": rows.shape[0]}

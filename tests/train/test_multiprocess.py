@@ -43,3 +43,23 @@ def test_two_processes_expert_parallel_equal_one_process(tmp_path, embedded_cach
     # the 2-rank checkpoint (one file per global expert) evaluates in one process like the 1-rank one
     assert run_eval(["--run", str(two)], cwd=tmp_path, cache=embedded_cache)["ppl"] == pytest.approx(
         run_eval(["--run", str(one)], cwd=tmp_path, cache=embedded_cache)["ppl"], rel=1e-4)
+
+
+@pytest.mark.parametrize("gate_flags", [
+    ["--gate", "hierarchical", "--num-groups", "2", "--top-k", "2", "--top-k-secondary", "2"],
+    ["--gate", "batchwise", "--batchwise-scope", "global"],
+    ["--gate", "softmax_topk"],
+], ids=["hierarchical", "batchwise", "softmax_topk"])
+def test_every_gate_two_processes_equal_one_process(tmp_path, embedded_cache, gate_flags):
+    common = [*TINY, *gate_flags, "--noise-rng", "global", "--dropout", "0", "--lr", "0.01", "--warmup-steps", "0",
+              "--max-steps", "4", "--eval-interval", "4", "--checkpoint-interval", "4",
+              "--ds-config", str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json")]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train([*common, "--out", str(one)], cwd=tmp_path, cache=embedded_cache)
+    run_train([*common, "--ep-size", "2", "--out", str(two)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
+    for a, b in zip(step_log(one), step_log(two), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (a, b)
+        assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-6), (a, b)
+    first, second = (json.loads((run / "summary.json").read_text()) for run in (one, two))
+    assert second["valid_ppl"] == pytest.approx(first["valid_ppl"], rel=1e-4)
+    assert second["cv_load"] == pytest.approx(first["cv_load"], rel=1e-3, abs=1e-6)

@@ -1,0 +1,266 @@
+"""Strictly balanced gating (Shazeer et al. 2017, App. F, eq. 15-20; spec §1.7).
+
+Legend: N tokens on this rank, D model dim, E experts (n in the paper), B rows of the batch in scope (this rank's
+batch for ``scope="local"``, the whole data-parallel batch for ``scope="global"``), P selected (token, expert) pairs.
+
+Training routes with ``M_batchwise``: every expert takes its top ``m = max(1, floor(k * B_valid / E))`` tokens of
+the batch in scope (columns of ``S = softmax(x W_g)``), so every expert gets exactly ``m`` tokens while a token may
+get 0 experts (its MoE output is 0) or more than k. Inference routes with ``M_threshold = S > T`` and learned
+thresholds ``T [E]``, which the threshold loss ``L_bw`` (eq. 20) trains to reproduce the batchwise mask.
+A router never talks to the network: ``sum_over_batch`` / ``gather_over_batch`` / ``rank_in_batch`` are injected
+by the MoE layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from moe_scale.moe.losses import cv_squared
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class PairRouting:
+    """Routing as (token, expert) pairs, for gates whose tokens get a variable number of experts."""
+
+    token_index_P: Tensor  # int64 [P], row of x_ND, ascending
+    expert_P: Tensor  # int64 [P], global expert id
+    gate_P: Tensor  # float32 [P], > 0 (0 only if the softmax underflowed for a selected entry)
+    aux_loss: Tensor  # scalar: w_importance * cv2(importance_E) [+ threshold_loss_weight * L_bw in training]
+    importance_E: Tensor  # [E], sum over tokens of the gates, whole data-parallel batch
+    load_E: Tensor  # [E], hard count of selections, whole data-parallel batch
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.token_index_P, self.expert_P, self.gate_P
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def _hash32(h: Tensor) -> Tensor:
+    """A 32-bit integer mix (int64 tensors holding values in [0, 2^32); products stay below 2^59: no overflow)."""
+    h = (((h >> 16) ^ h) * 0x45D9F3B) & _MASK32
+    h = (((h >> 16) ^ h) * 0x45D9F3B) & _MASK32
+    return (h >> 16) ^ h
+
+
+def selection_keys(s_BE: Tensor, valid_B: Tensor, row0: int = 0) -> Tensor:
+    """int64 [B, E] keys whose order is the order of ``s_BE`` with exact ties broken pseudo-randomly.
+
+    key = (float32 bits of S) << 31 | hash31(row0 + row, column). The float32 bit pattern of a non-negative float is
+    monotone in its value, so distinct scores keep their order exactly and only *equal* scores are ordered by the
+    hash: a jitter smaller than any float32 difference, applied to the selection scores only. The hash depends on
+    the row's index in the batch in scope and on the column, so (a) at zero init, where every S equals 1/E, each
+    expert takes a different pseudo-random set of m rows instead of the same first m (spec §1.7 zero-init
+    pitfall), and (b) every rank and a 1-process run on the same global batch break ties identically.
+    Invalid (padding) rows get key -1 so they never take capacity.
+    """
+    b, e = s_BE.shape
+    bits_BE = s_BE.detach().float().abs().view(torch.int32).long()  # abs: also maps -0.0 to 0
+    rows_B = torch.arange(row0, row0 + b, device=s_BE.device) & _MASK32
+    cols_E = torch.arange(e, device=s_BE.device)
+    tie_BE = _hash32(_hash32(rows_B)[:, None] ^ cols_E[None, :]) & 0x7FFFFFFF
+    return ((bits_BE << 31) | tie_BE).masked_fill(~valid_B[:, None], -1)
+
+
+def batchwise_mask(s_BE: Tensor, m: int, valid_B: Tensor, row0: int = 0) -> Tensor:
+    """M_batchwise (eq. 18): 1 where S[j, i] is among the top m valid rows of column i (ties: ``selection_keys``)."""
+    mask_BE = torch.zeros_like(s_BE, dtype=torch.bool)
+    if m > 0:
+        idx_mE = selection_keys(s_BE, valid_B, row0).topk(m, dim=0).indices
+        mask_BE.scatter_(0, idx_mE, True)
+    return mask_BE
+
+
+def tokens_per_expert(k: int, num_valid_rows: int, num_experts: int) -> int:
+    """m = max(1, floor(k * B_valid / n)), and 0 for an empty batch (m <= B_valid always since k <= n)."""
+    if num_valid_rows == 0:
+        return 0
+    return max(1, (k * num_valid_rows) // num_experts)
+
+
+def midpoint_thresholds(s_BE: Tensor, m: int, valid_B: Tensor) -> Tensor:
+    """[E]: per column, the midpoint between the m-th and (m+1)-th largest valid S (minimizer of L_bw on this
+    batch). With m == B_valid there is no (m+1)-th value: midpoint between the m-th value and 0."""
+    s_BE = s_BE.detach().masked_fill(~valid_B[:, None], -math.inf)
+    num_valid = int(valid_B.sum())
+    top_vals = s_BE.topk(min(m + 1, s_BE.shape[0]), dim=0).values
+    below_E = top_vals[m] if m < num_valid else torch.zeros_like(top_vals[0])
+    return 0.5 * (top_vals[m - 1] + below_E)
+
+
+class BatchwiseRouter(nn.Module):
+    """Strictly balanced gate (App. F) with learned thresholds for inference.
+
+    Parameters: ``w_gate [D, E]`` (no bias) and ``thresholds [E]`` (names avoid "expert": DeepSpeed treats such
+    names as expert weights). ``thresholds`` is an ordinary parameter trained by the main optimizer through
+    ``L_bw``; keep weight decay off it. Buffer ``thresholds_initialized`` (saved in the state dict) records that T
+    was set from a batch.
+
+    Choices the paper leaves open (spec §1.7), all documented here:
+
+    * No noise. S = softmax(x W_g) in float32 (float64 stays float64).
+    * Ties: ``w_gate`` starts from small random values (std 1e-2/sqrt(D)) so S is almost surely tie-free, *and*
+      exact ties (zero init, duplicated tokens) are broken by a hash of (row, column) in ``selection_keys``,
+      which never reorders distinct scores and is identical on every rank.
+    * ``scope="local"`` (default): top-m over this rank's batch; each expert gets exactly ``m_local`` tokens from each
+      rank, no communication. ``scope="global"``: S (detached) is gathered over the data-parallel group
+      (``gather_over_batch``), top-m is taken over the global batch and this rank keeps its rows
+      (``rank_in_batch`` gives the offset), so each expert gets exactly ``m`` tokens of the *global* batch.
+    * Threshold loss ``L_bw = Σ_j Σ_i (M_thr − M_b)(S.detach() − T)`` (eq. 20), training only; its gradient wrt
+      ``T_i`` is ``Σ_j (M_b − M_thr)_{j,i}``. ``threshold_reduction="mean"`` (default) divides by this rank's number
+      of valid rows; ``"sum"`` is the paper's raw double sum. ``detach_scores=False`` lets L_bw reach W_g too.
+    * T init: ``1/E`` (S at zero init); with ``init_thresholds_from_batch`` (default), the first training batch
+      sets T to the midpoint between the m-th and (m+1)-th largest S per column of the batch in scope, so
+      the two masks agree on that batch. With ``scope="local"`` the per-rank midpoints are averaged over ranks
+      (weighted by valid rows, one extra ``sum_over_batch`` call, first batch only) so T stays replicated.
+    * Eval: ``M_threshold = S > T``; a row with no expert above its threshold falls back to its argmax expert with
+      gate 1 (the paper is silent; the alternative would be a zero MoE output).
+    * Training: a token may get no expert; its gate row is 0 (denominator clamped, no NaN) and its output is 0.
+    * Balancing: ``L_importance = w_importance · cv2(importance)``, importance = Σ_tokens G over the whole
+      data-parallel batch. ``L_load`` is not used: under M_batchwise the true load is exactly m per expert and
+      there is no noise, so the load loss is zero/undefined (spec §1.7). ``load_E`` is still reported as the hard
+      count of selections (with importance and the metric counts in a single ``sum_over_batch`` call).
+    * Metrics (whole data-parallel batch): ``threshold_agreement`` = fraction of valid (token, expert) decisions
+      with M_threshold == M_batchwise on the current batch, in training and eval (at eval M_batchwise is computed
+      on the eval batch for this comparison only; 1.0 for an empty batch); ``tokens_without_expert`` = fraction of
+      valid tokens whose routing mask is empty (training) or that needed the fallback (eval);
+      ``tokens_per_expert`` = m; ``threshold_loss`` = this rank's L_bw (training).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        k: int,
+        w_importance: float = 0.01,
+        threshold_loss_weight: float = 1.0,
+        threshold_reduction: str = "mean",
+        scope: str = "local",
+        detach_scores: bool = True,
+        init_thresholds_from_batch: bool = True,
+    ):
+        super().__init__()
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"batchwise router k must be in [1, num_experts={num_experts}], got k={k}")
+        if threshold_reduction not in ("mean", "sum"):
+            raise ValueError(f"threshold_reduction must be 'mean' or 'sum', got {threshold_reduction!r}")
+        if scope not in ("local", "global"):
+            raise ValueError(f"batchwise router scope must be 'local' or 'global', got {scope!r}")
+        self.d_model, self.num_experts, self.k = d_model, num_experts, k
+        self.w_importance, self.threshold_loss_weight = w_importance, threshold_loss_weight
+        self.threshold_reduction, self.scope = threshold_reduction, scope
+        self.detach_scores, self.init_thresholds_from_batch = detach_scores, init_thresholds_from_batch
+        self.w_gate = nn.Parameter(torch.empty(d_model, num_experts))
+        nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
+        self.thresholds = nn.Parameter(torch.full((num_experts,), 1.0 / num_experts))
+        self.register_buffer("thresholds_initialized", torch.zeros((), dtype=torch.bool))
+        self.sum_over_batch: Callable[[Tensor], Tensor] = _identity
+        self.gather_over_batch: Callable[[Tensor], Tensor] = _identity
+        self.rank_in_batch: Optional[Callable[[], tuple[int, int]]] = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, scope={self.scope}, "
+            f"w_importance={self.w_importance}, threshold_loss_weight={self.threshold_loss_weight}, "
+            f"threshold_reduction={self.threshold_reduction}, detach_scores={self.detach_scores}"
+        )
+
+    def _batchwise_in_scope(self, s_NE: Tensor, valid_N: Tensor) -> tuple[Tensor, int, Tensor, Tensor]:
+        """(this rank's rows of M_batchwise [N, E] bool, m, S of the batch in scope, its valid rows)."""
+        n = s_NE.shape[0]
+        if self.scope == "local":
+            m = tokens_per_expert(self.k, int(valid_N.sum()), self.num_experts)
+            return batchwise_mask(s_NE, m, valid_N), m, s_NE, valid_N
+        gathered = self.gather_over_batch(torch.cat([s_NE.detach(), valid_N[:, None].to(s_NE.dtype)], dim=1))
+        s_BE, valid_B = gathered[:, :-1], gathered[:, -1] > 0.5
+        offset, total = self.rank_in_batch() if self.rank_in_batch is not None else (0, n)
+        if gathered.shape[0] != total or not 0 <= offset <= total - n:
+            raise RuntimeError(
+                f"batchwise router scope='global': gathered {gathered.shape[0]} rows but rank_in_batch() says "
+                f"offset {offset} of {total} for {n} local rows; the MoE layer must set rank_in_batch")
+        m = tokens_per_expert(self.k, int(valid_B.sum()), self.num_experts)
+        return batchwise_mask(s_BE, m, valid_B)[offset : offset + n], m, s_BE, valid_B
+
+    @torch.no_grad()
+    def _init_thresholds(self, s_BE: Tensor, m: int, valid_B: Tensor) -> None:
+        num_valid = int(valid_B.sum())
+        t_E = midpoint_thresholds(s_BE, m, valid_B).to(self.thresholds.dtype) if m > 0 else None
+        if self.scope == "local":  # average the per-rank midpoints so T stays identical on every rank
+            weight = float(num_valid)
+            local = torch.zeros(self.num_experts + 1, dtype=self.thresholds.dtype, device=s_BE.device)
+            if t_E is not None:
+                local[:-1] = t_E * weight
+            local[-1] = weight
+            total = self.sum_over_batch(local)
+            if float(total[-1]) <= 0:
+                return  # no valid row anywhere: try again next batch (same decision on every rank)
+            t_E = total[:-1] / total[-1]
+        elif t_E is None:
+            return
+        self.thresholds.copy_(t_E)
+        self.thresholds_initialized.fill_(True)
+
+    def forward(self, x_ND: Tensor, valid_N: Optional[Tensor] = None) -> PairRouting:
+        """``valid_N`` (bool [N], optional): False for padding rows, which take no capacity, get no expert and
+        count in no statistic."""
+        n, e = x_ND.shape[0], self.num_experts
+        dtype = torch.promote_types(x_ND.dtype, torch.float32)
+        valid_N = torch.ones(n, dtype=torch.bool, device=x_ND.device) if valid_N is None else valid_N.bool()
+        if valid_N.shape != (n,):
+            raise ValueError(f"valid_N must have shape ({n},), got {tuple(valid_N.shape)}")
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            s_NE = torch.softmax(x_ND.to(dtype) @ self.w_gate.to(dtype), dim=-1)  # G_sigma (eq. 15)
+
+            # M_batchwise routes in training; at eval it is computed only for the agreement metric.
+            m_b_NE, m, s_BE, valid_B = self._batchwise_in_scope(s_NE, valid_N)
+            if self.training and self.init_thresholds_from_batch and not bool(self.thresholds_initialized):
+                self._init_thresholds(s_BE, m, valid_B)
+            t_E = self.thresholds.to(dtype)
+            m_thr_NE = (s_NE.detach() > t_E.detach()[None, :]) & valid_N[:, None]  # M_threshold (eq. 19)
+
+            if self.training:
+                mask_NE = m_b_NE
+                empty_N = valid_N & ~mask_NE.any(dim=1)
+            else:  # threshold mask; rows above no threshold fall back to their argmax expert (gate 1)
+                empty_N = valid_N & ~m_thr_NE.any(dim=1)
+                fallback_NE = torch.zeros_like(m_thr_NE).scatter_(1, s_NE.detach().argmax(1, keepdim=True), True)
+                mask_NE = m_thr_NE | (fallback_NE & empty_N[:, None])
+
+            sm_NE = s_NE * mask_NE.to(dtype)
+            g_NE = sm_NE / sm_NE.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)  # eq. 16; empty row -> 0
+
+            importance_E = g_NE.sum(0)
+            load_E = mask_NE.sum(0).to(dtype)
+            agree = ((m_thr_NE == m_b_NE) & valid_N[:, None]).sum().to(dtype)
+            counts_3 = torch.stack([agree, valid_N.sum().to(dtype) * e, empty_N.sum().to(dtype)])
+            stats = self.sum_over_batch(torch.cat([importance_E, load_E, counts_3]))  # one collective
+            importance_E, load_E = stats[:e], stats[e : 2 * e]
+            aux_loss = self.w_importance * cv_squared(importance_E)
+
+            agree_g, decisions_g, empty_g = stats[2 * e :].detach().tolist()
+            metrics = {
+                "threshold_agreement": agree_g / decisions_g if decisions_g > 0 else 1.0,
+                "tokens_without_expert": empty_g * e / decisions_g if decisions_g > 0 else 0.0,
+                "tokens_per_expert": float(m),
+            }
+            if self.training:  # threshold loss (eq. 20): trains T (and W_g only if detach_scores=False)
+                s_used_NE = s_NE.detach() if self.detach_scores else s_NE
+                diff_NE = (m_thr_NE.to(dtype) - m_b_NE.to(dtype)) * valid_N[:, None].to(dtype)
+                l_bw = (diff_NE * (s_used_NE - t_E[None, :])).sum()
+                if self.threshold_reduction == "mean":
+                    l_bw = l_bw / max(int(valid_N.sum()), 1)
+                aux_loss = aux_loss + self.threshold_loss_weight * l_bw
+                metrics["threshold_loss"] = float(l_bw.detach())
+
+        token_index_P, expert_P = mask_NE.nonzero(as_tuple=True)
+        gate_P = g_NE[token_index_P, expert_P]
+        return PairRouting(token_index_P, expert_P, gate_P, aux_loss, importance_E, load_E, metrics)

@@ -1,0 +1,166 @@
+"""Two-level hierarchical noisy top-k gate (Shazeer et al. 2017, Appendix B, eq. 12-14; spec §1.6, §7 item 7).
+
+Legend: N tokens, D model dim, A groups (``a``), B experts per group (``b``), E = A*B experts,
+Kp / Ks top-k of the primary / secondary gate, K = Kp*Ks experts per token, M = top-(k+1) kept logits.
+
+A primary noisy top-k gate picks Kp of the A groups for each token; for each picked group i a secondary noisy top-k
+gate with group i's own weights picks Ks of its B experts. Expert (i, j) gets the gate ``G_p[t,i] * G_s[t,i,j]``
+(eq. 12) and the flat global id ``i*B + j``, so the B experts of a group are contiguous and live on one
+expert-parallel rank whenever ep_size divides A.
+
+Placement (a deliberate deviation from the paper, with identical math): the primary gate is data-parallel, as in
+the paper, but the secondary gates are replicated too and evaluated on the token's own rank, batched over all
+groups. A token therefore crosses the network once, straight to the rank that holds its group's experts, instead
+of twice (to the group's secondary gate, then on to its experts). The cost is A*D*B*2 replicated gate parameters,
+the same as a flat gate over A*B experts, and the secondary logits are computed for all A groups
+(``einsum('nd,adb->nab')``, N*D*E multiply-adds, again the same as a flat gate) and then gathered.
+"""
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_scale.moe.losses import cv_squared
+from moe_scale.moe.routers import NoiseSampler, RouterOutput, _identity, prob_in_top_k
+
+_EPS = 1e-10  # t2t's epsilon in eq. 14's denominator: a group that got no token has load 0, not NaN
+
+
+def _top_k_with_load(clean_RC: Tensor, logits_RC: Tensor, std_RC: Optional[Tensor], k: int):
+    """Top-k gating of R rows over C choices: (gates_RK, idx_RK, p_RC). ``p_RC`` is the smooth in-top-k
+    probability (eq. 8-9) when there is noise and k < C, else None (the caller counts ``idx_RK`` instead)."""
+    c = clean_RC.shape[1]
+    top_values_RM, top_idx_RM = logits_RC.topk(min(k + 1, c), dim=1)
+    gates_RK = torch.softmax(top_values_RM[:, :k], dim=1)
+    p_RC = None
+    if std_RC is not None and k < c:
+        p_RC = prob_in_top_k(clean_RC, logits_RC, std_RC, top_values_RM, k)
+    return gates_RK, top_idx_RM[:, :k], p_RC
+
+
+class HierarchicalRouter(nn.Module):
+    """Hierarchical MoE gate with Importance_H / Load_H CV² losses over all A*B experts (eq. 13-14).
+
+    Exactly as t2t's ``DistributedMixtureOfExperts`` hierarchical branch (spec §1.6):
+
+    - ``importance_E[i*B+j] = Σ_t G_p[t,i] · G_s[t,i,j]`` (eq. 13);
+    - ``load_E[i*B+j] = load_p[i] · load_s[i,j] / (cnt_p[i] + 1e-10)`` (eq. 14), where ``load_p`` is the primary
+      smooth load (hard count in eval, without noise, or when Kp == A), ``load_s[i]`` the secondary smooth load
+      (or hard count) of group i over the tokens that picked it, *not* multiplied by ``G_p``, and ``cnt_p[i]`` the
+      hard count of tokens that picked group i.
+
+    Data parallelism: ``load_p``, ``load_s`` and ``cnt_p`` are summed over the data-parallel batch before eq. 14 is
+    formed (the ratio of sums, not the sum of ratios), together with the importance: ``sum_over_batch`` is called
+    exactly once per forward, on the concatenation ``[importance (E), load_s (E), load_p (A), cnt_p (A)]``, and on
+    every rank even when it has no tokens. It must be an autograd-aware all-reduce(SUM).
+
+    Noise: ``noise_sampler`` (default ``torch.randn``) is called exactly twice per training forward with noise on:
+    first ``(N, A)`` for the primary, then ``(N, A*B)`` for the secondary (noise for every (token, group, expert),
+    of which the picked groups are used), so ``GlobalTokenNoise`` keeps a 1-process run equal to an N-process run.
+
+    Initialisation as the flat gate: all four matrices start at zero (noise std 0.703147 at both levels, balanced
+    expected load); with ``noisy=False`` the ``w_gate_*`` start from small random values so top-k doesn't tie.
+    Computed in float32 at least (float64 stays float64), with autocast off.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_groups: int,
+        experts_per_group: int,
+        k_primary: int = 2,
+        k_secondary: int = 2,
+        w_importance: float = 0.1,
+        w_load: float = 0.1,
+        noisy: bool = True,
+        noise_epsilon: float = 1e-2,
+    ):
+        super().__init__()
+        a, b = num_groups, experts_per_group
+        if a < 1 or b < 1:
+            raise ValueError(f"hierarchical router needs num_groups >= 1 and experts_per_group >= 1, got {a} and {b}")
+        if not 1 <= k_primary <= a:
+            raise ValueError(f"hierarchical router: k_primary must be in [1, num_groups={a}], got {k_primary}")
+        if not 1 <= k_secondary <= b:
+            raise ValueError(
+                f"hierarchical router: k_secondary must be in [1, experts_per_group={b}], got {k_secondary}"
+            )
+        self.d_model, self.num_groups, self.experts_per_group = d_model, a, b
+        self.num_experts = a * b
+        self.k_primary, self.k_secondary = k_primary, k_secondary
+        self.k = k_primary * k_secondary  # experts per token
+        self.w_importance, self.w_load = w_importance, w_load
+        self.noisy, self.noise_epsilon = noisy, noise_epsilon
+        # Names avoid the substring "expert": DeepSpeed's checkpointing treats such names as expert weights.
+        self.w_gate_primary = nn.Parameter(torch.zeros(d_model, a))
+        self.w_noise_primary = nn.Parameter(torch.zeros(d_model, a))
+        self.w_gate_secondary = nn.Parameter(torch.zeros(a, d_model, b))
+        self.w_noise_secondary = nn.Parameter(torch.zeros(a, d_model, b))
+        if not noisy:
+            nn.init.normal_(self.w_gate_primary, std=1e-2 / math.sqrt(d_model))
+            nn.init.normal_(self.w_gate_secondary, std=1e-2 / math.sqrt(d_model))
+        self.sum_over_batch: Callable[[Tensor], Tensor] = _identity
+        self.noise_sampler: Optional[NoiseSampler] = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_groups={self.num_groups}, experts_per_group={self.experts_per_group}, "
+            f"k_primary={self.k_primary}, k_secondary={self.k_secondary}, noisy={self.noisy}, "
+            f"w_importance={self.w_importance}, w_load={self.w_load}"
+        )
+
+    def _sample_noise(self, n: int, e: int, device: torch.device) -> Tensor:
+        if self.noise_sampler is None:
+            return torch.randn(n, e, device=device)
+        return self.noise_sampler(n, e, device)
+
+    def forward(self, x_ND: Tensor) -> RouterOutput:
+        a, b, kp, ks = self.num_groups, self.experts_per_group, self.k_primary, self.k_secondary
+        n = x_ND.shape[0]
+        noisy = self.training and self.noisy
+        dtype = torch.promote_types(x_ND.dtype, torch.float32)
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            x_ND = x_ND.to(dtype)
+
+            # ---- primary: noisy top-kp over the A groups
+            clean_NA = x_ND @ self.w_gate_primary.to(dtype)
+            logits_NA, std_NA = clean_NA, None
+            if noisy:
+                std_NA = F.softplus(x_ND @ self.w_noise_primary.to(dtype)) + self.noise_epsilon
+                logits_NA = clean_NA + self._sample_noise(n, a, x_ND.device).to(dtype) * std_NA
+            gp_NKp, groups_NKp, p_NA = _top_k_with_load(clean_NA, logits_NA, std_NA, kp)
+            groups_P = groups_NKp.reshape(-1)  # P = N*Kp (token, group) pairs, token-major
+            cnt_A = torch.bincount(groups_P, minlength=a).to(dtype)  # |X^(i)|
+            load_p_A = p_NA.sum(0) if p_NA is not None else cnt_A
+
+            # ---- secondary: logits of all groups at once, then the picked groups' rows
+            clean_NAB = torch.einsum("nd,adb->nab", x_ND, self.w_gate_secondary.to(dtype))
+            pick_NKpB = groups_NKp.unsqueeze(-1).expand(n, kp, b)
+            clean_PB = clean_NAB.gather(1, pick_NKpB).reshape(n * kp, b)
+            logits_PB, std_PB = clean_PB, None
+            if noisy:
+                raw_NAB = torch.einsum("nd,adb->nab", x_ND, self.w_noise_secondary.to(dtype))
+                std_PB = F.softplus(raw_NAB.gather(1, pick_NKpB).reshape(n * kp, b)) + self.noise_epsilon
+                noise_NAB = self._sample_noise(n, a * b, x_ND.device).to(dtype).reshape(n, a, b)
+                logits_PB = clean_PB + noise_NAB.gather(1, pick_NKpB).reshape(n * kp, b) * std_PB
+            gs_PKs, local_PKs, p_PB = _top_k_with_load(clean_PB, logits_PB, std_PB, ks)
+            if p_PB is not None:  # Load_i(X^(i)): the secondary smooth load, NOT multiplied by G_p
+                load_s_AB = p_PB.new_zeros(a, b).index_add(0, groups_P, p_PB)
+            else:
+                load_s_AB = torch.bincount((groups_P[:, None] * b + local_PKs).reshape(-1), minlength=a * b)
+                load_s_AB = load_s_AB.to(dtype).reshape(a, b)
+
+            # ---- combined gates G_p·G_s (eq. 12) and flat expert ids i*B + j; the primary gate is applied here once
+            gates_NK = (gp_NKp.reshape(-1, 1) * gs_PKs).reshape(n, kp * ks)
+            experts_NK = (groups_P[:, None] * b + local_PKs).reshape(n, kp * ks)
+            importance_E = gates_NK.new_zeros(a * b).index_add(0, experts_NK.reshape(-1), gates_NK.reshape(-1))
+
+            # ---- one collective for everything, then eq. 14 from the global sums
+            stats = self.sum_over_batch(torch.cat([importance_E, load_s_AB.reshape(-1), load_p_A, cnt_A]))
+            importance_E, load_s_AB, load_p_A, cnt_A = stats.split([a * b, a * b, a, a])
+            load_E = (load_p_A[:, None] * load_s_AB.reshape(a, b) / (cnt_A[:, None] + _EPS)).reshape(-1)
+            aux_loss = self.w_importance * cv_squared(importance_E) + self.w_load * cv_squared(load_E)
+        return RouterOutput(gates_NK, experts_NK, aux_loss, importance_E, load_E)

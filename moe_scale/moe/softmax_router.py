@@ -1,0 +1,136 @@
+"""MoA-style softmax top-k router (Zhang et al. 2022, Mixture of Attention Heads, eq. 7-9 and 13-16; spec §3.1-3.3).
+
+Legend: N tokens, D model dim, E experts, K top-k, S = 3E + 2 entries of the stacked batch statistics.
+
+A router never talks to the network: the data-parallel sum of its statistics (``sum_over_batch``) is a callable
+injected by the MoE layer, exactly as for :class:`moe_scale.moe.routers.NoisyTopKRouter`.
+"""
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from moe_scale.moe.routers import RouterOutput
+
+RENORMALIZE_MODES = ("none", "detached")
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def switch_loss(prob_sum_E: Tensor, count_E: Tensor) -> Tensor:
+    """``L_a = E · Σ_i (P_i/‖P‖₁) · (f_i/‖f‖₁)`` (MoA eq. 13-15, ``compute_switchloss``), from batch sums.
+
+    ``prob_sum_E[i]`` = Σ_tokens p_{t,i} (router probabilities, carries the gradient), ``count_E[i]`` = number of
+    token selections of expert i (no gradient). Both are L1-normalised, so the result is 1 when either is uniform
+    (in particular at perfect balance and whenever k == E) and E when every token puts probability ≈ 1 on one expert
+    and (k == 1) selects it. Empty batches give 0 (the norms are clamped), never NaN.
+    """
+    e = prob_sum_E.shape[-1]
+    p_E = prob_sum_E / prob_sum_E.sum().clamp_min(1e-12)
+    f_E = count_E / count_E.sum().clamp_min(1.0)
+    return e * (p_E * f_E).sum()
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Softmax top-k gate of MoA with the switch (load-balancing) loss and the z-loss.
+
+    Routing (eq. 7-9): ``probs_NE = softmax(x W_g)`` over all E experts, in float32 (at least) with autocast off;
+    the K largest probabilities are kept. ``renormalize`` picks the gate weights (spec §3.3, §7 item 10):
+
+    - ``"none"`` (default, the released MoA code, which produced the paper's BLEU numbers): ``gates = top-k probs``,
+      which sum to < 1 when K < E; the router gets task-loss gradient through every kept probability, also at K == 1.
+    - ``"detached"`` (paper eq. 9): ``gates = p_i / Detach(Σ_{j∈topk} p_j)``; rows sum to 1 in the forward pass, but
+      the denominator carries no gradient. Identical forward values to ``"none"`` when K == E.
+
+    Losses (eq. 13-16), added to the model loss as ``aux_loss = aux_weight · L_a + z_weight · L_z``:
+
+    - ``L_a = E · Σ_i P̂_i f̂_i`` (see :func:`switch_loss`): ``P̂`` the mean router probability per expert, ``f̂`` the
+      fraction of the N·K token selections that went to each expert. 1 at uniform routing, E when collapsed; when
+      K == E every token selects every expert, so ``L_a ≡ 1`` with zero gradient and only the z-loss acts.
+    - ``L_z = mean_t logsumexp(logits_t)²`` (computed with ``torch.logsumexp``; the MoA code's naive
+      ``log(exp(.).sum())`` overflows for large logits, same value otherwise).
+
+    Every mean is over the whole data-parallel batch: the per-rank sums (prob sums per expert, importance per expert,
+    selection counts per expert, Σ lse², token count) travel as one stacked ``[3E + 2]`` tensor through
+    ``sum_over_batch`` -- one collective per forward, called on every rank even when it has no tokens. It must be an
+    autograd-aware all-reduce(SUM) (``torch.distributed.nn.functional.all_reduce``); a detached one shrinks the router
+    gradient by world_size. ``importance_E`` (Σ_tokens of the dense gates) and ``load_E`` (hard selection counts)
+    are global too. Counts are summed in the statistics' float dtype (exact up to 2^24 per expert in float32).
+
+    Loss reduction (spec §3.2, §7 item 11): these terms are meant to be added to a per-token **mean** cross-entropy,
+    so ``aux_weight`` (α) and ``z_weight`` (β) are relative to the mean loss (the Switch Transformer convention).
+    The MoA reference code adds ``0.01·L_a + 0.001·L_z`` to a token-**summed** CE that fairseq then divides by the
+    token count, so its effective weights are ≈ α / (tokens per micro-batch) -- with ``--max-tokens 8192``,
+    0.01 / 8192 ≈ 1.2e-6: our default balancing is about 10⁴ times stronger than the released code. To reproduce
+    the code's strength, pass ``aux_weight = α / tokens_per_batch`` (likewise for ``z_weight``). We chose the mean
+    because it puts α, β on the same scale as the Shazeer importance/load losses of the other routers, and the
+    balancing strength does not change with the batch size or the number of gradient-accumulation steps.
+
+    Initialisation (deviation from the MoA code, spec §3.1 "zero-init tie", §7 item 3): ``w_gate [D, E]`` has no
+    bias and starts from ``N(0, (1e-2/√D)²)`` instead of zeros. Zero init makes every probability tie, so top-k
+    would send every token to the same K experts at step 0; the small random init breaks the tie while keeping the
+    initial router close to uniform (logits ~ 1e-2 for unit-scale inputs). The parameter name avoids the substring
+    "expert" (DeepSpeed treats such names as expert weights). No padding mask: callers pass only real tokens.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        k: int,
+        aux_weight: float = 0.01,
+        z_weight: float = 0.001,
+        renormalize: str = "none",
+    ):
+        super().__init__()
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"router top-k must be in [1, num_experts={num_experts}], got k={k}")
+        if renormalize not in RENORMALIZE_MODES:
+            raise ValueError(f"renormalize must be one of {RENORMALIZE_MODES}, got {renormalize!r}")
+        self.d_model, self.num_experts, self.k = d_model, num_experts, k
+        self.aux_weight, self.z_weight, self.renormalize = aux_weight, z_weight, renormalize
+        self.w_gate = nn.Parameter(torch.empty(d_model, num_experts))
+        nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
+        self.sum_over_batch: Callable[[Tensor], Tensor] = _identity
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, renormalize={self.renormalize!r}, "
+            f"aux_weight={self.aux_weight}, z_weight={self.z_weight}"
+        )
+
+    def forward(self, x_ND: Tensor) -> RouterOutput:
+        k, e = self.k, self.num_experts
+        # At least float32 (float64 stays float64, for gradcheck); autocast off so bf16 autocast cannot undo it.
+        dtype = torch.promote_types(x_ND.dtype, torch.float32)
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            logits_NE = x_ND.to(dtype) @ self.w_gate.to(dtype)
+            probs_NE = torch.softmax(logits_NE, dim=1)
+            top_p_NK, experts_NK = probs_NE.topk(k, dim=1)  # sorted descending
+            if self.renormalize == "detached":  # eq. 9: the denominator carries no gradient
+                gates_NK = top_p_NK / top_p_NK.sum(dim=1, keepdim=True).detach()
+            else:
+                gates_NK = top_p_NK
+
+            flat_experts = experts_NK.reshape(-1)
+            importance_E = gates_NK.new_zeros(e).index_add(0, flat_experts, gates_NK.reshape(-1))
+            count_E = torch.bincount(flat_experts, minlength=e).to(dtype)
+            lse2_sum = torch.logsumexp(logits_NE, dim=1).square().sum()
+            n_tokens = logits_NE.new_tensor(float(logits_NE.shape[0]))
+
+            # One collective for everything the global means need.
+            stats_S = self.sum_over_batch(
+                torch.cat([probs_NE.sum(0), importance_E, count_E, lse2_sum[None], n_tokens[None]])
+            )
+            prob_sum_E, importance_E, count_E = stats_S[:e], stats_S[e : 2 * e], stats_S[2 * e : 3 * e]
+            lse2_sum, n_tokens = stats_S[3 * e], stats_S[3 * e + 1]
+
+            l_a = switch_loss(prob_sum_E, count_E.detach())
+            l_z = lse2_sum / n_tokens.detach().clamp_min(1.0)
+            aux_loss = self.aux_weight * l_a + self.z_weight * l_z
+        metrics = {"z_loss": float(l_z.detach()), "switch_loss": float(l_a.detach())}
+        return RouterOutput(gates_NK, experts_NK, aux_loss, importance_E, count_E.detach(), metrics)
