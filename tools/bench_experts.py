@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from tool_args import OneLineParser, non_negative_int, positive_int
+
 import torch
 from torch import nn
 
@@ -34,52 +36,29 @@ from moe_scale.moe.experts import GroupedExperts
 IMPLS = ("grouped", "sliced_loop", "dense")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def _expert_list(text: str) -> list[int]:
     items = [t.strip() for t in text.split(",")]
     if not items or any(not t for t in items):
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
-    return [_positive_int(t) for t in items]
+    return [positive_int(t) for t in items]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(prog="bench_experts.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="bench_experts.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=_expert_list, default=[8, 64, 256, 1024],
                    help="comma-separated expert counts E (default 8,64,256,1024)")
-    p.add_argument("--tokens", type=_positive_int, default=2048, help="tokens N (default 2048)")
-    p.add_argument("--k", type=_positive_int, default=2, help="top-k: the experts see N*k rows (default 2)")
-    p.add_argument("--d", type=_positive_int, default=256, help="model dim D (default 256)")
-    p.add_argument("--h", type=_positive_int, default=512, help="expert hidden dim H (default 512)")
-    p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps after 1 warm-up (default 5)")
-    p.add_argument("--max-naive-experts", type=_non_negative_int, default=256,
+    p.add_argument("--tokens", type=positive_int, default=2048, help="tokens N (default 2048)")
+    p.add_argument("--k", type=positive_int, default=2, help="top-k: the experts see N*k rows (default 2)")
+    p.add_argument("--d", type=positive_int, default=256, help="model dim D (default 256)")
+    p.add_argument("--h", type=positive_int, default=512, help="expert hidden dim H (default 512)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed steps after 1 warm-up (default 5)")
+    p.add_argument("--max-naive-experts", type=non_negative_int, default=256,
                    help="skip sliced_loop when E is above this (O(E^2); default 1024, 0 = never run it)")
-    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed for counts, inputs, weights (default 0)")
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed for counts, inputs, weights (default 0)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu; cuda times with synchronize)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON lines to this file")
     args = p.parse_args(argv)

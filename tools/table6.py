@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+from tool_args import OneLineParser, positive_int
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"
 
@@ -72,25 +74,11 @@ OWNED_FLAGS = {"--w-importance", "--w-load", "--num-experts", "--top-k", "--max-
 STDERR_TAIL_LINES = 25
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
 
 def _fail(message: str) -> None:
     print(f"table6.py: error: {message}", file=sys.stderr)
     sys.exit(2)
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _row_list(text: str) -> list[int]:
@@ -109,17 +97,17 @@ def _row_list(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(prog="table6.py", description="Shazeer et al. 2017 Table 6 in small (see the module docstring).")
+    p = OneLineParser(prog="table6.py", description="Shazeer et al. 2017 Table 6 in small (see the module docstring).")
     p.add_argument("--out", required=True, type=Path, help="output directory (runs, logs, table6.md, table6.json)")
     p.add_argument("--wikitext", type=Path, default=DEFAULT_WIKITEXT,
                    help=f"directory with WikiText-2 valid.txt and test.txt (default: {DEFAULT_WIKITEXT})")
-    p.add_argument("--num-experts", type=_positive_int, default=DEFAULT_NUM_EXPERTS,
+    p.add_argument("--num-experts", type=positive_int, default=DEFAULT_NUM_EXPERTS,
                    help=f"experts in the MoE layer, 64-256 (default: {DEFAULT_NUM_EXPERTS})")
-    p.add_argument("--top-k", type=_positive_int, default=DEFAULT_TOP_K,
+    p.add_argument("--top-k", type=positive_int, default=DEFAULT_TOP_K,
                    help=f"experts per token (default: {DEFAULT_TOP_K}, the paper's flat MoE)")
-    p.add_argument("--max-steps", type=_positive_int, default=DEFAULT_MAX_STEPS,
+    p.add_argument("--max-steps", type=positive_int, default=DEFAULT_MAX_STEPS,
                    help=f"training steps per row (default: {DEFAULT_MAX_STEPS})")
-    p.add_argument("--threads", type=_positive_int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads per training run (OMP_NUM_THREADS; default 1: on a shared 2-core machine "
                         "2 threads ran 10x slower than 1 when other processes competed)")
     p.add_argument("--only", type=_row_list, default=None,

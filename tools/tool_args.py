@@ -1,0 +1,28 @@
+"""Argument parsing shared by the scripts in tools/: one-line errors (exit 2) and integer checks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _bounded_int(minimum: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+    return parse
+
+
+positive_int = _bounded_int(1, "a positive integer")
+non_negative_int = _bounded_int(0, "an integer >= 0")
