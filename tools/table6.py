@@ -62,9 +62,9 @@ DEFAULT_TRAIN_FLAGS = [
     "--batch-size", "32", "--seq-len", "16", "--lr", "0.03", "--warmup-steps", "20",
     "--eval-max-batches", "20", "--seed", "1234",
 ]
-DEFAULT_NUM_EXPERTS = 64
+DEFAULT_NUM_EXPERTS = 256
 DEFAULT_TOP_K = 4
-DEFAULT_MAX_STEPS = 300
+DEFAULT_MAX_STEPS = 600
 
 # Flags --extra may not set: the tool sets them per row, or has its own flag for them.
 OWNED_FLAGS = {"--w-importance", "--w-load", "--num-experts", "--top-k", "--max-steps", "--out", "--data",

@@ -2,6 +2,11 @@
 
 CV is the coefficient of variation itself (not CV^2), population variance; importance and load are the
 global-batch vectors the router computed (load: smooth estimator in training, hard count at eval).
+
+They are reported over all tokens of a logging interval (or of an evaluation pass), not per batch: with
+many experts a small batch gives each expert a handful of tokens, and the sampling noise alone would put
+the CV near 1/sqrt(tokens per expert) however well balanced the router is. The paper's batches held
+~300k words; summing the vectors over an interval measures the router, not the batch size.
 """
 
 from __future__ import annotations
@@ -39,12 +44,36 @@ class MeanTracker:
         self.sums, self.count = {}, 0
 
 
-def moe_metrics(layers) -> dict[str, float]:
-    """Balance statistics and router metrics of every MoE layer's last forward; keys are prefixed with
-    `layer<i>_` when the model has more than one MoE layer."""
-    out: dict[str, float] = {}
-    for index, layer in enumerate(layers):
-        prefix = "" if len(layers) == 1 else f"layer{index}_"
-        values = {**balance_metrics(layer.stats.importance_E, layer.stats.load_E), **layer.stats.metrics}
-        out.update({prefix + name: float(value) for name, value in values.items()})
-    return out
+class MoEMetrics:
+    """Per MoE layer: importance and load summed over the forwards seen since the last reset, and the
+    router's own metrics averaged over them. Keys are prefixed with `layer<i>_` when there are several
+    MoE layers."""
+
+    def __init__(self, layers):
+        self.layers = list(layers)
+        self.reset()
+
+    def reset(self) -> None:
+        self.importance = [0.0] * len(self.layers)
+        self.load = [0.0] * len(self.layers)
+        self.router = MeanTracker()
+
+    def add(self) -> None:
+        """Record the last forward of every layer."""
+        router: dict[str, float] = {}
+        for index, layer in enumerate(self.layers):
+            self.importance[index] = self.importance[index] + layer.stats.importance_E.double()
+            self.load[index] = self.load[index] + layer.stats.load_E.double()
+            router.update({self._prefix(index) + name: float(v) for name, v in layer.stats.metrics.items()})
+        self.router.add(router)
+
+    def values(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for index in range(len(self.layers)):
+            if isinstance(self.importance[index], torch.Tensor):
+                balance = balance_metrics(self.importance[index], self.load[index])
+                out.update({self._prefix(index) + name: value for name, value in balance.items()})
+        return {**out, **self.router.means()}
+
+    def _prefix(self, index: int) -> str:
+        return "" if len(self.layers) == 1 else f"layer{index}_"

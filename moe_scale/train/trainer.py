@@ -18,7 +18,7 @@ from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv, init_distributed
 from moe_scale.errors import UserError
 from moe_scale.data import unigram_perplexity
-from moe_scale.metrics.balance import MeanTracker, moe_metrics
+from moe_scale.metrics.balance import MeanTracker, MoEMetrics
 from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token, tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.models.lstm_lm import LSTMMoELM
@@ -80,7 +80,7 @@ def run_training(config: RunConfig) -> dict:
     logger = RunLogger(run, t.max_steps, start_step, enabled=env.rank == 0)
     flops_per_step = training_flops_per_token(lstm_moe_forward_macs_per_token(m, len(data.vocab))) \
         * t.batch_size * config.data.seq_len
-    interval, timed = MeanTracker(), {"seconds": 0.0, "steps": 0}
+    interval, interval_moe, timed = MeanTracker(), MoEMetrics(model.moe_layers()), {"seconds": 0.0, "steps": 0}
     last_train, valid = {}, {}
     logger.line(f"training {_count(model, env)} on {env.world_size} process(es), ep_size={t.ep_size}, "
                 f"{data.train.num_windows} steps per epoch")
@@ -104,12 +104,14 @@ def run_training(config: RunConfig) -> dict:
         record = {"step": step + 1, "loss": nll / tokens, "aux_loss": aux / (env.world_size * t.grad_accum),
                   "grad_norm": trainer.grad_norm, "lr": engine.get_lr()[0]}
         logger.step(record)
-        interval.add({"nll": nll / tokens, "aux_loss": record["aux_loss"], **moe_metrics(model.moe_layers())})
+        interval.add({"nll": nll / tokens, "aux_loss": record["aux_loss"]})
+        interval_moe.add()
 
         done = step + 1
         if done % t.log_interval == 0 or done == t.max_steps:
-            last_train = interval.means()
+            last_train = {**interval.means(), **interval_moe.values()}
             interval.reset()
+            interval_moe.reset()
             perf = _throughput(timed, t.batch_size * config.data.seq_len, flops_per_step, env.world_size)
             logger.scalars(done, {"train/loss": last_train["nll"], "train/ppl": math.exp(last_train["nll"]),
                                   "train/aux_loss": last_train["aux_loss"], "train/lr": record["lr"],
