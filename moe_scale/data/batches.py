@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from datasets import Dataset
 
+from moe_scale.data.text import sentence_texts
 from moe_scale.data.vocab import Vocab
 from moe_scale.errors import UserError
 
@@ -52,8 +53,8 @@ class LMWindows:
         n_sentences = len(sentences)
         self.rows: list[np.ndarray] = []  # B rows of int32 tokens
         for i in range(first, first + self.rows_per_rank):
-            texts = sentences.shard(global_rows, i, contiguous=True)["text"] if i < n_sentences else []
-            self.rows.append(_encode_row(list(texts), vocab))
+            texts = sentence_texts(sentences.shard(global_rows, i, contiguous=True)) if i < n_sentences else []
+            self.rows.append(_encode_row(texts, vocab))
         # All ranks take part in the reduction (and raise together) even if their rows are empty.
         shortest = int(min_over_ranks(min(len(r) for r in self.rows)))
         self.num_windows = (shortest - 1) // seq_len if shortest > 0 else 0  # W

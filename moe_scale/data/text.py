@@ -136,3 +136,8 @@ def load_splits(spec: str, holdout_fraction: float = 0.02) -> dict[str, Dataset]
         train = train.select(range(n - n_hold))
         valid, test = (held, test) if valid is None else (valid, held)
     return {"train": train, "valid": valid, "test": test}
+
+
+def sentence_texts(ds: Dataset) -> list[str]:
+    """All sentences as a list, read in one batch (iterating a `datasets` column goes row by row: ~300x slower)."""
+    return ds[:]["text"] if len(ds) else []

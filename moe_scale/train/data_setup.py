@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from moe_scale.config import DataConfig
-from moe_scale.data import LMWindows, Vocab, load_sentences, load_splits, resolve_text_files, split_files
+from moe_scale.data import (LMWindows, Vocab, load_sentences, load_splits, resolve_text_files, sentence_texts,
+                            split_files)
 from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv
 from moe_scale.errors import UserError
@@ -54,7 +55,7 @@ def build_lm_data(config: DataConfig, env: DistEnv, global_rows: int, saved_voca
             raise UserError(f"{saved_vocab} is missing; the run directory is incomplete, start a new run")
         vocab = Vocab.load(saved_vocab)
     else:
-        vocab = Vocab.build(train["text"], max_size=config.vocab_size, min_count=config.min_count)
+        vocab = Vocab.build(sentence_texts(train), max_size=config.vocab_size, min_count=config.min_count)
     windows = dict(seq_len=config.seq_len, global_rows=global_rows, rank=env.rank, world_size=env.world_size,
                    min_over_ranks=min_over_ranks)
     return LMData(vocab, LMWindows(train, vocab, what="the training data", **windows),

@@ -17,7 +17,7 @@ from moe_scale.config import RunConfig
 from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv, init_distributed
 from moe_scale.errors import UserError
-from moe_scale.data import unigram_perplexity
+from moe_scale.data import sentence_texts, unigram_perplexity
 from moe_scale.metrics.balance import MeanTracker, MoEMetrics
 from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token, tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
@@ -176,8 +176,8 @@ def _summary(config, env, data, last_train, valid, timed, flops_per_step) -> dic
         "gate": config.model.gate,
         "train_ppl": train_ppl,
         "valid_ppl": valid["ppl"],
-        "unigram_valid_ppl": unigram_perplexity(data.train_sentences["text"], data.valid_sentences["text"],
-                                                data.vocab),
+        "unigram_valid_ppl": unigram_perplexity(sentence_texts(data.train_sentences),
+                                                sentence_texts(data.valid_sentences), data.vocab),
         "tokens_per_s": perf["tokens_per_s"],
         "tflops_per_device": perf["tflops_per_device"],
         **train_moe,
