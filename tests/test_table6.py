@@ -22,7 +22,7 @@ def _run(*flags: str, timeout: int = 80) -> subprocess.CompletedProcess:
 
 def test_table6_two_rows_tiny(tmp_path):
     out = tmp_path / "t6"
-    proc = _run("--out", str(out), "--only", "0,3", "--max-steps", "3", *TINY)
+    proc = _run("--out", str(out), "--only", "0,3", "--max-steps", "3", "--num-experts", "64", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     md = (out / "table6.md").read_text()
@@ -47,7 +47,8 @@ def test_table6_two_rows_tiny(tmp_path):
     assert table["tokens"] == 3 * 8 * 8
 
     # --reuse: nothing is retrained, the same table comes back
-    again = _run("--out", str(out), "--only", "0,3", "--max-steps", "3", "--reuse", *TINY, timeout=30)
+    again = _run("--out", str(out), "--only", "0,3", "--max-steps", "3", "--num-experts", "64", "--reuse", *TINY,
+                 timeout=30)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout == md and again.stderr.count("reusing") == 2
 

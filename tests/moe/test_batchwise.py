@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_scale.distributed.comm import all_gather_rows, autograd_all_reduce_sum
+from moe_scale.distributed.comm import RowGatherer, autograd_all_reduce_sum
 from moe_scale.moe.batchwise import BatchwiseRouter, PairRouting, batchwise_mask
 from tests.multiproc import run_ranks
 
@@ -325,8 +325,8 @@ def _case_inputs(seed, world):
 def _rank_router(rank, world, scope, zero, seed):
     router = make_router(d=D, e=E, k=K, seed=seed, zero=zero, scope=scope, w_importance=0.5).train()
     router.sum_over_batch = autograd_all_reduce_sum(dist.group.WORLD)
-    router.gather_over_batch = all_gather_rows(dist.group.WORLD)
-    router.rank_in_batch = lambda: (rank * N_LOCAL, world * N_LOCAL)
+    gatherer = RowGatherer(dist.group.WORLD)        # as MoELayer wires it
+    router.gather_over_batch, router.rank_in_batch = gatherer, gatherer.position
     return router
 
 
