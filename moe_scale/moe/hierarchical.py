@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_scale.moe.losses import cv_squared
-from moe_scale.moe.routers import NoiseSampler, RouterOutput, _identity, prob_in_top_k
+from moe_scale.moe.routers import NoiseSampler, RouterOutput, _identity, prob_in_top_k, sample_noise
 
 _EPS = 1e-10  # t2t's epsilon in eq. 14's denominator: a group that got no token has load 0, not NaN
 
@@ -113,9 +113,7 @@ class HierarchicalRouter(nn.Module):
         )
 
     def _sample_noise(self, n: int, e: int, device: torch.device) -> Tensor:
-        if self.noise_sampler is None:
-            return torch.randn(n, e, device=device)
-        return self.noise_sampler(n, e, device)
+        return sample_noise(self.noise_sampler, n, e, device)
 
     def forward(self, x_ND: Tensor) -> RouterOutput:
         a, b, kp, ks = self.num_groups, self.experts_per_group, self.k_primary, self.k_secondary

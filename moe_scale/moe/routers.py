@@ -40,6 +40,11 @@ def _identity(t: Tensor) -> Tensor:
     return t
 
 
+def sample_noise(sampler: Optional[NoiseSampler], n: int, e: int, device: torch.device) -> Tensor:
+    """Standard normal noise [n, e]: from the installed sampler (e.g. GlobalTokenNoise) or the global RNG."""
+    return torch.randn(n, e, device=device) if sampler is None else sampler(n, e, device)
+
+
 def prob_in_top_k(clean_NE: Tensor, noisy_NE: Tensor, std_NE: Tensor, top_values_NM: Tensor, k: int) -> Tensor:
     """P(x, i): probability that expert i stays in the top k when only its own noise is redrawn (eq. 8-9).
 
@@ -107,9 +112,7 @@ class NoisyTopKRouter(nn.Module):
         )
 
     def _sample_noise(self, n: int, e: int, device: torch.device) -> Tensor:
-        if self.noise_sampler is None:
-            return torch.randn(n, e, device=device)
-        return self.noise_sampler(n, e, device)
+        return sample_noise(self.noise_sampler, n, e, device)
 
     def compute_logits(self, x_ND: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """(clean_NE, logits_NE, std_NE): logits are noisy in training with noise on, else clean (std None)."""
