@@ -21,7 +21,6 @@ class LMData:
     vocab: Vocab
     train: LMWindows
     valid: LMWindows
-    test_sentences: object     # a datasets.Dataset, windowed on demand by `moe-scale eval`
     valid_sentences: object
     train_sentences: object
 
@@ -49,7 +48,7 @@ def load_run_splits(config: DataConfig):
 def build_lm_data(config: DataConfig, env: DistEnv, global_rows: int, saved_vocab: Path | None) -> LMData:
     """Loads text and makes this rank's windows. The vocabulary is rebuilt deterministically on every rank
     (no file exchange needed), or reloaded from a resumed run."""
-    train, valid, test = load_run_splits(config)
+    train, valid, _ = load_run_splits(config)
     if saved_vocab is not None:
         if not saved_vocab.exists():
             raise UserError(f"{saved_vocab} is missing; the run directory is incomplete, start a new run")
@@ -59,4 +58,4 @@ def build_lm_data(config: DataConfig, env: DistEnv, global_rows: int, saved_voca
     windows = dict(seq_len=config.seq_len, global_rows=global_rows, rank=env.rank, world_size=env.world_size,
                    min_over_ranks=min_over_ranks)
     return LMData(vocab, LMWindows(train, vocab, what="the training data", **windows),
-                  LMWindows(valid, vocab, what="the validation data", **windows), test, valid, train)
+                  LMWindows(valid, vocab, what="the validation data", **windows), valid, train)

@@ -82,7 +82,7 @@ def run_training(config: RunConfig) -> dict:
         * t.batch_size * config.data.seq_len
     interval, interval_moe, timed = MeanTracker(), MoEMetrics(model.moe_layers()), {"seconds": 0.0, "steps": 0}
     last_train, valid = {}, {}
-    logger.line(f"training {_count(model, env)} on {env.world_size} process(es), ep_size={t.ep_size}, "
+    logger.line(f"training {_count(model)} on {env.world_size} process(es), ep_size={t.ep_size}, "
                 f"{data.train.num_windows} steps per epoch")
     for step in range(start_step, t.max_steps):
         torch.manual_seed(step_seed(t.seed, step, env.rank))
@@ -158,7 +158,7 @@ def _throughput(timed: dict, tokens_per_step: int, flops_per_step: float, world_
             "tflops_per_device": tflops_per_device(flops_per_step, step_seconds, world_size)}
 
 
-def _count(model: LSTMMoELM, env: DistEnv) -> str:
+def _count(model: LSTMMoELM) -> str:
     experts = sum(p.numel() for p in model.moe.experts.parameters()) * model.moe.ep_size
     dense = sum(p.numel() for p in model.parameters()) - experts // model.moe.ep_size
     return f"{(dense + experts) / 1e6:.2f}M parameters ({experts / 1e6:.2f}M in {model.moe.num_experts} experts)"

@@ -383,7 +383,7 @@ def test_local_scope_on_two_ranks():
     results = run_ranks(_worker, world_size=world, args=("local", False, seed))
     x = _case_inputs(seed, world)
     m_local = K * N_LOCAL // E
-    importance, load, ts, weights = 0, 0, [], []
+    importance, load, ts = 0, 0, []
     for rank, res in enumerate(results):
         mask = torch.zeros(N_LOCAL, E, dtype=torch.bool)
         mask[res["token"], res["expert"]] = True
