@@ -43,6 +43,12 @@ class ModelConfig:
     moa_z_weight: float = _f(0.001, "softmax_topk: weight β of the router z-loss")
     moa_renormalize: str = _f("none", "softmax_topk: keep the top-k probabilities as they are (released code) or "
                                       "divide by their detached sum (paper eq. 9)", ("none", "detached"))
+    dispatch: str = _f("dropless", "token dispatch: every routed copy reaches its expert, or each expert takes at "
+                                   "most capacity_factor x its fair share and the lowest-gate copies are dropped",
+                       ("dropless", "capacity"))
+    capacity_factor: float = _f(1.0, "capacity dispatch: expert capacity = ceil(factor x tokens x k / experts)")
+    expert_recompute: bool = _f(False, "recompute the experts' hidden activations in the backward pass instead "
+                                       "of storing them (Shazeer et al. App. D)")
 
 
 @dataclass
@@ -69,6 +75,9 @@ class TrainConfig:
     noise_rng: str = _f("rank", "gate noise per rank, or drawn per global token so any world size draws the "
                                 "same noise (costs global tokens x experts memory)", ("rank", "global"))
     ep_size: int = _f(1, "expert-parallel ranks: experts are split over groups of this many ranks")
+    all_to_all: str = _f("flat", "token exchange: one all-to-all over the expert-parallel group, or within each "
+                                 "node first and then across nodes", ("flat", "hierarchical"))
+    node_size: int = _f(0, "hierarchical all-to-all: ranks per node (0: the launcher's LOCAL_WORLD_SIZE)")
     ds_config: str | None = _f(None, "DeepSpeed JSON (default: the built-in CPU config, ds_configs/cpu.json)")
     out: str = _f("runs/lstm-moe", "run directory: config, vocab, summary, TensorBoard events, checkpoints")
     resume: bool = _f(False, "continue from the latest complete checkpoint in --out")
@@ -154,6 +163,11 @@ class RunConfig:
         if min(m.w_importance, m.w_load, t.lr, t.weight_decay, t.warmup_steps, t.eval_max_batches) < 0:
             raise UserError("--w-importance, --w-load, --lr, --weight-decay, --warmup-steps and "
                             "--eval-max-batches must not be negative")
+        if m.capacity_factor <= 0:
+            raise UserError(f"--capacity-factor must be positive (got {m.capacity_factor}); 1.0 gives each "
+                            f"expert exactly its fair share of tokens x k / experts")
+        if t.node_size < 0:
+            raise UserError(f"--node-size must be 0 (from the launcher) or a positive rank count (got {t.node_size})")
         if t.resume and t.overwrite:
             raise UserError("--resume and --overwrite contradict each other; pass one of them")
 

@@ -14,6 +14,7 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class _GroupedMatmul(torch.autograd.Function):
@@ -66,8 +67,9 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, d_model: int, d_hidden: int, first_global_expert: int = 0,
-                 seed: int = 0):
+                 seed: int = 0, recompute: bool = False):
         super().__init__()
+        self.recompute = recompute
         self.num_local_experts, self.d_model, self.d_hidden = num_local_experts, d_model, d_hidden
         self.first_global_expert, self.seed = first_global_expert, seed
         self.w_in = nn.Parameter(torch.empty(num_local_experts, d_model, d_hidden))
@@ -90,5 +92,10 @@ class GroupedExperts(nn.Module):
         if torch.is_autocast_enabled(device_type):  # autocast skips custom Functions: cast as it would for a matmul
             dtype = torch.get_autocast_dtype(device_type)
             tokens_MD, w_in, w_out = tokens_MD.to(dtype), w_in.to(dtype), w_out.to(dtype)
+        if self.recompute and torch.is_grad_enabled():   # App. D: keep only the inputs, redo the hidden layer
+            return checkpoint(self._ffn, tokens_MD, w_in, w_out, tokens_per_expert, use_reentrant=False)
+        return self._ffn(tokens_MD, w_in, w_out, tokens_per_expert)
+
+    def _ffn(self, tokens_MD, w_in, w_out, tokens_per_expert: list[int]) -> torch.Tensor:
         hidden_MH = torch.relu(grouped_matmul(tokens_MD, w_in, tokens_per_expert))
         return grouped_matmul(hidden_MH, w_out, tokens_per_expert) * self.output_scale

@@ -49,7 +49,7 @@ class MoELayer(DeepSpeedMoE):
 
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, k: int, ep_size: int = 1,
                  ep_rank: int = 0, w_importance: float = 0.1, w_load: float = 0.1, noisy_gating: bool = True,
-                 seed: int = 0, router: nn.Module | None = None):
+                 seed: int = 0, router: nn.Module | None = None, recompute: bool = False):
         nn.Module.__init__(self)  # DeepSpeed's MoE.__init__ would build its own gate and experts
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
@@ -60,7 +60,8 @@ class MoELayer(DeepSpeedMoE):
         self.router = router if router is not None else NoisyTopKRouter(
             d_model, num_experts, k, w_importance=w_importance, w_load=w_load, noisy=noisy_gating)
         self.experts = GroupedExperts(self.num_local_experts, d_model, d_hidden,
-                                      first_global_expert=ep_rank * self.num_local_experts, seed=seed)
+                                      first_global_expert=ep_rank * self.num_local_experts, seed=seed,
+                                      recompute=recompute)
         for param in self.experts.parameters():
             param.allreduce = False
             param.group_name = self.expert_group_name
