@@ -37,7 +37,8 @@ class LSTMMoELM(nn.Module):
         self.lstm1 = nn.LSTM(d, d, batch_first=True)
         self.moe = MoELayer(d, config.expert_hidden, config.num_experts, config.top_k, ep_size=ep_size,
                             ep_rank=ep_rank, seed=seed, router=build_router(config),
-                            recompute=config.expert_recompute)
+                            recompute=config.expert_recompute, dispatch_mode=config.dispatch,
+                            capacity_factor=config.capacity_factor)
         self.lstm2 = nn.LSTM(d, d, batch_first=True)
         self.dropout = nn.Dropout(config.dropout)
         self.softmax = FullSoftmax(d, vocab_size)

@@ -16,15 +16,18 @@ only: none of DeepSpeed's gate/dispatch code runs here. What the engine reads fr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.utils import groups
 from torch import nn
 
-from moe_scale.distributed.comm import RowGatherer, autograd_all_reduce_sum
+from moe_scale.distributed.comm import RowGatherer, autograd_all_reduce_sum, collective_device
 from moe_scale.moe.dispatch import AllToAllDispatcher
+from moe_scale.moe.exchange import HierarchicalExchange, build_hierarchical_groups
 from moe_scale.moe.experts import GroupedExperts
 from moe_scale.moe.routers import NoisyTopKRouter
 
@@ -49,7 +52,9 @@ class MoELayer(DeepSpeedMoE):
 
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, k: int, ep_size: int = 1,
                  ep_rank: int = 0, w_importance: float = 0.1, w_load: float = 0.1, noisy_gating: bool = True,
-                 seed: int = 0, router: nn.Module | None = None, recompute: bool = False):
+                 seed: int = 0, router: nn.Module | None = None, recompute: bool = False,
+                 dispatch_mode: str = "dropless", capacity_factor: float = 1.0, all_to_all: str = "flat",
+                 node_size: int = 0):
         nn.Module.__init__(self)  # DeepSpeed's MoE.__init__ would build its own gate and experts
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
@@ -65,8 +70,12 @@ class MoELayer(DeepSpeedMoE):
         for param in self.experts.parameters():
             param.allreduce = False
             param.group_name = self.expert_group_name
-        self.dispatcher = AllToAllDispatcher(num_experts, self.num_local_experts)
+        self.dispatcher = AllToAllDispatcher(num_experts, self.num_local_experts, dispatch_mode, capacity_factor)
+        if all_to_all not in ("flat", "hierarchical"):
+            raise ValueError(f"all_to_all must be 'flat' or 'hierarchical', got {all_to_all!r}")
+        self.all_to_all, self.node_size = all_to_all, node_size
         self.stats: MoEStats | None = None
+        self.data_parallel_group = None
         self._register_state_dict_hook(_stacked_to_per_expert_keys)
         self._register_load_state_dict_pre_hook(_per_expert_to_stacked_keys, with_module=True)
 
@@ -75,12 +84,17 @@ class MoELayer(DeepSpeedMoE):
         if self.expert_group_name not in groups._get_expert_parallel_group_dict():
             groups._create_expert_and_data_parallel(
                 self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
-        self.dispatcher.ep_group = groups._get_expert_parallel_group(self.expert_group_name)
+        ep_group = groups._get_expert_parallel_group(self.expert_group_name)
+        self.dispatcher.ep_group = ep_group
+        if self.all_to_all == "hierarchical" and self.ep_size > 1:
+            intra, inter, per_node, nodes = build_hierarchical_groups(ep_group, ranks_per_node(self.node_size))
+            self.dispatcher.exchange = HierarchicalExchange(intra, inter, per_node, nodes,
+                                                            self.dispatcher.exchange.timer)
         actual_ep_rank = groups._get_expert_parallel_rank(self.expert_group_name)
         if actual_ep_rank != self.ep_rank:
             raise RuntimeError(f"built for expert-parallel rank {self.ep_rank}, but DeepSpeed placed this "
                                f"process at rank {actual_ep_rank} of its expert-parallel group")
-        data_parallel = groups._get_data_parallel_group()
+        data_parallel = self.data_parallel_group = groups._get_data_parallel_group()
         self.router.sum_over_batch = autograd_all_reduce_sum(data_parallel)
         if hasattr(self.router, "gather_over_batch"):   # gates that select over the global batch
             gatherer = RowGatherer(data_parallel)
@@ -93,9 +107,30 @@ class MoELayer(DeepSpeedMoE):
         route = self.router(x_ND)
         self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach(), dict(route.metrics))
         token_index_P, expert_P, gate_P = route.pairs()
-        tokens_MD, state = self.dispatcher.dispatch(x_ND, token_index_P, expert_P)
+        tokens_MD, state = self.dispatcher.dispatch(x_ND, token_index_P, expert_P, gate_P)
+        if self.dispatcher.mode == "capacity":
+            self.stats.metrics["dropped_fraction"] = self._dropped_fraction(state)
         y_MD = self.experts(tokens_MD, state.tokens_per_expert)
         return self.dispatcher.combine(y_MD, gate_P, state).to(x_ND.dtype), route.aux_loss
+
+    def _dropped_fraction(self, state) -> float:
+        """Dropped copies / routed copies over the whole data-parallel batch."""
+        counts = torch.tensor([state.dropped_pairs, state.num_pairs], dtype=torch.float64,
+                              device=collective_device())
+        if self.data_parallel_group is not None and dist.get_world_size(self.data_parallel_group) > 1:
+            dist.all_reduce(counts, group=self.data_parallel_group)
+        return float(counts[0] / counts[1].clamp(min=1))
+
+
+def ranks_per_node(node_size: int) -> int:
+    """--node-size, else the launcher's count of processes on this node."""
+    if node_size:
+        return node_size
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    raise ValueError("hierarchical all-to-all needs the ranks per node: pass --node-size (the launcher set "
+                     "none of LOCAL_WORLD_SIZE, LOCAL_SIZE, SLURM_NTASKS_PER_NODE)")
 
 
 def _stacked_to_per_expert_keys(module: MoELayer, state_dict, prefix, local_metadata):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_scale.moe.gating_ops import noisy_top_k
 from moe_scale.moe.losses import cv_squared
 
 NoiseSampler = Callable[[int, int, torch.device], Tensor]
@@ -129,17 +130,26 @@ class NoisyTopKRouter(nn.Module):
             return clean_NE, clean_NE + noise_NE * std_NE, std_NE
 
     def forward(self, x_ND: Tensor) -> RouterOutput:
+        """Same arithmetic as compute_logits + topk + prob_in_top_k, in the memory-lean fused op."""
         k, e = self.k, self.num_experts
-        clean_NE, logits_NE, std_NE = self.compute_logits(x_ND)
+        dtype = torch.promote_types(x_ND.dtype, torch.float32)
         with torch.autocast(device_type=x_ND.device.type, enabled=False):
-            top_values_NM, top_idx_NM = logits_NE.topk(min(k + 1, e), dim=1)  # values keep their gradient
+            x_ND = x_ND.to(dtype)
+            clean_NE = x_ND @ self.w_gate.to(dtype)
+            noisy = self.training and self.noisy
+            if noisy:
+                noise_NE = self._sample_noise(*clean_NE.shape, x_ND.device).to(dtype)
+                top_values_NM, top_idx_NM, smooth_load_E = noisy_top_k(
+                    clean_NE, x_ND @ self.w_noise.to(dtype), noise_NE, self.noise_epsilon, k, smooth_load=k < e)
+            else:
+                top_values_NM, top_idx_NM = clean_NE.topk(min(k + 1, e), dim=1)  # values keep their gradient
             gates_NK = torch.softmax(top_values_NM[:, :k], dim=1)
             experts_NK = top_idx_NM[:, :k]
 
             # importance_E = sum over tokens of the dense gates, without building the dense [N, E] gates.
             importance_E = gates_NK.new_zeros(e).index_add(0, experts_NK.reshape(-1), gates_NK.reshape(-1))
-            if std_NE is not None and k < e:
-                load_E = prob_in_top_k(clean_NE, logits_NE, std_NE, top_values_NM, k).sum(0)
+            if noisy and k < e:
+                load_E = smooth_load_E
             else:  # eval, noise off, or k == E (no (k+1)-th value): a count, with no gradient
                 load_E = torch.bincount(experts_NK.reshape(-1), minlength=e).to(gates_NK.dtype)
 

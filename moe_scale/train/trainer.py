@@ -72,6 +72,8 @@ def run_training(config: RunConfig) -> dict:
 
     torch.manual_seed(t.seed)
     model = LSTMMoELM(m, len(data.vocab), ep_size=t.ep_size, ep_rank=env.rank % t.ep_size, seed=t.seed)
+    for layer in model.moe_layers():   # how rows travel; groups are built when DeepSpeed connects the layer
+        layer.all_to_all, layer.node_size = t.all_to_all, t.node_size
     trainer = Trainer(model.to(env.device), ds_config, t)
     engine = trainer.engine
     noises = _install_noise(model, config, env)

@@ -1,4 +1,5 @@
-"""AllToAllDispatcher: regrouping index, local dispatch/combine, and 2-rank gloo == 1 process."""
+"""AllToAllDispatcher: regrouping index, local dispatch/combine, capacity accounting, and R-rank gloo
+(flat and hierarchical exchange, dropless and capacity) == 1 process."""
 
 import os
 
@@ -7,7 +8,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from moe_scale.moe.dispatch import AllToAllDispatcher, _source_major_to_expert_major
+from moe_scale.moe.dispatch import AllToAllDispatcher
+from moe_scale.moe.exchange import HierarchicalExchange, block_transpose_index, build_hierarchical_groups
 from tests.multiproc import run_ranks
 
 D = 8
@@ -27,22 +29,22 @@ def brute_force_regroup(counts_PL: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("p,l", [(1, 1), (1, 5), (2, 4), (3, 2), (4, 3)])
-def test_source_major_to_expert_major_matches_brute_force(p, l):
+def testblock_transpose_index_matches_brute_force(p, l):
     gen = torch.Generator().manual_seed(p * 10 + l)
     for trial in range(20):
         counts = torch.randint(0, 4, (p, l), generator=gen)
         if trial % 5 == 0:
             counts[torch.rand(p, l, generator=gen) < 0.5] = 0     # many empty blocks
-        got = _source_major_to_expert_major(counts)
+        got = block_transpose_index(counts)
         assert got.dtype == torch.long
         assert torch.equal(got, brute_force_regroup(counts)), counts
 
 
-def test_source_major_to_expert_major_all_zero_and_one_block():
-    assert _source_major_to_expert_major(torch.zeros(2, 3, dtype=torch.long)).numel() == 0
+def testblock_transpose_index_all_zero_and_one_block():
+    assert block_transpose_index(torch.zeros(2, 3, dtype=torch.long)).numel() == 0
     counts = torch.zeros(3, 2, dtype=torch.long)
     counts[1, 1] = 4
-    assert torch.equal(_source_major_to_expert_major(counts), torch.arange(4))
+    assert torch.equal(block_transpose_index(counts), torch.arange(4))
 
 
 # ---------------------------------------------------------------- data
@@ -55,7 +57,7 @@ def distinct_experts(n: int, k: int, choices: list[int], gen: torch.Generator) -
 
 
 def make_case(name: str, n_per_rank: int = 12, k: int = 2, e: int = 8, world: int = 2):
-    """Global batch for a 2-rank run: rank r owns tokens [r*n, (r+1)*n). Same data in every process."""
+    """Global batch for a `world`-rank run: rank r owns tokens [r*n, (r+1)*n). Same data in every process."""
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     n = n_per_rank * world
     x = torch.randn(n, D, generator=gen, dtype=torch.float64)
@@ -69,6 +71,9 @@ def make_case(name: str, n_per_rank: int = 12, k: int = 2, e: int = 8, world: in
         experts = distinct_experts(n, k, list(range(half)), gen)
     elif name == "some_experts_empty":                  # experts 1, 3, 4, 7 get nothing
         experts = distinct_experts(n, k, [0, 2, 5, 6], gen)
+    elif name == "all_to_one_expert":                   # k = 1, every token picks expert 3
+        experts = torch.full((n, 1), 3)
+        gates = gates[:, :1].contiguous()
     elif name == "no_cross_traffic":                    # each rank only routes to its own experts
         experts = torch.cat([distinct_experts(n_per_rank, k, list(range(r * half, (r + 1) * half)), gen)
                              for r in range(world)])
@@ -178,45 +183,123 @@ def test_float32_gates_with_float64_rows_and_empty_batch():
     assert dispatcher.combine(rows, gates[:0].reshape(-1), state).shape == (0, D)
 
 
-# ---------------------------------------------------------------- two processes (gloo)
+# ---------------------------------------------------------------- capacity accounting, by hand
 
 
-def _two_rank_worker(rank, world, name):
+def test_capacity_keeps_the_highest_gates_per_expert():
+    # Six (token, expert) pairs, two experts. Capacity = ceil(factor * 6 / 2).
+    experts = torch.tensor([0, 0, 0, 1, 0, 1])
+    gates = torch.tensor([0.9, 0.2, 0.5, 0.4, 0.7, 0.1])
+    x = torch.arange(6.0)[:, None].repeat(1, D)          # token t's row is all t
+    tokens = torch.arange(6)
+
+    full = AllToAllDispatcher(2, 2, mode="capacity", capacity_factor=1.0)      # capacity 3
+    rows, state = full.dispatch(x, tokens, experts, gates)
+    assert full.capacity(6) == 3
+    assert state.tokens_per_expert == [3, 2] and (state.dropped_pairs, state.num_pairs) == (1, 6)
+    assert rows[:, 0].tolist() == [0, 4, 2, 3, 5]         # expert 0: gates .9 .7 .5 (pair 1, gate .2, dropped)
+
+    half = AllToAllDispatcher(2, 2, mode="capacity", capacity_factor=0.5)      # capacity ceil(1.5) = 2
+    rows, state = half.dispatch(x, tokens, experts, gates)
+    assert state.tokens_per_expert == [2, 2] and state.dropped_pairs == 2
+    assert rows[:, 0].tolist() == [0, 4, 3, 5]
+    out = half.combine(rows, gates, state)                # identity experts: out[t] = kept gate * x[t]
+    kept_gate = torch.tensor([0.9, 0.0, 0.0, 0.4, 0.7, 0.1])
+    torch.testing.assert_close(out, kept_gate[:, None] * x)
+
+
+def test_capacity_ties_keep_the_lower_pair_index_and_dropless_drops_nothing():
+    experts = torch.zeros(5, dtype=torch.long)
+    gates = torch.full((5,), 0.5)
+    x = torch.arange(5.0)[:, None].repeat(1, D)
+    d = AllToAllDispatcher(4, 4, mode="capacity", capacity_factor=4.0)       # ceil(4 * 5 / 4) = 5: all fit
+    assert d.dispatch(x, torch.arange(5), experts, gates)[1].dropped_pairs == 0
+    d = AllToAllDispatcher(4, 4, mode="capacity", capacity_factor=1.0)       # ceil(5 / 4) = 2
+    rows, state = d.dispatch(x, torch.arange(5), experts, gates)
+    assert rows[:, 0].tolist() == [0, 1] and state.dropped_pairs == 3 and state.tokens_per_expert == [2, 0, 0, 0]
+    rows, state = AllToAllDispatcher(4, 4).dispatch(x, torch.arange(5), experts, gates)
+    assert state.dropped_pairs == 0 and state.tokens_per_expert == [5, 0, 0, 0]
+
+
+def test_bad_dispatch_settings_are_refused():
+    with pytest.raises(ValueError, match="capacity_factor must be positive"):
+        AllToAllDispatcher(4, 4, mode="capacity", capacity_factor=0.0)
+    with pytest.raises(ValueError, match="dispatch mode"):
+        AllToAllDispatcher(4, 4, mode="drop-some")
+    with pytest.raises(ValueError, match="needs the gates"):
+        AllToAllDispatcher(4, 4, mode="capacity").dispatch(torch.zeros(2, D), torch.arange(2), torch.zeros(2, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- R processes (gloo)
+
+
+def _rank_worker(rank, world, name, mode, exchange, node_size):
+    """Rank `rank` of an ep_size = world run on its slice of the global case."""
     x_all, experts_all, gates_all, w_all, upstream_all = make_case(name, world=world)
-    n = x_all.shape[0] // world
-    e = w_all.shape[0]
+    n, e = x_all.shape[0] // world, w_all.shape[0]
     local = e // world
     mine = slice(rank * n, (rank + 1) * n)
     x = x_all[mine].clone().requires_grad_(True)
     gates = gates_all[mine].clone().requires_grad_(True)
     w = w_all[rank * local:(rank + 1) * local].clone().requires_grad_(True)
-    dispatcher = AllToAllDispatcher(e, local)
-    dispatcher.ep_group = torch.distributed.new_group([0, 1])
-    rows, state = dispatcher.dispatch(x, *top_k_pairs(experts_all[mine]))
+    dispatcher = AllToAllDispatcher(e, local, mode=mode, capacity_factor=0.75)
+    ep_group = torch.distributed.new_group(list(range(world)))
+    dispatcher.ep_group = ep_group
+    if exchange == "hierarchical":
+        intra, inter, per_node, nodes = build_hierarchical_groups(ep_group, node_size)
+        dispatcher.exchange = HierarchicalExchange(intra, inter, per_node, nodes)
+    rows, state = dispatcher.dispatch(x, *top_k_pairs(experts_all[mine]), gates.reshape(-1))
     out = dispatcher.combine(apply_experts(rows, w, state.tokens_per_expert), gates.reshape(-1), state)
     (out * upstream_all[mine]).sum().backward()
     return {"out": out.detach(), "x_grad": x.grad, "gates_grad": gates.grad, "w_grad": w.grad,
-            "tokens_per_expert": state.tokens_per_expert, "arrived": rows.shape[0]}
+            "tokens_per_expert": state.tokens_per_expert, "arrived": rows.shape[0],
+            "dropped": state.dropped_pairs, "calls": dispatcher.exchange.timer.calls}
 
 
-@pytest.mark.parametrize("name", ["random", "rank1_receives_nothing", "some_experts_empty", "no_cross_traffic"])
-def test_two_ranks_equal_single_process(name):
-    results = run_ranks(_two_rank_worker, world_size=2, args=(name,), timeout=60)
+def per_rank_reference(name, mode, world):
+    """One process, all experts local, each rank's tokens dispatched on their own (capacity is per rank)."""
+    x_all, experts_all, gates_all, w_all, upstream_all = make_case(name, world=world)
+    n = x_all.shape[0] // world
+    w = w_all.clone().requires_grad_(True)
+    results, w_grad = [], torch.zeros_like(w_all)
+    for rank in range(world):
+        mine = slice(rank * n, (rank + 1) * n)
+        x = x_all[mine].clone().requires_grad_(True)
+        gates = gates_all[mine].clone().requires_grad_(True)
+        dispatcher = AllToAllDispatcher(w.shape[0], w.shape[0], mode=mode, capacity_factor=0.75)
+        rows, state = dispatcher.dispatch(x, *top_k_pairs(experts_all[mine]), gates.reshape(-1))
+        out = dispatcher.combine(apply_experts(rows, w, state.tokens_per_expert), gates.reshape(-1), state)
+        gx, gg, gw = torch.autograd.grad((out * upstream_all[mine]).sum(), (x, gates, w))
+        w_grad += gw
+        results.append({"out": out.detach(), "x_grad": gx, "gates_grad": gg, "dropped": state.dropped_pairs,
+                        "counts": torch.tensor(state.tokens_per_expert)})
+        if mode == "dropless":
+            torch.testing.assert_close(out, dense_reference(x_all[mine], experts_all[mine], gates_all[mine], w_all))
+    return results, w_grad
 
-    x, experts, gates, w, upstream = make_case(name)
-    x.requires_grad_(True), gates.requires_grad_(True), w.requires_grad_(True)
-    ref = dense_reference(x, experts, gates, w)
-    ref_gx, ref_gg, ref_gw = torch.autograd.grad((ref * upstream).sum(), (x, gates, w))
-    counts = torch.bincount(experts.reshape(-1), minlength=8)
 
-    n, local = x.shape[0] // 2, 4
-    for rank, res in enumerate(results):
-        mine, experts_mine = slice(rank * n, (rank + 1) * n), slice(rank * local, (rank + 1) * local)
-        assert res["tokens_per_expert"] == counts[experts_mine].tolist()
-        assert res["arrived"] == int(counts[experts_mine].sum())
-        torch.testing.assert_close(res["out"], ref[mine].detach())
-        torch.testing.assert_close(res["x_grad"], ref_gx[mine])
-        torch.testing.assert_close(res["gates_grad"], ref_gg[mine])
-        torch.testing.assert_close(res["w_grad"], ref_gw[experts_mine])
-    if name == "rank1_receives_nothing":
-        assert results[1]["arrived"] == 0 and torch.count_nonzero(results[1]["w_grad"]) == 0
+CASES = ["random", "rank1_receives_nothing", "some_experts_empty", "no_cross_traffic", "all_to_one_expert"]
+
+
+@pytest.mark.parametrize("world,exchange,node_size", [(2, "flat", 0), (2, "hierarchical", 1),
+                                                      (4, "flat", 0), (4, "hierarchical", 2)])
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+def test_ranks_equal_single_process(world, exchange, node_size, mode):
+    for name in CASES:
+        results = run_ranks(_rank_worker, world_size=world, args=(name, mode, exchange, node_size), timeout=90)
+        reference, ref_w_grad = per_rank_reference(name, mode, world)
+        local = 8 // world
+        arrived_per_expert = sum(r["counts"] for r in reference)
+        for rank, (got, want) in enumerate(zip(results, reference)):
+            experts_mine = slice(rank * local, (rank + 1) * local)
+            assert got["tokens_per_expert"] == arrived_per_expert[experts_mine].tolist(), name
+            assert got["dropped"] == want["dropped"], name
+            for key in ("out", "x_grad", "gates_grad"):
+                torch.testing.assert_close(got[key], want[key], msg=lambda m, key=key: f"{name} {key}: {m}")
+            torch.testing.assert_close(got["w_grad"], ref_w_grad[experts_mine], msg=lambda m: f"{name} w: {m}")
+        if name == "rank1_receives_nothing":
+            assert all(r["arrived"] == 0 and torch.count_nonzero(r["w_grad"]) == 0 for r in results[1:])
+        # Per hop: a counts exchange, then rows out and back, each also run backward. Flat has one hop.
+        assert results[0]["calls"] == (2 if exchange == "hierarchical" else 1) * 5
+        if mode == "capacity" and name == "all_to_one_expert":
+            assert all(r["dropped"] > 0 for r in results)

@@ -1,0 +1,400 @@
+#!/usr/bin/env python
+"""Forward+backward time and working memory of moe_scale's MoE layer vs DeepSpeed's MoE layer, a dense FFN
+and this machine's roofline, all measured in one run.
+
+Legend: N tokens, D model dim, H expert hidden dim, E experts, K top-k.
+
+Implementations (one JSON line each per (E, K), on stdout and in --out):
+  dropless            moe_scale MoELayer: noisy top-k gate (W_g and W_noise, both CV^2 losses), every copy kept
+  capacity            the same layer in capacity mode (--capacity-factor, lowest gates dropped)
+  deepspeed_dropless  deepspeed.moe.layer.MoE with the same experts, drop_tokens=False
+  deepspeed_capacity  deepspeed.moe.layer.MoE, capacity_factor=--capacity-factor, drop_tokens=True
+  dense               one D -> H' -> D ReLU FFN with the same active FLOPs as `dropless`:
+                      H' = K*H + 2*E (2*D*E multiply-adds per token for the two gating matrices)
+
+Roofline (per implementation, from peaks measured in this run, before every configuration; the best seen is
+used): max(FLOPs / matmul peak, bytes / memory bandwidth) with FLOPs = 3 x 2 x forward multiply-adds of the
+experts and the gating matrices (DeepSpeed's gate has one matrix, ours two; the dense FFN its own), and
+bytes = the expert weights read once plus their gradients written once (dense: its weights and gradients).
+The matmul peak is the best of fp32 [2048x2048]@[2048x2048]; the bandwidth the best of a 256 MiB copy (read
++ write). Working memory = peak resident memory during one step minus the memory before it (weights, inputs)
+minus the gradients the step creates; measured in a child process with glibc's mmap threshold at 64 KiB, so
+freed tensors leave the resident set at once and the peak is the peak of live tensors.
+
+    python tools/bench_moe_layer.py --experts 1024 --k 2          # one configuration
+    python tools/bench_moe_layer.py --out bench.jsonl               # the whole sweep (E 8..4096, K 1,2,4)
+    python tools/bench_moe_layer.py --ranks 2 --experts 256 --k 2   # 2 gloo ranks, ep_size 2: all-to-all share
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from tool_args import OneLineParser, non_negative_int, positive_int
+
+import torch
+from torch import nn
+
+IMPLS = ("dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "dense")
+_MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+
+
+def _int_list(text: str) -> list[int]:
+    items = [t.strip() for t in text.split(",")]
+    if any(not t for t in items):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
+    return [positive_int(t) for t in items]
+
+
+def _impl_list(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",")]
+    bad = [t for t in items if t not in IMPLS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown implementation(s) {bad}; choose from {','.join(IMPLS)}")
+    return items
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = OneLineParser(prog="bench_moe_layer.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=_int_list, default=[8, 64, 256, 1024, 4096],
+                   help="comma-separated expert counts E (default 8,64,256,1024,4096)")
+    p.add_argument("--k", type=_int_list, default=[1, 2, 4], help="comma-separated top-k values (default 1,2,4)")
+    p.add_argument("--impls", type=_impl_list, default=list(IMPLS), help=f"subset of {','.join(IMPLS)}")
+    p.add_argument("--tokens", type=positive_int, default=2048, help="tokens N per step (per rank; default 2048)")
+    p.add_argument("--d", type=positive_int, default=256, help="model dim D (default 256)")
+    p.add_argument("--h", type=positive_int, default=512, help="expert hidden dim H (default 512)")
+    p.add_argument("--capacity-factor", type=_positive_float, default=1.0, help="capacity modes (default 1.0)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed steps after 1 warm-up (default 3)")
+    p.add_argument("--ranks", type=positive_int, default=1,
+                   help="1: the single-process sweep; R > 1: moe_scale's layer on R gloo ranks, ep_size R")
+    p.add_argument("--no-memory", action="store_true", help="skip the working-memory child process")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--out", type=Path, help="also write the JSON lines here")
+    p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if any(k > e for e in args.experts for k in args.k):
+        p.error(f"every --k must be <= every --experts (got k={args.k}, experts={args.experts})")
+    if args.ranks > 1 and any(e % args.ranks for e in args.experts):
+        p.error(f"--ranks {args.ranks} must divide every --experts value (got {args.experts})")
+    if args.out is not None and not args.out.parent.is_dir():
+        p.error(f"--out {args.out}: directory {args.out.parent} does not exist")
+    return args
+
+
+# ---------------------------------------------------------------- the implementations
+
+
+def _init_single_process_dist() -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
+                          RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+
+
+def _ffn(d: int, h: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(d, h, bias=False), nn.ReLU(), nn.Linear(h, d, bias=False))
+
+
+class _Dense(nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.ffn = _ffn(d, h)
+
+    def forward(self, x):
+        return self.ffn(x), x.new_zeros(())
+
+
+class _DeepSpeedLayer(nn.Module):
+    def __init__(self, d, h, e, k, capacity_factor, drop_tokens):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.moe = MoE(hidden_size=d, expert=_ffn(d, h), num_experts=e, ep_size=1, k=k,
+                       capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor, min_capacity=0,
+                       drop_tokens=drop_tokens, use_rts=False)
+        self.moe.set_deepspeed_parallelism()
+
+    def forward(self, x):
+        y, aux, _ = self.moe(x)
+        return y, aux
+
+
+def build(impl: str, e: int, k: int, args) -> nn.Module:
+    torch.manual_seed(args.seed)
+    d, h = args.d, args.h
+    if impl == "dense":
+        return _Dense(d, dense_hidden(e, k, args))
+    if impl.startswith("deepspeed"):
+        _init_single_process_dist()
+        return _DeepSpeedLayer(d, h, e, k, args.capacity_factor, drop_tokens=impl == "deepspeed_capacity")
+    from moe_scale.moe.layer import MoELayer
+
+    return MoELayer(d, h, e, k, seed=args.seed, dispatch_mode=impl, capacity_factor=args.capacity_factor)
+
+
+def dense_hidden(e: int, k: int, args) -> int:
+    return k * args.h + 2 * e
+
+
+def expert_params(impl: str, e: int, k: int, args) -> int:
+    if impl == "dense":
+        return 2 * args.d * dense_hidden(e, k, args)
+    return e * 2 * args.d * args.h
+
+
+def forward_macs(impl: str, e: int, k: int, args) -> int:
+    n, d, h = args.tokens, args.d, args.h
+    if impl == "dense":
+        return n * 2 * d * dense_hidden(e, k, args)
+    gate_matrices = 1 if impl.startswith("deepspeed") else 2
+    return n * k * 2 * d * h + gate_matrices * n * d * e
+
+
+def step(layer: nn.Module, x: torch.Tensor, probe: torch.Tensor) -> None:
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+    y, aux = layer(x)
+    ((y * probe).sum() + aux).backward()
+
+
+def make_inputs(args) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    x = torch.randn(args.tokens, args.d, generator=gen).requires_grad_(True)
+    return x, torch.randn(args.tokens, args.d, generator=gen)
+
+
+# ---------------------------------------------------------------- machine peaks
+
+
+def measure_peaks() -> tuple[float, float]:
+    """(matmul FLOP/s, memory bytes/s), best of a few tries each."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    c = torch.empty(2048, 2048)
+    flops = []
+    for _ in range(4):
+        start = time.perf_counter()
+        torch.mm(a, b, out=c)
+        flops.append(2 * 2048**3 / (time.perf_counter() - start))
+    src = torch.ones(64 * 2**20)   # 256 MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    bandwidth = []
+    for _ in range(4):
+        start = time.perf_counter()
+        dst.copy_(src)
+        bandwidth.append(2 * src.numel() * 4 / (time.perf_counter() - start))
+    return max(flops), max(bandwidth)
+
+
+# ---------------------------------------------------------------- memory (child process)
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def working_memory_child(args) -> None:
+    """Prints one JSON line per implementation: working memory of one step in MiB."""
+    x, probe = make_inputs(args)
+    for e in args.experts:
+        for k in args.k:
+            for impl in args.impls:
+                layer = build(impl, e, k, args)
+                step(layer, x, probe)                  # warm-up: lazy allocations, DeepSpeed's caches
+                for p in layer.parameters():
+                    p.grad = None
+                x.grad = None
+                gc.collect()
+                before_kb = _status_kb("VmRSS")
+                Path("/proc/self/clear_refs").write_text("5")   # reset the peak (VmHWM) to the current RSS
+                step(layer, x, probe)
+                peak_kb = _status_kb("VmHWM")
+                grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in layer.parameters()
+                                 if p.grad is not None) + x.grad.numel() * x.grad.element_size()
+                working = (peak_kb * 1024 - before_kb * 1024 - grad_bytes) / 2**20
+                print(json.dumps({"impl": impl, "experts": e, "k": k, "working_mib": round(working, 1),
+                                  "grad_mib": round(grad_bytes / 2**20, 1)}), flush=True)
+                del layer
+                gc.collect()
+
+
+def measure_working_memory(args) -> dict[tuple[str, int, int], dict]:
+    cmd = [sys.executable, __file__, "--memory-child", "--experts", ",".join(map(str, args.experts)),
+           "--k", ",".join(map(str, args.k)), "--impls", ",".join(args.impls), "--tokens", str(args.tokens),
+           "--d", str(args.d), "--h", str(args.h), "--capacity-factor", str(args.capacity_factor),
+           "--seed", str(args.seed)]
+    env = {**os.environ, _MMAP_ENV: "65536", "MASTER_PORT": str(_free_port())}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"bench_moe_layer.py: error: the memory child failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {(r["impl"], r["experts"], r["k"]): r for r in rows}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+def time_impl(impl: str, e: int, k: int, args, x, probe) -> float:
+    layer = build(impl, e, k, args)
+    step(layer, x, probe)   # warm-up
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        step(layer, x, probe)
+        times.append(time.perf_counter() - start)
+    del layer
+    gc.collect()
+    return statistics.median(times)
+
+
+def sweep(args) -> list[dict]:
+    memory = {} if args.no_memory else measure_working_memory(args)
+    x, probe = make_inputs(args)
+    peak_flops = peak_bandwidth = 0.0
+    rows = []
+    for e in args.experts:
+        for k in args.k:
+            flops, bandwidth = measure_peaks()
+            peak_flops, peak_bandwidth = max(peak_flops, flops), max(peak_bandwidth, bandwidth)
+            times = {impl: time_impl(impl, e, k, args, x, probe) for impl in args.impls}
+            for impl in args.impls:
+                rows.append(_row(impl, e, k, args, times, memory, peak_flops, peak_bandwidth))
+                emit(rows[-1], args.out)
+    return rows
+
+
+def _row(impl, e, k, args, times, memory, peak_flops, peak_bandwidth) -> dict:
+    flops = 6 * forward_macs(impl, e, k, args)
+    weight_bytes = 4 * expert_params(impl, e, k, args)
+    roofline_s = max(flops / peak_flops, 2 * weight_bytes / peak_bandwidth)
+    t = times[impl]
+    row = {"impl": impl, "experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h,
+           "time_s": round(t, 5), "roofline_s": round(roofline_s, 5), "roofline_fraction": round(roofline_s / t, 3),
+           "bound": "compute" if flops / peak_flops >= 2 * weight_bytes / peak_bandwidth else "memory",
+           "matmul_peak_gflops": round(peak_flops / 1e9, 1), "bandwidth_gbs": round(peak_bandwidth / 1e9, 2)}
+    reference = {"dropless": "deepspeed_dropless", "capacity": "deepspeed_capacity"}.get(impl)
+    if reference in times:
+        row["speedup_vs_deepspeed"] = round(times[reference] / t, 2)
+    if "dense" in times and impl != "dense":
+        row["time_vs_dense"] = round(t / times["dense"], 2)
+    mem = memory.get((impl, e, k))
+    if mem:
+        row["working_mib"] = mem["working_mib"]
+        dense_mem = memory.get(("dense", e, k))
+        if dense_mem and impl != "dense":
+            row["working_vs_dense"] = round(mem["working_mib"] / max(dense_mem["working_mib"], 1e-9), 2)
+    return row
+
+
+def emit(row: dict, out: Path | None) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out is not None:
+        with out.open("a") as f:
+            f.write(line + "\n")
+
+
+# ---------------------------------------------------------------- several ranks
+
+
+def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    from moe_scale.moe.layer import MoELayer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    x, probe = make_inputs(argparse.Namespace(**{**vars(args), "seed": args.seed + rank}))
+    for e in args.experts:
+        for k in args.k:
+            for mode in [m for m in args.impls if m in ("dropless", "capacity")]:
+                layer = MoELayer(args.d, args.h, e, k, ep_size=world, ep_rank=rank, seed=args.seed,
+                                 dispatch_mode=mode, capacity_factor=args.capacity_factor)
+                layer.set_deepspeed_parallelism()
+                timer = layer.dispatcher.exchange.timer
+                step(layer, x, probe)
+                times, shares = [], []
+                for _ in range(args.repeats):
+                    dist.barrier()
+                    timer.reset()
+                    start = time.perf_counter()
+                    step(layer, x, probe)
+                    times.append(time.perf_counter() - start)
+                    shares.append(timer.seconds / times[-1])
+                if rank == 0:
+                    queue.put({"impl": mode, "ranks": world, "ep_size": world, "experts": e, "k": k,
+                               "tokens_per_rank": args.tokens, "d": args.d, "h": args.h,
+                               "time_s": round(statistics.median(times), 5),
+                               "all_to_all_share": round(statistics.median(shares), 3)})
+                del layer
+    queue.put(None) if rank == 0 else None
+
+
+def multi_rank(args) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
+    for proc in procs:
+        proc.start()
+    while (row := queue.get()) is not None:
+        emit(row, args.out)
+    for proc in procs:
+        proc.join()
+        if proc.exitcode:
+            raise SystemExit(f"bench_moe_layer.py: error: rank exited with status {proc.exitcode}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.memory_child:
+        working_memory_child(args)
+    elif args.ranks > 1:
+        multi_rank(args)
+    else:
+        sweep(args)
+
+
+if __name__ == "__main__":
+    main()
