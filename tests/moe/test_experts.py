@@ -1,4 +1,5 @@
-"""GroupedExperts and the grouped-matmul autograd function, against per-expert slice references."""
+"""GroupedExperts and its fused FFN autograd function, against per-expert slice references; the grouped-GEMM
+path against the loop path; recompute on/off."""
 
 import math
 import os
@@ -8,15 +9,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from moe_scale.moe.experts import GroupedExperts, grouped_matmul
-
-
-def reference_grouped_matmul(x_MI, w_EIO, tokens_per_expert):
-    """Plain autograd: concatenate x[rows of e] @ w[e] over experts."""
-    bounds = [0] + torch.tensor(tokens_per_expert).cumsum(0).tolist()
-    pieces = [x_MI[a:b] @ w_EIO[e] for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
-    return torch.cat(pieces) if pieces else x_MI.new_zeros(0, w_EIO.shape[2])
-
+from moe_scale.moe.experts import GroupedExperts, expert_ffn, per_expert_outer, rows_times_expert
 
 COUNTS = {
     "all_nonzero": [3, 1, 5, 2],
@@ -27,52 +20,91 @@ COUNTS = {
 }
 
 
+def offsets_of(counts):
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def reference_ffn(x, w_in, w_out, counts, scale):
+    """relu(x[rows of e] @ w_in[e]) @ w_out[e] * scale with plain autograd, expert by expert."""
+    bounds = [0] + torch.tensor(counts).cumsum(0).tolist()
+    pieces = [torch.relu(x[a:b] @ w_in[e]) @ w_out[e] * scale for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    return torch.cat(pieces) if pieces else x.new_zeros(0, w_out.shape[2])
+
+
 @pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
-def test_grouped_matmul_matches_per_expert_slices(counts):
+def test_grouped_gemm_and_loop_give_the_same_products(counts):
     gen = torch.Generator().manual_seed(len(counts) * 100 + sum(counts))
-    m, e, i, o = sum(counts), len(counts), 8, 12
-    x = torch.randn(m, i, generator=gen, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(e, i, o, generator=gen, dtype=torch.float64, requires_grad=True)
-    grad_out = torch.randn(m, o, generator=gen, dtype=torch.float64)
+    m, e = sum(counts), len(counts)
+    a = torch.randn(m, 8, generator=gen)
+    b = torch.randn(e, 8, 12, generator=gen)
+    g = torch.randn(m, 12, generator=gen)
+    offsets = offsets_of(counts)
+    loop = rows_times_expert(a, b, counts, offsets, grouped=False)
+    torch.testing.assert_close(rows_times_expert(a, b, counts, offsets, grouped=True), loop)
+    outer_loop = per_expert_outer(a, g, counts, offsets, grouped=False)
+    torch.testing.assert_close(per_expert_outer(a, g, counts, offsets, grouped=True), outer_loop)
+    start = 0
+    for expert, count in enumerate(counts):        # against slices, and exact zeros for an empty expert
+        torch.testing.assert_close(loop[start:start + count], a[start:start + count] @ b[expert])
+        torch.testing.assert_close(outer_loop[expert], a[start:start + count].t() @ g[start:start + count])
+        if count == 0:
+            assert torch.count_nonzero(outer_loop[expert]) == 0
+        start += count
 
-    out = grouped_matmul(x, w, counts)
-    gx, gw = torch.autograd.grad(out, (x, w), grad_out)
-    ref = reference_grouped_matmul(x, w, counts)
-    ref_gx, ref_gw = torch.autograd.grad(ref, (x, w), grad_out, allow_unused=True)
-    ref_gw = torch.zeros_like(w) if ref_gw is None else ref_gw   # M == 0: nothing reaches w
 
-    assert out.shape == (m, o)
-    torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(gx, ref_gx if ref_gx is not None else torch.zeros_like(x))
-    torch.testing.assert_close(gw, ref_gw)
-    # An expert with no tokens gets an exact zero gradient (not uninitialised memory).
+@pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["loop_f64", "grouped_f32"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_expert_ffn_matches_per_expert_autograd(counts, dtype, recompute):
+    gen = torch.Generator().manual_seed(len(counts) * 7 + sum(counts))
+    m, e, d, h = sum(counts), len(counts), 8, 12
+    x = torch.randn(m, d, generator=gen, dtype=dtype, requires_grad=True)
+    w_in = torch.randn(e, d, h, generator=gen, dtype=dtype, requires_grad=True)
+    w_out = torch.randn(e, h, d, generator=gen, dtype=dtype, requires_grad=True)
+    grad_t = torch.randn(d, m, generator=gen, dtype=dtype)     # .t(): a non-contiguous upstream gradient
+    y = expert_ffn(x, w_in, w_out, counts, 0.5, recompute)
+    ref = reference_ffn(x, w_in, w_out, counts, 0.5)
+    torch.testing.assert_close(y, ref)
+    if m == 0:
+        return
+    got = torch.autograd.grad(y, (x, w_in, w_out), grad_t.t())
+    want = torch.autograd.grad(ref, (x, w_in, w_out), grad_t.t(), allow_unused=True)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, torch.zeros_like(g) if r is None else r)
     for expert, count in enumerate(counts):
         if count == 0:
-            assert torch.count_nonzero(gw[expert]) == 0
+            assert torch.count_nonzero(got[1][expert]) == 0 and torch.count_nonzero(got[2][expert]) == 0
 
 
-def test_grouped_matmul_single_input_grad_and_gradcheck():
+def test_expert_ffn_gradcheck_and_single_input_grad():
     counts = [2, 0, 3]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(3, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: grouped_matmul(a, b, counts), (x, w))
-    # Only one of the inputs needs a gradient: the other branch must be skipped, not crash.
-    (gx,) = torch.autograd.grad(grouped_matmul(x, w.detach(), counts).sum(), x)
-    (gw,) = torch.autograd.grad(grouped_matmul(x.detach(), w, counts).sum(), w)
-    torch.testing.assert_close(gx, torch.autograd.grad(reference_grouped_matmul(x, w, counts).sum(), x)[0])
-    torch.testing.assert_close(gw, torch.autograd.grad(reference_grouped_matmul(x, w, counts).sum(), w)[0])
+    w_in = torch.randn(3, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    w_out = torch.randn(3, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    for recompute in (False, True):
+        assert torch.autograd.gradcheck(lambda a, b, c: expert_ffn(a, b, c, counts, 1.5, recompute), (x, w_in, w_out))
+    # Only one input needs a gradient: the other branches must be skipped, not crash.
+    (gx,) = torch.autograd.grad(expert_ffn(x, w_in.detach(), w_out.detach(), counts).sum(), x)
+    (gw,) = torch.autograd.grad(expert_ffn(x.detach(), w_in.detach(), w_out, counts).sum(), w_out)
+    ref = reference_ffn(x, w_in, w_out, counts, 1.0).sum()
+    torch.testing.assert_close(gx, torch.autograd.grad(ref, x, retain_graph=True)[0])
+    torch.testing.assert_close(gw, torch.autograd.grad(ref, w_out)[0])
 
 
-def test_grouped_matmul_non_contiguous_upstream_grad():
-    counts = [2, 3]
-    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(2, 4, 6, dtype=torch.float64, requires_grad=True)
-    grad_t = torch.randn(6, 5, dtype=torch.float64)          # .t() gives a non-contiguous [5, 6] gradient
-    gx, gw = torch.autograd.grad(grouped_matmul(x, w, counts), (x, w), grad_t.t())
-    rx, rw = torch.autograd.grad(reference_grouped_matmul(x, w, counts), (x, w), grad_t.t())
-    torch.testing.assert_close(gx, rx)
-    torch.testing.assert_close(gw, rw)
+def test_recompute_keeps_no_hidden_activations():
+    """App. D: with recompute the function saves x and the weights, never the [M, H] hidden layer."""
+    counts = [40, 24]
+    experts = GroupedExperts(2, 8, 256, recompute=True)
+    x = torch.randn(64, 8, requires_grad=True)
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(tuple(t.shape)) or t, lambda t: t):
+        experts(x, counts)
+    assert (64, 256) not in sizes and (64, 8) in sizes
+    experts.recompute, sizes = False, []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(tuple(t.shape)) or t, lambda t: t):
+        experts(x, counts)
+    assert (64, 256) in sizes
 
 
 def reference_experts(experts, x_MD, counts):
