@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")   # as moe_scale sets it; here before torch is imported
 
 from tool_args import OneLineParser, non_negative_int, positive_int
 
@@ -88,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=positive_int, default=3, help="timed steps after 1 warm-up (default 3)")
     p.add_argument("--ranks", type=positive_int, default=1,
                    help="1: the single-process sweep; R > 1: moe_scale's layer on R gloo ranks, ep_size R")
+    p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
     p.add_argument("--no-memory", action="store_true", help="skip the working-memory child process")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", type=Path, help="also write the JSON lines here")
@@ -388,6 +390,8 @@ def multi_rank(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.memory_child:
         working_memory_child(args)
     elif args.ranks > 1:
