@@ -135,8 +135,9 @@ class FlatExchange:
 class HierarchicalExchange:
     """Two hops for P = Q nodes x S ranks per node (EP rank = node * S + local index)."""
 
-    def __init__(self, intra_group, inter_group, ranks_per_node: int, num_nodes: int, timer: CommTimer | None = None):
-        self.intra_group, self.inter_group = intra_group, inter_group
+    def __init__(self, group, intra_group, inter_group, ranks_per_node: int, num_nodes: int,
+                 timer: CommTimer | None = None):
+        self.group, self.intra_group, self.inter_group = group, intra_group, inter_group
         self.S, self.Q = ranks_per_node, num_nodes
         self.timer = timer or CommTimer()
 

@@ -88,7 +88,7 @@ class MoELayer(DeepSpeedMoE):
         self.dispatcher.ep_group = ep_group
         if self.all_to_all == "hierarchical" and self.ep_size > 1:
             intra, inter, per_node, nodes = build_hierarchical_groups(ep_group, ranks_per_node(self.node_size))
-            self.dispatcher.exchange = HierarchicalExchange(intra, inter, per_node, nodes,
+            self.dispatcher.exchange = HierarchicalExchange(ep_group, intra, inter, per_node, nodes,
                                                             self.dispatcher.exchange.timer)
         actual_ep_rank = groups._get_expert_parallel_rank(self.expert_group_name)
         if actual_ep_rank != self.ep_rank:

@@ -22,6 +22,7 @@ from moe_scale.metrics.balance import MeanTracker, MoEMetrics
 from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token, tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.models.lstm_lm import LSTMMoELM
+from moe_scale.moe.layer import ranks_per_node
 from moe_scale.moe.routers import GlobalTokenNoise
 from moe_scale.train.checkpoint import load_checkpoint, save_checkpoint
 from moe_scale.train.data_setup import build_lm_data
@@ -44,11 +45,24 @@ def check_parallel_layout(config: RunConfig, env: DistEnv) -> int:
     if env.world_size % t.ep_size:
         raise UserError(f"--ep-size {t.ep_size} does not divide the {env.world_size} processes; "
                         f"launch a multiple of {t.ep_size} processes or change --ep-size")
+    if t.all_to_all == "hierarchical" and t.ep_size > 1:
+        _check_node_layout(t.ep_size, t.node_size)
     per_step = env.world_size * t.grad_accum
     if t.batch_size % per_step:
         raise UserError(f"--batch-size {t.batch_size} is not divisible by processes x --grad-accum = {per_step}; "
                         f"use a multiple of {per_step}")
     return t.batch_size // per_step
+
+
+def _check_node_layout(ep_size: int, node_size: int) -> None:
+    try:
+        per_node = ranks_per_node(node_size)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if ep_size % per_node and per_node % ep_size:
+        raise UserError(f"--all-to-all hierarchical: {per_node} ranks per node and --ep-size {ep_size} must divide "
+                        f"one another (an expert-parallel group is whole nodes, or lies inside one); "
+                        f"set --node-size or --ep-size accordingly")
 
 
 def run_training(config: RunConfig) -> dict:

@@ -247,7 +247,7 @@ def _rank_worker(rank, world, name, mode, exchange, node_size):
     dispatcher.ep_group = ep_group
     if exchange == "hierarchical":
         intra, inter, per_node, nodes = build_hierarchical_groups(ep_group, node_size)
-        dispatcher.exchange = HierarchicalExchange(intra, inter, per_node, nodes)
+        dispatcher.exchange = HierarchicalExchange(ep_group, intra, inter, per_node, nodes)
     rows, state = dispatcher.dispatch(x, *top_k_pairs(experts_all[mine]), gates.reshape(-1))
     out = dispatcher.combine(apply_experts(rows, w, state.tokens_per_expert), gates.reshape(-1), state)
     (out * upstream_all[mine]).sum().backward()

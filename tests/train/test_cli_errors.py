@@ -122,3 +122,33 @@ def test_data_too_small_for_batch(tmp_path):
 def test_eval_without_a_run(tmp_path):
     proc = run_cli("eval", "--run", str(tmp_path / "missing"), cwd=tmp_path)
     assert_one_line_error(proc, "--run")
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--dispatch", "capacity", "--capacity-factor", "0"], "--capacity-factor must be positive"),
+    (["--capacity-factor", "-1"], "--capacity-factor must be positive"),
+    (["--node-size", "-2"], "--node-size"),
+    (["--num-experts", "6", "--ep-size", "4"], "not divisible by --ep-size"),
+    (["--ep-size", "2"], "does not divide the 1 processes"),
+])
+def test_bad_dispatch_and_parallel_settings(tmp_path, text_file, flags, fragment):
+    out = tmp_path / "run"
+    proc = run_cli("train", "--data", str(text_file), "--out", str(out), *FAST, *flags, cwd=tmp_path)
+    assert_one_line_error(proc, fragment)
+    assert not out.exists()
+
+
+def test_hierarchical_node_layout_is_checked(monkeypatch):
+    from moe_scale.errors import UserError
+    from moe_scale.train.trainer import _check_node_layout
+
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UserError, match="pass --node-size"):
+        _check_node_layout(4, 0)
+    with pytest.raises(UserError, match="must divide one another"):
+        _check_node_layout(4, 3)
+    _check_node_layout(4, 2), _check_node_layout(2, 8)          # whole nodes / inside one node: fine
+    monkeypatch.setenv("LOCAL_SIZE", "3")                      # the deepspeed launcher's variable
+    with pytest.raises(UserError, match="3 ranks per node"):
+        _check_node_layout(4, 0)

@@ -63,3 +63,41 @@ def test_every_gate_two_processes_equal_one_process(tmp_path, embedded_cache, ga
     first, second = (json.loads((run / "summary.json").read_text()) for run in (one, two))
     assert second["valid_ppl"] == pytest.approx(first["valid_ppl"], rel=1e-4)
     assert second["cv_load"] == pytest.approx(first["cv_load"], rel=1e-3, abs=1e-6)
+
+
+def test_four_processes_ep4_hierarchical_and_ep2_by_dp2_equal_one_process(tmp_path, embedded_cache):
+    """ep_size 4 with the two-hop all-to-all (2 'nodes' of 2 ranks, ZeRO-2), and ep_size 2 x data-parallel 2
+    (ZeRO-1), against one process on the same global batch."""
+    configs = Path(__file__).parents[2] / "ds_configs"
+    common = [*TINY, "--noise-rng", "global", "--dropout", "0", "--lr", "0.01", "--warmup-steps", "0",
+              "--max-steps", "3", "--eval-interval", "3", "--checkpoint-interval", "3"]
+    runs = {"one": ([], 1),
+            "ep4_hier": (["--ep-size", "4", "--all-to-all", "hierarchical", "--node-size", "2",
+                          "--ds-config", str(configs / "zero2_ep.json")], 4),
+            "ep2_dp2": (["--ep-size", "2", "--ds-config", str(configs / "zero1_ep.json")], 4)}
+    logs = {}
+    for name, (flags, nprocs) in runs.items():
+        run_train([*common, *flags, "--out", str(tmp_path / name)], cwd=tmp_path, cache=embedded_cache, nprocs=nprocs)
+        logs[name] = step_log(tmp_path / name)
+    for name in ("ep4_hier", "ep2_dp2"):
+        for a, b in zip(logs["one"], logs[name], strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (name, a, b)
+            assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-7), (name, a, b)
+    assert json.loads((tmp_path / "ep4_hier" / "summary.json").read_text())["world_size"] == 4
+
+
+def test_capacity_mode_is_independent_of_expert_parallelism(tmp_path, embedded_cache):
+    """Capacity is per sending rank, so 2 data-parallel ranks drop the same copies with or without
+    expert parallelism; a factor of 0.5 makes them drop some."""
+    common = [*TINY, "--dispatch", "capacity", "--capacity-factor", "0.5", "--noise-rng", "global",
+              "--dropout", "0", "--lr", "0.01", "--warmup-steps", "0", "--max-steps", "3", "--log-interval", "1",
+              "--eval-interval", "3", "--checkpoint-interval", "3",
+              "--ds-config", str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json")]
+    dp, ep = tmp_path / "dp", tmp_path / "ep"
+    run_train([*common, "--out", str(dp)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
+    run_train([*common, "--ep-size", "2", "--out", str(ep)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
+    for a, b in zip(step_log(dp), step_log(ep), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (a, b)
+    first, second = (json.loads((run / "summary.json").read_text()) for run in (dp, ep))
+    assert 0.2 < first["dropped_fraction"] < 1.0                 # at least half the copies cannot fit
+    assert second["dropped_fraction"] == pytest.approx(first["dropped_fraction"])
