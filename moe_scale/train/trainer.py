@@ -21,6 +21,7 @@ from moe_scale.data import sentence_texts, unigram_perplexity
 from moe_scale.metrics.balance import MeanTracker, MoEMetrics
 from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token, tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
+from moe_scale.metrics.resources import all_to_all_seconds, peak_rss_mib
 from moe_scale.models.lstm_lm import LSTMMoELM
 from moe_scale.moe.layer import ranks_per_node
 from moe_scale.moe.routers import GlobalTokenNoise
@@ -96,7 +97,8 @@ def run_training(config: RunConfig) -> dict:
     logger = RunLogger(run, t.max_steps, start_step, enabled=env.rank == 0)
     flops_per_step = training_flops_per_token(lstm_moe_forward_macs_per_token(m, len(data.vocab))) \
         * t.batch_size * config.data.seq_len
-    interval, interval_moe, timed = MeanTracker(), MoEMetrics(model.moe_layers()), {"seconds": 0.0, "steps": 0}
+    interval, interval_moe = MeanTracker(), MoEMetrics(model.moe_layers())
+    timed = {"seconds": 0.0, "steps": 0, "all_to_all_seconds": 0.0}
     last_train, valid = {}, {}
     logger.line(f"training {_count(model)} on {env.world_size} process(es), ep_size={t.ep_size}, "
                 f"{data.train.num_windows} steps per epoch")
@@ -105,7 +107,7 @@ def run_training(config: RunConfig) -> dict:
         for noise in noises:
             noise.set_step(step)
         inputs, targets = data.train.batch(step, shuffle_seed=t.seed)
-        began = time.perf_counter()
+        began, comm_before = time.perf_counter(), all_to_all_seconds(model.moe_layers())
         sums = torch.zeros(3, dtype=torch.float64, device=collective_device())   # [NLL sum, tokens, aux sum]
         for micro_inputs, micro_targets in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)):
             out = engine(micro_inputs.to(env.device), micro_targets.to(env.device))
@@ -115,6 +117,7 @@ def run_training(config: RunConfig) -> dict:
         if step - start_step >= TIMING_WARMUP_STEPS:
             timed["seconds"] += time.perf_counter() - began
             timed["steps"] += 1
+            timed["all_to_all_seconds"] += all_to_all_seconds(model.moe_layers()) - comm_before
         dist.all_reduce(sums)
         nll, tokens, aux = sums.tolist()
         record = {"step": step + 1, "loss": nll / tokens, "aux_loss": aux / (env.world_size * t.grad_accum),
@@ -134,7 +137,8 @@ def run_training(config: RunConfig) -> dict:
                                   **{f"moe/{name}": value for name, value in last_train.items()
                                      if name not in ("nll", "aux_loss")},
                                   "perf/tokens_per_s": perf["tokens_per_s"],
-                                  "perf/tflops_per_device": perf["tflops_per_device"]})
+                                  "perf/tflops_per_device": perf["tflops_per_device"],
+                                  "perf/all_to_all_share": perf["all_to_all_share"]})
             logger.line(f"step {done}/{t.max_steps}  loss {last_train['nll']:.4f}  "
                         f"ppl {math.exp(last_train['nll']):.2f}  cv(load) {last_train['cv_load']:.3f}  "
                         f"{perf['tokens_per_s']:.0f} tok/s")
@@ -149,6 +153,9 @@ def run_training(config: RunConfig) -> dict:
     if not valid:   # resumed a run that had already finished
         valid = evaluate(model, data.valid, t.eval_max_batches, env.device)
     summary = _summary(config, env, data, last_train, valid, timed, flops_per_step)
+    peak_mib = torch.tensor([peak_rss_mib()], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(peak_mib, op=dist.ReduceOp.MAX)
+    summary["peak_rss_mib_per_process"] = float(peak_mib)
     if env.rank == 0:
         write_json_atomic(run / "summary.json", summary)
         logger.line(summary_table(summary))
@@ -168,10 +175,12 @@ def _install_noise(model: LSTMMoELM, config: RunConfig, env: DistEnv) -> list[Gl
 
 def _throughput(timed: dict, tokens_per_step: int, flops_per_step: float, world_size: int) -> dict[str, float]:
     if not timed["steps"]:
-        return {"tokens_per_s": float("nan"), "tflops_per_device": float("nan")}
+        return {"tokens_per_s": float("nan"), "tflops_per_device": float("nan"), "step_seconds": float("nan"),
+                "all_to_all_share": float("nan")}
     step_seconds = timed["seconds"] / timed["steps"]
     return {"tokens_per_s": tokens_per_step / step_seconds,
-            "tflops_per_device": tflops_per_device(flops_per_step, step_seconds, world_size)}
+            "tflops_per_device": tflops_per_device(flops_per_step, step_seconds, world_size),
+            "step_seconds": step_seconds, "all_to_all_share": timed["all_to_all_seconds"] / timed["seconds"]}
 
 
 def _count(model: LSTMMoELM) -> str:
@@ -196,6 +205,8 @@ def _summary(config, env, data, last_train, valid, timed, flops_per_step) -> dic
                                                 sentence_texts(data.valid_sentences), data.vocab),
         "tokens_per_s": perf["tokens_per_s"],
         "tflops_per_device": perf["tflops_per_device"],
+        "step_seconds": perf["step_seconds"],
+        "all_to_all_share": perf["all_to_all_share"],
         **train_moe,
         **valid_moe,
     }
