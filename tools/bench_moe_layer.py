@@ -307,7 +307,7 @@ def _row(impl, e, k, args, times, memory, peak_flops, peak_bandwidth) -> dict:
     roofline_s = max(flops / peak_flops, 2 * weight_bytes / peak_bandwidth)
     t = times[impl]
     row = {"impl": impl, "experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h,
-           "time_s": round(t, 5), "roofline_s": round(roofline_s, 5), "roofline_fraction": round(roofline_s / t, 3),
+           "time_s": _sig(t), "roofline_s": _sig(roofline_s), "roofline_fraction": _sig(roofline_s / t),
            "bound": "compute" if flops / peak_flops >= 2 * weight_bytes / peak_bandwidth else "memory",
            "matmul_peak_gflops": round(peak_flops / 1e9, 1), "bandwidth_gbs": round(peak_bandwidth / 1e9, 2)}
     reference = {"dropless": "deepspeed_dropless", "capacity": "deepspeed_capacity"}.get(impl)
@@ -322,6 +322,10 @@ def _row(impl, e, k, args, times, memory, peak_flops, peak_bandwidth) -> dict:
         if dense_mem and impl != "dense":
             row["working_vs_dense"] = round(mem["working_mib"] / max(dense_mem["working_mib"], 1e-9), 2)
     return row
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
 
 
 def emit(row: dict, out: Path | None) -> None:
@@ -365,7 +369,7 @@ def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
                 if rank == 0:
                     queue.put({"impl": mode, "ranks": world, "ep_size": world, "experts": e, "k": k,
                                "tokens_per_rank": args.tokens, "d": args.d, "h": args.h,
-                               "time_s": round(statistics.median(times), 5),
+                               "time_s": _sig(statistics.median(times)),
                                "all_to_all_share": round(statistics.median(shares), 3)})
                 del layer
     queue.put(None) if rank == 0 else None

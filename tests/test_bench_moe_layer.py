@@ -1,0 +1,66 @@
+"""tools/bench_moe_layer.py end to end at a tiny size: every implementation, the derived ratios, the
+working-memory child, the multi-rank mode, and one-line flag errors. (The benchmark's numbers are not
+asserted: speed is the tool's job, not the tests'.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench_moe_layer.py"
+TINY = ["--tokens", "64", "--d", "16", "--h", "32", "--repeats", "1", "--threads", "1"]
+IMPLS = {"dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "dense"}
+
+
+def _run(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def test_single_process_sweep(tmp_path):
+    out_file = tmp_path / "bench.jsonl"
+    proc = _run("--experts", "8", "--k", "1,2", *TINY, "--out", str(out_file))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [json.loads(line) for line in out_file.read_text().splitlines()] == rows
+    assert {(r["impl"], r["k"]) for r in rows} == {(impl, k) for impl in IMPLS for k in (1, 2)}
+    for r in rows:
+        assert r["time_s"] > 0 and r["roofline_s"] > 0
+        assert r["roofline_fraction"] == pytest.approx(r["roofline_s"] / r["time_s"], rel=0.01)
+        assert r["bound"] in ("compute", "memory") and r["working_mib"] >= 0
+        if r["impl"] in ("dropless", "capacity"):
+            assert r["speedup_vs_deepspeed"] > 0 and r["time_vs_dense"] > 0 and r["working_vs_dense"] >= 0
+    # The roofline counts what each layer must do: DeepSpeed's gate has one matrix, ours two.
+    by = {(r["impl"], r["k"]): r for r in rows}
+    assert by[("dropless", 2)]["roofline_s"] >= by[("deepspeed_dropless", 2)]["roofline_s"]
+
+
+def test_two_ranks_report_the_all_to_all_share():
+    proc = _run("--ranks", "2", "--experts", "8", "--k", "2", *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert {r["impl"] for r in rows} == {"dropless", "capacity"}
+    for r in rows:
+        assert r["ranks"] == r["ep_size"] == 2 and r["time_s"] > 0 and 0 < r["all_to_all_share"] < 1
+
+
+@pytest.mark.parametrize("flags", [["--k", "16", "--experts", "8"], ["--ranks", "3", "--experts", "8"],
+                                   ["--impls", "dropless,tutel"], ["--capacity-factor", "0"], ["--tokens", "0"],
+                                   ["--out", "/nonexistent/dir/x.jsonl"]])
+def test_bad_flags_exit_2_with_one_line(flags, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))   # as `python tools/bench_moe_layer.py` has it
+    spec = importlib.util.spec_from_file_location("bench_moe_layer", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "error" in err
