@@ -1,15 +1,22 @@
-"""Token dispatcher: send each (token, expert) copy to the rank that owns the expert, and bring it back.
+"""Token dispatcher: send each token to the ranks that own its experts, and bring the results back.
 
-Legend: N local tokens, C (token, expert) pairs routed from this rank (N*K for a top-k gate), D model dim,
-E global experts, P expert-parallel ranks, L = E / P local experts per rank, M pairs that arrive here.
+Legend: N local tokens, C (token, expert) pairs routed from this rank (N*K for a top-k gate), S pairs kept
+(C when dropless), U distinct (token, destination rank) rows sent, D model dim, E global experts,
+P expert-parallel ranks, L = E / P local experts per rank, M pairs and R rows that arrive here.
 
 Expert e lives on EP rank e // L. Memory grows with N*K, never with N*E: no dense dispatch mask, no
 [tokens, experts, capacity] tensor.
 
     dispatch:  sort the copies by expert (capacity mode: by expert, then by gate, highest first, and drop
-               each expert's copies beyond its capacity) ─▶ the exchange (moe/exchange.py: counts, then a
-               variable-size all-to-all of rows, flat or hierarchical) ─▶ rows grouped by local expert
-    combine:   the exchange's reverse, then scale by the gates and sum each token's copies
+               each expert's copies beyond its capacity) ─▶ one row per (token, destination rank), however
+               many of its experts live there, plus one int per pair saying which of those rows it uses
+               ─▶ the exchange (moe/exchange.py: counts, then variable-size all-to-alls, flat or
+               hierarchical) ─▶ the receiver expands rows to pairs, grouped by local expert
+    combine:   the gates follow the pairs; the receiver sums gate x expert output per arrived row, so the
+               way back carries one row per (token, rank) too, and the sender adds each token's rows
+
+A token with several experts on one rank crosses the network once: with the hierarchical gate (a group's
+experts share a rank) each token travels once per chosen group, not once per expert.
 
 Capacity mode follows GShard / Switch: an expert takes at most ceil(capacity_factor * C / E) copies *from
 each rank* (capacity is per sending rank, so it bounds every message), keeping the copies with the highest
@@ -28,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_scale.distributed.comm import world_size
-from moe_scale.moe.exchange import FlatExchange, LocalExchange
+from moe_scale.moe.exchange import FlatExchange, LocalExchange, Route
 
 MODES = ("dropless", "capacity")
 
@@ -37,10 +44,13 @@ MODES = ("dropless", "capacity")
 class DispatchState:
     """What `combine` needs to undo `dispatch`."""
 
-    sort_order_S: torch.Tensor          # S pairs sent (all C in dropless mode), expert-sorted -> pair index
-    token_index_S: torch.Tensor         # token of each sent pair
-    handle: object                      # the exchange's state for the way back
-    tokens_per_expert: list[int]        # rows per local expert after the exchange
+    sort_order_S: torch.Tensor          # kept pairs, expert-sorted -> pair index
+    unique_token_U: torch.Tensor        # token of each sent row
+    row_route: Route                    # how the U rows travelled
+    pair_route: Route                   # how the S pairs travelled
+    arrived_row_M: torch.Tensor         # for each arrived pair, its row among the R arrived rows
+    num_arrived_rows: int               # R
+    tokens_per_expert: list[int]        # pairs per local expert after the exchange
     num_tokens: int
     dropped_pairs: int                  # copies this rank dropped (capacity mode)
     num_pairs: int                      # copies this rank routed
@@ -78,7 +88,7 @@ class AllToAllDispatcher:
                  gate_C: torch.Tensor | None = None) -> tuple[torch.Tensor, DispatchState]:
         """Sends row x[token_index_C[p]] to expert expert_C[p] for every (token, expert) pair p.
         `gate_C` ranks the copies for dropping in capacity mode (unused when dropless)."""
-        num_pairs = expert_C.shape[0]
+        num_tokens, num_pairs = x_ND.shape[0], expert_C.shape[0]
         if self.mode == "capacity":
             if gate_C is None:
                 raise ValueError("capacity dispatch needs the gates to decide which copies to drop")
@@ -86,11 +96,29 @@ class AllToAllDispatcher:
         else:
             sort_order_S = torch.argsort(expert_C, stable=True)
             counts_E = torch.bincount(expert_C, minlength=self.num_experts)
-        token_index_S = token_index_C.index_select(0, sort_order_S)
-        rows_SD = x_ND.index_select(0, token_index_S)
-        tokens_MD, tokens_per_expert, handle = self.exchange.send(
-            rows_SD, counts_E.view(self.ep_size, self.num_local_experts))
-        state = DispatchState(sort_order_S, token_index_S, handle, tokens_per_expert, x_ND.shape[0],
+        P, L = self.ep_size, self.num_local_experts
+        expert_S = expert_C.index_select(0, sort_order_S)
+        rank_S = torch.div(expert_S, L, rounding_mode="floor")
+        # One row per (destination rank, token), sorted rank-major: what the row all-to-all carries.
+        row_key_U, row_of_pair_S = torch.unique(rank_S * num_tokens + token_index_C.index_select(0, sort_order_S),
+                                                sorted=True, return_inverse=True)
+        unique_token_U = row_key_U % num_tokens
+        rows_per_rank_P = torch.bincount(torch.div(row_key_U, num_tokens, rounding_mode="floor"), minlength=P)
+        first_row_P = rows_per_rank_P.cumsum(0) - rows_per_rank_P
+        row_in_message_S = row_of_pair_S - first_row_P.index_select(0, rank_S)
+
+        row_route = self.exchange.plan(rows_per_rank_P[:, None])
+        pair_route = self.exchange.plan(counts_E.view(P, L))
+        arrived_rows_RD = self.exchange.move(x_ND.index_select(0, unique_token_U), row_route)
+        row_in_message_M = self.exchange.move(row_in_message_S[:, None], pair_route)[:, 0]
+        # Arrived rows are grouped by source rank; arrived pairs by (local expert, source rank).
+        rows_from_P = row_route.recv_counts_PL[:, 0]
+        recv_pairs_PL = pair_route.recv_counts_PL
+        source_M = torch.repeat_interleave(torch.arange(P, device=x_ND.device).repeat(L), recv_pairs_PL.t().reshape(-1))
+        arrived_row_M = (rows_from_P.cumsum(0) - rows_from_P).index_select(0, source_M) + row_in_message_M
+        tokens_MD = arrived_rows_RD.index_select(0, arrived_row_M)
+        state = DispatchState(sort_order_S, unique_token_U, row_route, pair_route, arrived_row_M,
+                              arrived_rows_RD.shape[0], recv_pairs_PL.sum(0).tolist(), num_tokens,
                               num_pairs - sort_order_S.shape[0], num_pairs)
         return tokens_MD, state
 
@@ -105,7 +133,9 @@ class AllToAllDispatcher:
 
     def combine(self, y_MD: torch.Tensor, gate_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """out[t] = sum over the delivered pairs p of token t of gate_C[p] * (expert output for p)."""
-        y_SD = self.exchange.send_back(y_MD, state.handle)
-        gates_S = gate_C.index_select(0, state.sort_order_S).to(y_SD.dtype)
-        out_ND = y_SD.new_zeros(state.num_tokens, y_SD.shape[1])
-        return out_ND.index_add(0, state.token_index_S, y_SD * gates_S[:, None])
+        gates_S1 = gate_C.index_select(0, state.sort_order_S).to(y_MD.dtype)[:, None]
+        gates_M1 = self.exchange.move(gates_S1, state.pair_route)
+        per_row_RD = y_MD.new_zeros(state.num_arrived_rows, y_MD.shape[1]).index_add(
+            0, state.arrived_row_M, y_MD * gates_M1)
+        back_UD = self.exchange.move_back(per_row_RD, state.row_route)
+        return back_UD.new_zeros(state.num_tokens, back_UD.shape[1]).index_add(0, state.unique_token_U, back_UD)

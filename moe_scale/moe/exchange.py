@@ -3,10 +3,11 @@
 Legend: C rows this rank sends (sorted by destination global expert), D row width, P expert-parallel ranks,
 L local experts per rank, M rows that arrive here, S ranks per node, Q = P / S nodes.
 
-An exchange takes rows sorted by destination (rank, local expert) with their counts `counts_PL`, and returns
-the rows that arrived here grouped by local expert (expert-major, then source rank, then the sender's order)
-plus the rows per local expert; `send_back` is its exact reverse, so the dispatcher can combine on the
-sender. Every step is a permutation or an autograd-aware all-to-all, so gradients flow both ways.
+An exchange plans a `Route` from the counts of rows per (destination rank, local expert) — counts are
+exchanged once — and then `move`s any tensor whose rows are sorted that way (token rows, int metadata,
+gates): the rows that arrive here come out grouped by local expert (expert-major, then source rank, then
+the sender's order). `move_back` is its exact reverse. Every step is a permutation or an autograd-aware
+all-to-all, so gradients flow both ways.
 
     LocalExchange         P == 1: nothing moves.
     FlatExchange          one all-to-all of counts, one variable-size all-to-all of rows over the EP group.
@@ -106,33 +107,60 @@ class _Stage:
     order_before_send: torch.Tensor | None
 
 
-class LocalExchange:
+@dataclass
+class Route:
+    """How rows with given per-(destination rank, local expert) counts travel, planned once, used for every
+    tensor that follows the same rows (token rows, their metadata, their gates)."""
+
+    stages: list[_Stage]
+    regroup_M: torch.Tensor | None      # arrival order -> (local expert, source rank) order
+    recv_counts_PL: torch.Tensor        # rows that arrive from each source rank for each local expert
+
+
+class _Exchange:
+    """move / move_back for any plan; subclasses plan the hops."""
+
+    timer: CommTimer
+
+    def move(self, rows: torch.Tensor, route: Route) -> torch.Tensor:
+        """Rows sorted by (destination rank, local expert) -> the rows that arrive here, expert-major."""
+        for stage in route.stages:
+            if stage.order_before_send is not None:
+                rows = rows.index_select(0, stage.order_before_send)
+            rows = all_to_all_rows(rows, stage.recv_splits, stage.send_splits, stage.group, self.timer)
+        return rows if route.regroup_M is None else rows.index_select(0, route.regroup_M)
+
+    def move_back(self, rows: torch.Tensor, route: Route) -> torch.Tensor:
+        """The exact reverse of `move`."""
+        if route.regroup_M is not None:
+            rows = _unpermute(rows, route.regroup_M)
+        for stage in reversed(route.stages):
+            rows = all_to_all_rows(rows, stage.send_splits, stage.recv_splits, stage.group, self.timer)
+            if stage.order_before_send is not None:
+                rows = _unpermute(rows, stage.order_before_send)
+        return rows
+
+
+class LocalExchange(_Exchange):
     def __init__(self, timer: CommTimer | None = None, group=None):
         self.group, self.timer = group, timer or CommTimer()
 
-    def send(self, rows_CD: torch.Tensor, counts_PL: torch.Tensor):
-        return rows_CD, counts_PL[0].tolist(), None
-
-    def send_back(self, y_MD: torch.Tensor, handle) -> torch.Tensor:
-        return y_MD
+    def plan(self, counts_PL: torch.Tensor) -> Route:
+        return Route([], None, counts_PL)
 
 
-class FlatExchange:
+class FlatExchange(_Exchange):
     def __init__(self, group, timer: CommTimer | None = None):
         self.group, self.timer = group, timer or CommTimer()
 
-    def send(self, rows_CD: torch.Tensor, counts_PL: torch.Tensor):
+    def plan(self, counts_PL: torch.Tensor) -> Route:
         recv_counts_PL = exchange_counts(counts_PL, self.group, self.timer)
         stage = _Stage(self.group, counts_PL.sum(1).tolist(), recv_counts_PL.sum(1).tolist(), None)
-        arrived_MD = all_to_all_rows(rows_CD, stage.recv_splits, stage.send_splits, self.group, self.timer)
-        regroup_M = block_transpose_index(recv_counts_PL)      # (source, expert) -> (expert, source)
-        return arrived_MD.index_select(0, regroup_M), recv_counts_PL.sum(0).tolist(), ([stage], regroup_M)
-
-    def send_back(self, y_MD: torch.Tensor, handle) -> torch.Tensor:
-        return _reverse(y_MD, handle, self.timer)
+        # Rows arrive as (source, expert) blocks; regroup to (expert, source).
+        return Route([stage], block_transpose_index(recv_counts_PL), recv_counts_PL)
 
 
-class HierarchicalExchange:
+class HierarchicalExchange(_Exchange):
     """Two hops for P = Q nodes x S ranks per node (EP rank = node * S + local index)."""
 
     def __init__(self, group, intra_group, inter_group, ranks_per_node: int, num_nodes: int,
@@ -141,7 +169,7 @@ class HierarchicalExchange:
         self.S, self.Q = ranks_per_node, num_nodes
         self.timer = timer or CommTimer()
 
-    def send(self, rows_CD: torch.Tensor, counts_PL: torch.Tensor):
+    def plan(self, counts_PL: torch.Tensor) -> Route:
         S, Q, L = self.S, self.Q, counts_PL.shape[1]
         counts_QSL = counts_PL.view(Q, S, L)
         # Hop 1, inside the node: to the rank whose local index is the destination's; order (s', q', l).
@@ -149,33 +177,15 @@ class HierarchicalExchange:
         send1_SQL = counts_QSL.transpose(0, 1).contiguous()
         recv1_SQL = exchange_counts(send1_SQL.view(S, Q * L), self.intra_group, self.timer).view(S, Q, L)
         hop1 = _Stage(self.intra_group, send1_SQL.sum((1, 2)).tolist(), recv1_SQL.sum((1, 2)).tolist(), order1)
-        rows = all_to_all_rows(rows_CD.index_select(0, order1), hop1.recv_splits, hop1.send_splits,
-                               self.intra_group, self.timer)
         # Hop 2, across nodes: arrived in (source s, q', l) order; regroup to (q', s, l) and send to node q'.
         order2 = block_transpose_index(recv1_SQL.sum(2))
         send2_QSL = recv1_SQL.transpose(0, 1).contiguous()
         recv2_QSL = exchange_counts(send2_QSL.view(Q, S * L), self.inter_group, self.timer).view(Q, S, L)
         hop2 = _Stage(self.inter_group, send2_QSL.sum((1, 2)).tolist(), recv2_QSL.sum((1, 2)).tolist(), order2)
-        rows = all_to_all_rows(rows.index_select(0, order2), hop2.recv_splits, hop2.send_splits,
-                               self.inter_group, self.timer)
         # Arrived in (source node, source local index, l) = (source EP rank, l) order, exactly as a flat
         # exchange delivers: the same regrouping makes each local expert's rows contiguous.
         recv_counts_PL = recv2_QSL.view(Q * S, L)
-        regroup_M = block_transpose_index(recv_counts_PL)
-        return rows.index_select(0, regroup_M), recv_counts_PL.sum(0).tolist(), ([hop1, hop2], regroup_M)
-
-    def send_back(self, y_MD: torch.Tensor, handle) -> torch.Tensor:
-        return _reverse(y_MD, handle, self.timer)
-
-
-def _reverse(y_MD: torch.Tensor, handle, timer: CommTimer) -> torch.Tensor:
-    stages, regroup_M = handle
-    rows = _unpermute(y_MD, regroup_M)
-    for stage in reversed(stages):
-        rows = all_to_all_rows(rows, stage.send_splits, stage.recv_splits, stage.group, timer)
-        if stage.order_before_send is not None:
-            rows = _unpermute(rows, stage.order_before_send)
-    return rows
+        return Route([hop1, hop2], block_transpose_index(recv_counts_PL), recv_counts_PL)
 
 
 def build_hierarchical_groups(ep_group, ranks_per_node: int) -> tuple[object, object, int, int]:

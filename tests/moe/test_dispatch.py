@@ -253,7 +253,8 @@ def _rank_worker(rank, world, name, mode, exchange, node_size):
     (out * upstream_all[mine]).sum().backward()
     return {"out": out.detach(), "x_grad": x.grad, "gates_grad": gates.grad, "w_grad": w.grad,
             "tokens_per_expert": state.tokens_per_expert, "arrived": rows.shape[0],
-            "dropped": state.dropped_pairs, "calls": dispatcher.exchange.timer.calls}
+            "dropped": state.dropped_pairs, "calls": dispatcher.exchange.timer.calls,
+            "arrived_rows": state.num_arrived_rows}
 
 
 def per_rank_reference(name, mode, world):
@@ -299,7 +300,13 @@ def test_ranks_equal_single_process(world, exchange, node_size, mode):
             torch.testing.assert_close(got["w_grad"], ref_w_grad[experts_mine], msg=lambda m: f"{name} w: {m}")
         if name == "rank1_receives_nothing":
             assert all(r["arrived"] == 0 and torch.count_nonzero(r["w_grad"]) == 0 for r in results[1:])
-        # Per hop: a counts exchange, then rows out and back, each also run backward. Flat has one hop.
-        assert results[0]["calls"] == (2 if exchange == "hierarchical" else 1) * 5
+        # Per hop: 2 counts exchanges (rows, pairs); rows, pair metadata, gates, rows back; 3 of them backward.
+        assert results[0]["calls"] == (2 if exchange == "hierarchical" else 1) * 9
+        # A token crosses to a rank once however many of its experts live there.
+        experts_all = make_case(name, world=world)[1]
+        for rank, got in enumerate(results):
+            senders = {(t, int(e) // local) for t, row in enumerate(experts_all.tolist()) for e in row}
+            want_rows = sum(1 for t, dest in senders if dest == rank)
+            assert got["arrived_rows"] == want_rows or mode == "capacity", name
         if mode == "capacity" and name == "all_to_one_expert":
             assert all(r["dropped"] > 0 for r in results)
