@@ -1,5 +1,5 @@
 """MoELayer: dense reference, DeepSpeed's view of it (isinstance, param flags, state-dict keys), and
-2 expert-parallel ranks == 1 process (outputs, aux loss, gradients)."""
+2 and 4 expert-parallel ranks == 1 process (outputs, aux loss, gradients; both gates, both exchanges)."""
 
 import math
 import os
@@ -25,6 +25,8 @@ EXPERT_KEY = re.compile(r"(^|.*\.)deepspeed_moe\.experts\.deepspeed_experts\.(\d
 def make_layer(ep_size=1, ep_rank=0, seed=0, gate_seed=1, **kw):
     """float64 layer with a non-zero gate (the zero init would route by ties only)."""
     layer = MoELayer(D, H, E, K, ep_size=ep_size, ep_rank=ep_rank, seed=seed, **kw).double()
+    if kw.get("router") is not None:        # the caller initialised its own router
+        return layer
     gen = torch.Generator().manual_seed(gate_seed)
     with torch.no_grad():
         layer.router.w_gate.copy_(torch.randn(D, E, generator=gen, dtype=torch.float64))
@@ -231,3 +233,58 @@ def test_two_expert_parallel_ranks_equal_one_process(mode):
 
 def test_two_ranks_refuse_a_mismatched_expert_parallel_rank():
     assert run_ranks(_wrong_rank_worker, world_size=2, deepspeed=True, timeout=60) == [True, True]
+
+
+# ---------------------------------------------------------------- 4 expert-parallel ranks, both gates, both exchanges
+
+
+def _router(gate):
+    if gate == "noisy_topk":
+        return None
+    from moe_scale.moe.hierarchical import HierarchicalRouter
+
+    router = HierarchicalRouter(D, 4, E // 4, k_primary=2, k_secondary=2).double()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in router.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
+    return router
+
+
+def _four_rank_worker(rank, world, gate, all_to_all):
+    layer = make_layer(ep_size=world, ep_rank=rank, seed=3, router=_router(gate))
+    layer.all_to_all, layer.node_size = all_to_all, 2
+    layer.set_deepspeed_parallelism()
+    _setup(layer, "train_noisy", rank, world)
+    x_all, up_all = make_batch()
+    n = x_all.shape[0] // world
+    x = x_all[rank * n:(rank + 1) * n].clone().requires_grad_(True)
+    y, aux = layer(x)
+    ((y * up_all[rank * n:(rank + 1) * n]).sum() + aux / world).backward()
+    return {"y": y.detach(), "aux": aux.detach(), "x_grad": x.grad,
+            "grads": {name: p.grad for name, p in layer.named_parameters()},
+            "exchange": type(layer.dispatcher.exchange).__name__}
+
+
+@pytest.mark.parametrize("gate,all_to_all", [("noisy_topk", "flat"), ("hierarchical", "hierarchical")])
+def test_four_expert_parallel_ranks_equal_one_process(gate, all_to_all):
+    results = run_ranks(_four_rank_worker, world_size=4, args=(gate, all_to_all), deepspeed=True, timeout=90)
+    single = make_layer(ep_size=1, seed=3, router=_router(gate))
+    _setup(single, "train_noisy", 0, 1)
+    x, upstream = make_batch()
+    x.requires_grad_(True)
+    y, aux = single(x)
+    ((y * upstream).sum() + aux).backward()
+    n, local = x.shape[0] // 4, E // 4
+    for rank, res in enumerate(results):
+        assert res["exchange"] == ("HierarchicalExchange" if all_to_all == "hierarchical" else "FlatExchange")
+        mine, experts = slice(rank * n, (rank + 1) * n), slice(rank * local, (rank + 1) * local)
+        torch.testing.assert_close(res["y"], y[mine].detach())
+        torch.testing.assert_close(res["aux"], aux.detach())
+        torch.testing.assert_close(res["x_grad"], x.grad[mine])
+        for name in ("experts.w_in", "experts.w_out"):
+            torch.testing.assert_close(res["grads"][name], dict(single.named_parameters())[name].grad[experts])
+    for name, param in single.named_parameters():
+        if not name.startswith("experts.") and param.grad is not None:   # replicated: ranks sum to it
+            torch.testing.assert_close(sum(res["grads"][name] for res in results), param.grad,
+                                       msg=lambda m, name=name: f"grad of {name}: {m}")
