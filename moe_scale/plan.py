@@ -8,6 +8,10 @@ the same experts (DeepSpeed's expert-data-parallel group). Stage 1 partitions op
 also gradients; stage 3 (parameters too) is refused by DeepSpeed's MoE, so it is refused here for MoE
 models.
 
+The hierarchical MoE's secondary gating matrices (a·2·d·b) are dense, replicated parameters in moe_scale
+(the paper placed each group's secondary gate with its experts); at MoE-65536-h that is 0.25 GiB per GPU,
+just what puts 64 K40s over 12 GiB here where the paper trained on 64.
+
 Bytes per parameter: fp32 weights and gradients (4 + 4); Adam keeps m and v (8). `factored` is App. D's
 expert optimizer: β1 = 0 (no m) and a factored second moment, a row and a column vector per expert
 matrix ([D, H] keeps D + H floats); dense parameters keep Adam. bf16 precision keeps 2-byte weights and
@@ -59,11 +63,16 @@ def check_cluster(cluster: Cluster) -> None:
         raise UserError("--optimizer must be adam or factored, --precision fp32 or bf16")
 
 
-def expert_parallel_size(num_experts: int, world: int) -> int:
+def expert_parallel_size(model: ModelConfig, world: int) -> int:
+    num_experts = model.num_experts
     ep = min(world, num_experts)
     if num_experts % ep or world % ep:
         raise UserError(f"a world size of {world} GPUs does not divide the {num_experts} experts (nor do the "
                         f"experts divide it): choose a GPU count that divides {num_experts} or is a multiple of it")
+    if model.gate == "hierarchical" and model.num_groups % ep:
+        raise UserError(f"a world size of {world} GPUs: the {model.num_groups} expert groups of the hierarchical MoE "
+                        f"cannot be split over {ep} expert-parallel ranks (each group lives on one rank); use a "
+                        f"GPU count that divides {model.num_groups}")
     return ep
 
 
@@ -98,7 +107,7 @@ def plan(preset_name: str, cluster: Cluster, batch_tokens: int | None = None) ->
         raise UserError("--zero 3: DeepSpeed's MoE refuses ZeRO stage 3; use --zero 2 (gradients and optimizer "
                         "state partitioned)")
     world = cluster.world
-    ep = expert_parallel_size(model.num_experts, world) if is_moe else 1
+    ep = expert_parallel_size(model, world) if is_moe else 1
     tokens = batch_tokens or preset.batch_words or config.train.batch_size * config.data.seq_len
     counts = lstm_lm_accounting(model, vocab, preset.softmax)
     expert_total = counts.params.get("experts", 0)

@@ -63,10 +63,11 @@ def test_activations_shrink_with_the_cluster_at_a_fixed_batch():
     (Cluster(1, 8, 80.0, 3), "ZeRO stage 3"),
     (Cluster(1, 8, 80.0, 5), "ZeRO stages"),
     (Cluster(3, 8, 80.0), "does not divide the 256 experts"),
+    (Cluster(4, 8, 80.0), "16 expert groups"),           # lm1b-moe-256-h: 16 groups, 32 GPUs
 ])
 def test_impossible_clusters_are_clear_errors(cluster, message):
     with pytest.raises(UserError, match=message):
-        plan("lm1b-moe-256", cluster)
+        plan("lm1b-moe-256-h" if "groups" in message else "lm1b-moe-256", cluster)
 
 
 def test_plan_cli(tmp_path):
