@@ -107,3 +107,12 @@ def test_preset_then_flags_override():
     args = build_parser().parse_args(["train", "--preset", "lm1b-moe-32-mini", "--num-experts", "8"])
     config = _config_from_args(args)
     assert config.model.num_experts == 8 and config.model.top_k == 4 and config.train.preset == "lm1b-moe-32-mini"
+
+
+def test_text_report_shows_ours_beside_the_paper():
+    from moe_scale.flops_command import format_report
+
+    text = format_report(flops_report("news100b-moe-65536-h"))
+    assert "68791.05M   paper 68791.0M" in text and "9.18M   paper 9.2M" in text
+    mini = format_report(flops_report("moa-base-mini"))
+    assert "MoA module MACs (T=10)" in mini and "paper" not in mini.splitlines()[1]
