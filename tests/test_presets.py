@@ -89,15 +89,16 @@ def test_flops_cli_builds_moe_131072_h_on_meta_without_memory(tmp_path):
     assert max_rss_kib < 1_000_000
 
 
-def test_flops_cli_errors(tmp_path):
+def test_flops_cli_errors(tmp_path, capsys):
+    from moe_scale.cli import main
+
     for args, message in ((["flops", "--preset", "nope"], "unknown preset"),
                           (["flops"], "needs --preset"),
                           (["flops", "--preset", "lm1b-moe-32", "--softmax", "sampled"], "--softmax-samples"),
                           (["train", "--preset", "moa-base-mini", "--out", str(tmp_path / "r")], "transformer LM")):
-        proc = subprocess.run([sys.executable, "-m", "moe_scale", *args], capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 2 and proc.stderr.startswith("moe-scale: error:") and message in proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moe-scale: error:") and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
 
 
