@@ -79,13 +79,14 @@ def _munge_running() -> bool:
     return subprocess.run([_which("munge") or "munge", "-n"], capture_output=True).returncode == 0
 
 
-@pytest.fixture
-def local_slurm(tmp_path):
+@pytest.fixture(scope="module")
+def local_slurm(tmp_path_factory):
     """(environment with SLURM_CONF, directory) of a running one-node cluster; torn down afterwards."""
     _ensure_slurm_installed()
     if os.geteuid() != 0:
         pytest.skip("starting slurmd and munged needs root")
     started: list[subprocess.Popen] = []
+    tmp_path = tmp_path_factory.mktemp("slurm_cluster")
     d = tmp_path / "slurm"
     for sub in ("state", "spool"):
         (d / sub).mkdir(parents=True)
@@ -114,7 +115,7 @@ def local_slurm(tmp_path):
             return out.stdout.strip() == "idle"
 
         _wait(idle, 90, f"the node never became idle; logs in {d}")
-        yield env, tmp_path
+        yield env
     finally:
         for proc in reversed(started):
             proc.terminate()
@@ -133,13 +134,12 @@ def _wait(condition, seconds: float, message: str) -> None:
     raise AssertionError(message)
 
 
-def test_cpu_template_trains_under_real_slurm(local_slurm):
-    env, work = local_slurm
+def _sbatch_and_check(env: dict, work: Path, template: str, sbatch_flags: list[str], job_env: dict) -> str:
     log, run = work / "job.out", work / "run"
-    cmd = [_which("sbatch"), "--wait", f"--chdir={REPO}", f"--output={log}", "--nodes=1", "--ntasks-per-node=2",
-           str(REPO / "slurm" / "train_lstm_moe_cpu.sbatch"), "--preset", "lm1b-moe-32-mini", "--ep-size", "2",
-           "--max-steps", "20", "--log-interval", "10", "--eval-interval", "20", "--out", str(run)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [_which("sbatch"), "--wait", f"--chdir={work}", f"--output={log}", "--nodes=1", *sbatch_flags,
+           str(REPO / "slurm" / template), "--preset", "lm1b-moe-32-mini", "--ep-size", "2", "--max-steps", "20",
+           "--log-interval", "10", "--eval-interval", "20", "--out", str(run)]
+    proc = subprocess.run(cmd, cwd=work, env={**env, **job_env}, capture_output=True, text=True, timeout=600)
     text = log.read_text() if log.exists() else ""
     assert proc.returncode == 0, proc.stderr[-2000:] + text[-4000:]
     steps = [line for line in text.splitlines() if line.startswith("step ") and "TFLOPS/device" in line]
@@ -147,3 +147,21 @@ def test_cpu_template_trains_under_real_slurm(local_slurm):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["tflops_per_device"] > 0
     assert 0 < summary["all_to_all_share"] < 1
+    return text
+
+
+def test_cpu_template_trains_under_real_slurm(local_slurm, tmp_path):
+    """The srun path: two SLURM tasks, ranks from SLURM_PROCID / SLURM_NTASKS."""
+    _sbatch_and_check(local_slurm, tmp_path, "train_lstm_moe_cpu.sbatch", ["--ntasks-per-node=2"],
+                      {"DS_CONFIG": str(REPO / "ds_configs" / "zero2_ep.json")})
+
+
+def test_deepspeed_template_trains_under_real_slurm(local_slurm, tmp_path):
+    """The deepspeed-launcher path: a hostfile from the allocation, one launcher per node with --no_ssh
+    --node_rank, two CPU processes per node."""
+    text = _sbatch_and_check(local_slurm, tmp_path, "train_deepspeed.sbatch",
+                             ["--ntasks-per-node=1", "--cpus-per-task=2", "--gpus-per-node=0"],
+                             {"PROCS_PER_NODE": "2", "DS_CONFIG": str(REPO / "ds_configs" / "zero2_ep.json")})
+    assert "--no_ssh" in text or "node_rank=0" in text
+    hostfiles = list(tmp_path.glob("hostfile-*"))
+    assert len(hostfiles) == 1 and hostfiles[0].read_text().strip() == "localhost slots=2"
