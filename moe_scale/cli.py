@@ -2,6 +2,7 @@
 
     moe-scale train [--config FILE] [--num-experts 16 --top-k 2 ...]
     moe-scale eval --run DIR [--split valid|test] [--data PATH] [--json]
+    moe-scale flops --preset NAME [--json]        moe-scale plan --preset NAME --nodes N ...
 
 Errors a user can cause print one line `moe-scale: error: ...` and exit with status 2.
 """
@@ -45,6 +46,9 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
     given = {k: v for k, v in vars(args).items() if "." in k}
     if args.config:   # a reloaded run starts fresh unless told otherwise
         config.train.resume = config.train.overwrite = False
+    if given.get("train.preset"):   # the preset first, so that flags given beside it override it
+        from moe_scale.presets import apply_preset
+        apply_preset(config, given.pop("train.preset"))
     for dotted, value in given.items():
         section, name = dotted.split(".")
         setattr(getattr(config, section), name, value)
@@ -69,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", choices=("valid", "test"), default="valid")
     evaluate.add_argument("--data", metavar="PATH", help="evaluate on this text instead (file, dir or glob)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+
+    flops = sub.add_parser("flops", help="parameters, ops/timestep and training FLOPs of a paper preset")
+    flops.add_argument("--preset", help="preset name (see --list)")
+    flops.add_argument("--list", action="store_true", help="list the presets")
+    flops.add_argument("--softmax", choices=("full", "sampled"), help="count this softmax instead of the preset's")
+    flops.add_argument("--softmax-samples", type=int, default=0, help="samples of a sampled softmax")
+    flops.add_argument("--json", action="store_true", help="print one JSON object")
+    from moe_scale.plan_command import add_plan_parser
+    add_plan_parser(sub)
     return parser
 
 
@@ -87,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             result = run_eval(args.run, args.split, args.data)
             if result is not None:
                 print(json.dumps(result) if args.json else _format_eval(result))
+        elif args.command == "flops":
+            from moe_scale.flops_command import run_flops
+            print(run_flops(args.preset, args.json, args.softmax, args.softmax_samples, args.list))
+        elif args.command == "plan":
+            from moe_scale.plan_command import run_plan
+            print(run_plan(args))
     except UserError as e:
         print(f"moe-scale: error: {e}", file=sys.stderr)
         return 2

@@ -49,6 +49,13 @@ class ModelConfig:
     capacity_factor: float = _f(1.0, "capacity dispatch: expert capacity = ceil(factor x tokens x k / experts)")
     expert_recompute: bool = _f(False, "recompute the experts' hidden activations in the backward pass instead "
                                        "of storing them (Shazeer et al. App. D)")
+    layout: str = _f("lstm-moe-lstm", "layer stack between embedding and softmax: App. C.1's model, or a computationally "
+                                      "matched baseline: a dense FFN instead of the MoE (MoE-1-Deep), four LSTMs "
+                                      "(4xLSTM-512), or one LSTM (LSTM-2048-512)",
+                     ("lstm-moe-lstm", "lstm-ffn-lstm", "4xlstm", "lstm"))
+    lstm_hidden: int = _f(0, "LSTM units (0: d_model); more than d_model adds an output projection back to d_model "
+                             "(Sak et al. 2014)")
+    ffn_layers: int = _f(1, "lstm-ffn-lstm: ReLU hidden layers of width expert_hidden in the dense FFN")
 
 
 @dataclass
@@ -86,6 +93,8 @@ class TrainConfig:
     eval_interval: int = _f(200, "steps between validation passes (and at the end)")
     eval_max_batches: int = _f(0, "cap on validation batches per pass (0: the whole split)")
     checkpoint_interval: int = _f(200, "steps between checkpoints (and at the end)")
+    preset: str | None = _f(None, "start from a paper model's settings (`moe-scale flops --list`; NAME-mini for a "
+                                  "CPU-sized miniature); other flags given override them")
 
 
 @dataclass
@@ -154,6 +163,9 @@ class RunConfig:
                             f"each expert-parallel rank must hold the same number of experts")
         if m.gate == "hierarchical":
             self._validate_hierarchical()
+        if m.lstm_hidden < 0 or m.ffn_layers < 1:
+            raise UserError(f"--lstm-hidden must be 0 (= d_model) or positive and --ffn-layers at least 1 "
+                            f"(got {m.lstm_hidden}, {m.ffn_layers})")
         if not 0.0 <= m.dropout < 1.0:
             raise UserError(f"--dropout must be in [0, 1) (got {m.dropout})")
         if not 0.0 < d.holdout_fraction < 0.5:

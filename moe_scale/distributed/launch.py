@@ -3,7 +3,8 @@
 - `deepspeed --num_gpus N moe-scale train ...` (or torchrun): RANK/WORLD_SIZE/MASTER_* are set.
 - `srun moe-scale train ...` on SLURM: we derive them from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and the
   first host of the job's node list.
-- `mpirun -np N moe-scale train ...` (Open MPI): from OMPI_COMM_WORLD_*.
+- `mpirun -np N moe-scale train ...` (Open MPI): from OMPI_COMM_WORLD_*; MPICH / Intel MPI: PMI_RANK/PMI_SIZE;
+  any other MPI launch: asked from mpi4py when it is installed (`mpi_discovery`).
 - plain `moe-scale train`: a one-process group on 127.0.0.1.
 
 On machines without CUDA, DS_ACCELERATOR=cpu and the gloo backend are used; this must happen before the
@@ -62,11 +63,41 @@ def fill_env_from_launcher(env: dict[str, str] | None = None) -> None:
         env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", "29500")
+    elif "PMI_RANK" in env and "PMI_SIZE" in env:   # MPICH / Intel MPI (hydra)
+        env["RANK"], env["WORLD_SIZE"] = env["PMI_RANK"], env["PMI_SIZE"]
+        env["LOCAL_RANK"] = env.get("MPI_LOCALRANKID", env.get("PMI_LOCAL_RANK", "0"))
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", "29500")
+    elif mpi_discovery(env):
+        pass
     else:
         env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", str(_free_port()))
     env.setdefault("LOCAL_RANK", "0")
+
+
+def mpi_discovery(env: dict[str, str], comm=None) -> bool:
+    """Any other MPI launch (srun --mpi=pmix, mpiexec of another MPI): ask mpi4py, when it is installed and
+    the world has more than one process. Rank 0's hostname becomes MASTER_ADDR; local rank is the rank
+    among the processes on the same host."""
+    if comm is None:
+        if env.get("MOE_SCALE_MPI_DISCOVERY", "1") == "0":
+            return False
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            return False
+        comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        return False
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hosts = comm.allgather(socket.gethostname())
+    env["RANK"], env["WORLD_SIZE"] = str(rank), str(size)
+    env["LOCAL_RANK"] = str(hosts[:rank].count(hosts[rank]))
+    env.setdefault("MASTER_ADDR", hosts[0])
+    env.setdefault("MASTER_PORT", str(comm.bcast(_free_port() if rank == 0 else None, root=0)))
+    return True
 
 
 def _free_port() -> int:

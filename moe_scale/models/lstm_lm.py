@@ -1,6 +1,11 @@
 """The LSTM language model of Shazeer et al. 2017, App. C.1.
 
-    embedding ─▶ LSTM ─▶ MoE ─▶ LSTM ─▶ softmax
+    embedding ─▶ LSTM ─▶ MoE ─▶ LSTM ─▶ softmax                (--layout lstm-moe-lstm, the default)
+
+and App. C.1's computationally matched baselines: `lstm-ffn-lstm` (MoE-1-Deep: one dense "expert" of
+--ffn-layers ReLU layers), `4xlstm` (4xLSTM-512: two more LSTMs instead of the MoE) and `lstm` (one LSTM,
+LSTM-2048-512). MoE-1-Wide is the default layout with one expert. LSTMs wider than d_model
+(--lstm-hidden) project back to d_model (Sak et al. 2014; torch's `proj_size`).
 
 Every layer but the softmax: dropout on its output, then a residual add of its input
 (`y = x + Dropout(f(x))`; the embedding has no input to add). The MoE output passes through a sigmoid
@@ -33,13 +38,20 @@ class LSTMMoELM(nn.Module):
         (the rest uses the global RNG, which the caller seeds identically on every rank)."""
         super().__init__()
         d = config.d_model
+        self.layout = config.layout
         self.embedding = nn.Embedding(vocab_size, d)
-        self.lstm1 = nn.LSTM(d, d, batch_first=True)
-        self.moe = MoELayer(d, config.expert_hidden, config.num_experts, config.top_k, ep_size=ep_size,
-                            ep_rank=ep_rank, seed=seed, router=build_router(config),
-                            recompute=config.expert_recompute, dispatch_mode=config.dispatch,
-                            capacity_factor=config.capacity_factor)
-        self.lstm2 = nn.LSTM(d, d, batch_first=True)
+        self.lstm1 = _lstm(config)
+        if config.layout == "lstm-moe-lstm":
+            self.moe = MoELayer(d, config.expert_hidden, config.num_experts, config.top_k, ep_size=ep_size,
+                                ep_rank=ep_rank, seed=seed, router=build_router(config),
+                                recompute=config.expert_recompute, dispatch_mode=config.dispatch,
+                                capacity_factor=config.capacity_factor)
+        elif config.layout == "lstm-ffn-lstm":
+            self.ffn = DenseFFN(d, config.expert_hidden, config.ffn_layers)
+        elif config.layout == "4xlstm":
+            self.middle_lstms = nn.ModuleList([_lstm(config), _lstm(config)])
+        if config.layout != "lstm":
+            self.lstm2 = _lstm(config)
         self.dropout = nn.Dropout(config.dropout)
         self.softmax = FullSoftmax(d, vocab_size)
 
@@ -50,8 +62,36 @@ class LSTMMoELM(nn.Module):
         B, T = inputs_BT.shape
         h_BTD = self.dropout(self.embedding(inputs_BT))
         h_BTD = h_BTD + self.dropout(self.lstm1(h_BTD)[0])
-        moe_ND, aux_loss = self.moe(h_BTD.reshape(B * T, -1))
-        h_BTD = h_BTD + self.dropout(torch.sigmoid(moe_ND)).view(B, T, -1)
-        h_BTD = h_BTD + self.dropout(self.lstm2(h_BTD)[0])
+        aux_loss = h_BTD.new_zeros(())
+        if self.layout in ("lstm-moe-lstm", "lstm-ffn-lstm"):
+            x_ND = h_BTD.reshape(B * T, -1)
+            mid_ND, aux_loss = self.moe(x_ND) if self.layout == "lstm-moe-lstm" else (self.ffn(x_ND), aux_loss)
+            h_BTD = h_BTD + self.dropout(torch.sigmoid(mid_ND)).view(B, T, -1)
+        for lstm in getattr(self, "middle_lstms", []):
+            h_BTD = h_BTD + self.dropout(lstm(h_BTD)[0])
+        if self.layout != "lstm":
+            h_BTD = h_BTD + self.dropout(self.lstm2(h_BTD)[0])
         nll_N = self.softmax(h_BTD.reshape(B * T, -1), targets_BT.reshape(-1))
         return LMOutput(nll_N.sum(), B * T, aux_loss)
+
+
+def _lstm(config: ModelConfig) -> nn.LSTM:
+    units = config.lstm_hidden or config.d_model
+    return nn.LSTM(config.d_model, units, batch_first=True,
+                   proj_size=config.d_model if units != config.d_model else 0)
+
+
+class DenseFFN(nn.Module):
+    """d -> h (ReLU) -> ... -> h (ReLU) -> d without biases: the single always-active "expert" of MoE-1-Deep
+    (a one-expert gate always outputs 1, so it is left out)."""
+
+    def __init__(self, d_model: int, d_hidden: int, hidden_layers: int):
+        super().__init__()
+        widths = [d_model] + [d_hidden] * hidden_layers
+        self.hidden = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(widths, widths[1:]))
+        self.out = nn.Linear(d_hidden, d_model, bias=False)
+
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        for layer in self.hidden:
+            x_ND = torch.relu(layer(x_ND))
+        return self.out(x_ND)

@@ -25,6 +25,19 @@ from torch import nn
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """[M, K] @ [G, K, N] (rows split by offsets) or [K, M] @ [M, N] -> [G, K, N] (reduction split): either
+    way each element of `a` is multiplied with one row of N values of `b`, so 2 * |a| * N FLOPs."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+if hasattr(torch.ops.aten, "_grouped_mm"):   # so FlopCounterMode counts the experts (torch has no formula yet)
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    if torch.ops.aten._grouped_mm.default not in flop_registry:
+        register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
+
+
 def _use_grouped_mm(t: torch.Tensor) -> bool:
     return hasattr(F, "grouped_mm") and t.device.type == "cpu" and t.dtype in _GROUPED_MM_DTYPES
 
@@ -118,6 +131,8 @@ class GroupedExperts(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        if self.w_in.is_meta:   # shapes only (moe-scale flops / plan): nothing to draw
+            return
         bound = math.sqrt(6.0 / (self.d_model + self.d_hidden))
         with torch.no_grad():
             for local_id in range(self.num_local_experts):

@@ -21,7 +21,7 @@ from moe_scale.data import sentence_texts, unigram_perplexity
 from moe_scale.metrics.balance import MeanTracker, MoEMetrics
 from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token, tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
-from moe_scale.metrics.resources import all_to_all_seconds, peak_rss_mib
+from moe_scale.metrics.perf import all_to_all_seconds, device_peak_tflops, efficiency, peak_rss_mib
 from moe_scale.models.lstm_lm import LSTMMoELM
 from moe_scale.moe.layer import ranks_per_node
 from moe_scale.moe.routers import GlobalTokenNoise
@@ -98,7 +98,8 @@ def run_training(config: RunConfig) -> dict:
     flops_per_step = training_flops_per_token(lstm_moe_forward_macs_per_token(m, len(data.vocab))) \
         * t.batch_size * config.data.seq_len
     interval, interval_moe = MeanTracker(), MoEMetrics(model.moe_layers())
-    timed = {"seconds": 0.0, "steps": 0, "all_to_all_seconds": 0.0}
+    timed = {"seconds": 0.0, "steps": 0, "all_to_all": 0.0}
+    timed["peak_tflops"], timed["peak_source"] = _peak(env, ds_config)
     last_train, valid = {}, {}
     logger.line(f"training {_count(model)} on {env.world_size} process(es), ep_size={t.ep_size}, "
                 f"{data.train.num_windows} steps per epoch")
@@ -117,7 +118,7 @@ def run_training(config: RunConfig) -> dict:
         if step - start_step >= TIMING_WARMUP_STEPS:
             timed["seconds"] += time.perf_counter() - began
             timed["steps"] += 1
-            timed["all_to_all_seconds"] += all_to_all_seconds(model.moe_layers()) - comm_before
+            timed["all_to_all"] += all_to_all_seconds(model.moe_layers()) - comm_before
         dist.all_reduce(sums)
         nll, tokens, aux = sums.tolist()
         record = {"step": step + 1, "loss": nll / tokens, "aux_loss": aux / (env.world_size * t.grad_accum),
@@ -138,10 +139,11 @@ def run_training(config: RunConfig) -> dict:
                                      if name not in ("nll", "aux_loss")},
                                   "perf/tokens_per_s": perf["tokens_per_s"],
                                   "perf/tflops_per_device": perf["tflops_per_device"],
-                                  "perf/all_to_all_share": perf["all_to_all_share"]})
+                                  "perf/mfu": perf["mfu"], "perf/all_to_all_share": perf["all_to_all_share"]})
             logger.line(f"step {done}/{t.max_steps}  loss {last_train['nll']:.4f}  "
-                        f"ppl {math.exp(last_train['nll']):.2f}  cv(load) {last_train['cv_load']:.3f}  "
-                        f"{perf['tokens_per_s']:.0f} tok/s")
+                        f"ppl {math.exp(last_train['nll']):.2f}  cv(load) {last_train.get('cv_load', 0.0):.3f}  "
+                        f"{perf['tokens_per_s']:.0f} tok/s  {perf['tflops_per_device']:.4g} TFLOPS/device  "
+                        f"MFU {perf['mfu']:.2%}  all-to-all {perf['all_to_all_share']:.1%}")
         if done % t.eval_interval == 0 or done == t.max_steps:
             valid = evaluate(model, data.valid, t.eval_max_batches, env.device)
             logger.scalars(done, {"valid/ppl": valid["ppl"], **{f"valid_moe/{name}": value for name, value
@@ -175,15 +177,26 @@ def _install_noise(model: LSTMMoELM, config: RunConfig, env: DistEnv) -> list[Gl
 
 def _throughput(timed: dict, tokens_per_step: int, flops_per_step: float, world_size: int) -> dict[str, float]:
     if not timed["steps"]:
-        return {"tokens_per_s": float("nan"), "tflops_per_device": float("nan"), "step_seconds": float("nan"),
-                "all_to_all_share": float("nan")}
+        return {"tokens_per_s": float("nan"), "tflops_per_device": float("nan"), "mfu": float("nan"),
+                "all_to_all_share": float("nan"), "step_seconds": float("nan")}
     step_seconds = timed["seconds"] / timed["steps"]
-    return {"tokens_per_s": tokens_per_step / step_seconds,
-            "tflops_per_device": tflops_per_device(flops_per_step, step_seconds, world_size),
-            "step_seconds": step_seconds, "all_to_all_share": timed["all_to_all_seconds"] / timed["seconds"]}
+    tflops = tflops_per_device(flops_per_step, step_seconds, world_size)
+    return {"tokens_per_s": tokens_per_step / step_seconds, "tflops_per_device": tflops, "step_seconds": step_seconds,
+            **efficiency(tflops, timed["peak_tflops"], timed["all_to_all"], timed["seconds"])}
+
+
+def _peak(env: DistEnv, ds_config: dict) -> tuple[float, str]:
+    """One device's peak, averaged over the ranks (each measures its share of a shared CPU)."""
+    half = any(ds_config.get(key, {}).get("enabled") for key in ("bf16", "fp16"))
+    peak, source = device_peak_tflops(env.device, half)
+    peak_t = torch.tensor([peak], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(peak_t)
+    return peak_t.item() / env.world_size, source
 
 
 def _count(model: LSTMMoELM) -> str:
+    if not model.moe_layers():
+        return f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters ({model.layout}, no experts)"
     experts = sum(p.numel() for p in model.moe.experts.parameters()) * model.moe.ep_size
     dense = sum(p.numel() for p in model.parameters()) - experts // model.moe.ep_size
     return f"{(dense + experts) / 1e6:.2f}M parameters ({experts / 1e6:.2f}M in {model.moe.num_experts} experts)"
@@ -206,6 +219,9 @@ def _summary(config, env, data, last_train, valid, timed, flops_per_step) -> dic
         "tokens_per_s": perf["tokens_per_s"],
         "tflops_per_device": perf["tflops_per_device"],
         "step_seconds": perf["step_seconds"],
+        "mfu": perf["mfu"],
+        "peak_tflops_per_device": timed["peak_tflops"],
+        "peak_source": timed["peak_source"],
         "all_to_all_share": perf["all_to_all_share"],
         **train_moe,
         **valid_moe,

@@ -92,6 +92,20 @@ def test_expert_ffn_gradcheck_and_single_input_grad():
     torch.testing.assert_close(gw, torch.autograd.grad(ref, w_out)[0])
 
 
+def test_flop_counter_sees_the_grouped_gemm():
+    """FlopCounterMode knows no formula for aten::_grouped_mm; experts.py registers one. Forward + backward of
+    the FFN is 3 x 2 matmuls of M x D x H multiply-adds (2 FLOPs each)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counts, d, h = [5, 0, 7, 4], 8, 24
+    x = torch.randn(sum(counts), d, requires_grad=True)
+    w_in = torch.randn(4, d, h, requires_grad=True)
+    w_out = torch.randn(4, h, d, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        expert_ffn(x, w_in, w_out, counts).sum().backward()
+    assert counter.get_total_flops() == 3 * 2 * 2 * sum(counts) * d * h
+
+
 def test_recompute_keeps_no_hidden_activations():
     """App. D: with recompute the function saves x and the weights, never the [M, H] hidden layer."""
     counts = [40, 24]

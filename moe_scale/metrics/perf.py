@@ -1,0 +1,93 @@
+"""Per-interval efficiency: MFU against a device's peak, and the share of step time spent in all-to-all.
+
+Peak: a table of dense matmul peaks keyed by GPU name (bf16/fp16 when the run trains in half precision,
+else fp32). On CPU, and on a GPU missing from the table, the peak is measured once per run: the best of
+a few large matmuls, on every rank at the same time (so processes sharing cores each see their share).
+
+All-to-all time: every exchange times its all-to-all calls (moe/exchange.py), forward and backward; the
+time includes waiting for the slowest rank of the expert-parallel group, which is what a user pays.
+Peak memory: the process's peak resident set.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense matmul peaks in TFLOPS (vendor datasheets, without sparsity): (name substring, bf16/fp16, fp32).
+# First match wins, so the more specific names come first.
+PEAK_TFLOPS = [
+    ("H100 PCIe", 756.0, 51.2),
+    ("H200", 989.4, 66.9),
+    ("H100", 989.4, 66.9),        # SXM
+    ("A100", 312.0, 19.5),
+    ("V100", 125.0, 15.7),
+    ("A10G", 70.0, 31.2),
+    ("L4", 121.0, 30.3),
+    ("K40", 4.29, 4.29),          # the paper's GPU (no half-precision units)
+]
+
+
+def table_peak_tflops(device_name: str, half_precision: bool) -> float | None:
+    for key, half, single in PEAK_TFLOPS:
+        if key.lower() in device_name.lower():
+            return half if half_precision else single
+    return None
+
+
+def measured_matmul_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
+                           repeats: int = 5) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):          # the first call warms up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - began)
+    return 2 * n ** 3 / best / 1e12
+
+
+def device_peak_tflops(device: torch.device, half_precision: bool) -> tuple[float, str]:
+    """(peak TFLOPS of one device, where the number comes from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = table_peak_tflops(name, half_precision)
+        if peak is not None:
+            return peak, f"table: {name}"
+    dtype = torch.bfloat16 if half_precision and device.type == "cuda" else torch.float32
+    return measured_matmul_tflops(device, dtype), f"measured {str(dtype).replace('torch.', '')} matmul on {device.type}"
+
+
+def all_to_all_seconds(moe_layers) -> float:
+    """Seconds the layers' exchanges have spent in all-to-all calls so far (moe/exchange.py's CommTimer:
+    counts and rows, forward and backward, including the wait for the slowest rank of the group)."""
+    return sum(layer.dispatcher.exchange.timer.seconds for layer in moe_layers)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size. Linux: VmHWM of /proc/self/status (getrusage's ru_maxrss would
+    carry over the peak of the process that exec'ed us, e.g. a launcher); elsewhere ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def efficiency(tflops_per_device: float, peak_tflops: float, all_to_all_seconds: float,
+               step_seconds_total: float) -> dict[str, float]:
+    """MFU and all-to-all share of the timed steps (NaN before any step was timed)."""
+    if not step_seconds_total:
+        return {"mfu": float("nan"), "all_to_all_share": float("nan")}
+    return {"mfu": tflops_per_device / peak_tflops, "all_to_all_share": all_to_all_seconds / step_seconds_total}

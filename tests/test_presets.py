@@ -1,0 +1,119 @@
+"""Presets reproduce the papers' tables; meta-device construction allocates nothing; bad names fail cleanly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moe_scale.errors import UserError
+from moe_scale.flops_command import flops_report
+from moe_scale.metrics.flops import MoATransformer, lstm_lm_accounting
+from moe_scale.presets import PRESETS, get_preset, preset_config
+
+PAPER_LSTM = [p for p in PRESETS.values() if p.kind == "lstm" and p.paper is not None]
+
+
+@pytest.mark.parametrize("preset", PAPER_LSTM, ids=lambda p: p.name)
+def test_tables_7_and_8(preset):
+    """Parameters excluding embedding and softmax to 0.1M, ops/timestep to ±0.1M, totals to 0.1B."""
+    report = flops_report(preset.name)
+    paper = preset.paper
+    assert round(report["params_excluding_embedding_softmax"] / 1e6, 1) == pytest.approx(paper.params_excl_M, abs=1e-9)
+    assert abs(report["ops_per_timestep"] / 1e6 - paper.ops_per_timestep_M) <= 0.1
+    # MoE-34M: 4313.9M + 2·793471·1024 + 793471 = 5.94B against the table's 6.0 (see the report)
+    assert abs(report["total_params"] / 1e9 - paper.total_params_B) < 0.1
+
+
+@pytest.mark.parametrize("preset", PAPER_LSTM, ids=lambda p: p.name)
+def test_meta_model_matches_the_analytic_count(preset):
+    """Module parameters == the formulas, but for torch's second LSTM bias vector (4h per LSTM)."""
+    config = preset_config(preset.name)
+    analytic = lstm_lm_accounting(config.model, config.data.vocab_size)
+    report = flops_report(preset.name)
+    lstms = {"lstm-moe-lstm": 2, "lstm-ffn-lstm": 2, "4xlstm": 4, "lstm": 1}[config.model.layout]
+    units = config.model.lstm_hidden or config.model.d_model
+    assert report["module_total_params"] == analytic.total_params + lstms * 4 * units
+    assert report["total_params"] == analytic.total_params
+
+
+def test_ops_by_hand_moe_4096_h():
+    counts = flops_report("lm1b-moe-4096-h")["analytic"]["forward_macs_by_part"]
+    assert counts == {"lstm": 2 * 4 * 512 * 1024, "gating": 2 * 512 * 16 + 2 * 2 * 512 * 256,
+                      "experts": 4 * 2 * 512 * 1024}
+
+
+# MoA Table 3 (WMT14 En-De): (k, E, d_h) -> (params M, MACs M)
+MOA_TABLE3 = {(8, 8, 128): (65, 628), (8, 8, 256): (87, 841), (8, 16, 256): (125, 841), (8, 32, 64): (83, 524),
+              (8, 32, 128): (123, 631), (8, 32, 256): (200, 841), (4, 32, 256): (200, 654),
+              (16, 32, 256): (200, 1220)}
+
+
+@pytest.mark.parametrize("row", MOA_TABLE3, ids=str)
+def test_moa_table_3(row):
+    params_M, macs_M = MOA_TABLE3[row]
+    model = MoATransformer(*row)
+    assert model.macs() / 1e6 == pytest.approx(macs_M, rel=0.01)
+    assert abs(model.params() / 1e6 - params_M) < 1.5     # the paper rounds; eq. 20 drops biases
+
+
+def test_moa_presets_report_analytic_counts():
+    assert flops_report("moa-big")["macs_per_sentence_pair"] == MoATransformer(16, 32, 256).macs()
+    assert flops_report("moa-base")["macs_per_sentence_pair"] == MoATransformer(8, 8, 128).macs()
+
+
+def test_every_preset_has_a_miniature_that_validates():
+    for preset in PRESETS.values():
+        assert preset.name.endswith("-mini") or preset.name + "-mini" in PRESETS
+        if preset.kind == "lstm":
+            preset_config(preset.name).validate()
+
+
+def test_unknown_preset_is_one_clear_error():
+    with pytest.raises(UserError, match="unknown preset"):
+        get_preset("moe-7")
+
+
+def test_flops_cli_builds_moe_131072_h_on_meta_without_memory(tmp_path):
+    """137.7B parameters would be 550 GB in fp32; the process stays far below 1 GB."""
+    code = ("import resource, json, sys; from moe_scale.cli import main; main(['flops', '--preset', "
+            "'news100b-moe-131072-h', '--json']); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert round(report["params_excluding_embedding_softmax"] / 1e6, 1) == 137577.6
+    max_rss_kib = int(proc.stderr.strip().splitlines()[-1])
+    assert max_rss_kib < 1_000_000
+
+
+def test_flops_cli_errors(tmp_path, capsys):
+    from moe_scale.cli import main
+
+    for args, message in ((["flops", "--preset", "nope"], "unknown preset"),
+                          (["flops"], "needs --preset"),
+                          (["flops", "--preset", "lm1b-moe-32", "--softmax", "sampled"], "--softmax-samples"),
+                          (["train", "--preset", "moa-base-mini", "--out", str(tmp_path / "r")], "transformer LM")):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moe-scale: error:") and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_preset_then_flags_override():
+    from moe_scale.cli import _config_from_args, build_parser
+
+    args = build_parser().parse_args(["train", "--preset", "lm1b-moe-32-mini", "--num-experts", "8"])
+    config = _config_from_args(args)
+    assert config.model.num_experts == 8 and config.model.top_k == 4 and config.train.preset == "lm1b-moe-32-mini"
+
+
+def test_text_report_shows_ours_beside_the_paper():
+    from moe_scale.flops_command import format_report
+
+    text = format_report(flops_report("news100b-moe-65536-h"))
+    assert "68791.05M   paper 68791.0M" in text and "9.18M   paper 9.2M" in text
+    mini = format_report(flops_report("moa-base-mini"))
+    assert "MoA module MACs (T=10)" in mini and "paper" not in mini.splitlines()[1]
