@@ -19,8 +19,9 @@ from moe_scale.distributed.launch import DistEnv, init_distributed
 from moe_scale.errors import UserError
 from moe_scale.data import sentence_texts, unigram_perplexity
 from moe_scale.metrics.balance import MeanTracker, MoEMetrics
-from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token, tflops_per_device, training_flops_per_token
+from moe_scale.metrics.flops import tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
+from moe_scale.models.build import build_model, describe_parameters, forward_macs_per_token
 from moe_scale.models.lstm_lm import LSTMMoELM
 from moe_scale.moe.routers import GlobalTokenNoise
 from moe_scale.train.checkpoint import load_checkpoint, save_checkpoint
@@ -28,6 +29,7 @@ from moe_scale.train.data_setup import build_lm_data
 from moe_scale.train.ds_config import complete_ds_config, load_ds_config
 from moe_scale.train.engine import Trainer
 from moe_scale.train.evaluate import evaluate
+from moe_scale.train.mae_bcd import mae_schedule
 from moe_scale.train.run_dir import check_run_dir, create_run_dir, write_json_atomic
 
 _EVAL_TOTALS = ("ppl", "nll_per_token", "tokens")
@@ -71,18 +73,19 @@ def run_training(config: RunConfig) -> dict:
     dist.barrier()
 
     torch.manual_seed(t.seed)
-    model = LSTMMoELM(m, len(data.vocab), ep_size=t.ep_size, ep_rank=env.rank % t.ep_size, seed=t.seed)
+    model = build_model(m, len(data.vocab), ep_size=t.ep_size, ep_rank=env.rank % t.ep_size, seed=t.seed)
+    mae = mae_schedule(model, config, data.train.num_windows)   # MAE's G steps (None for other models)
     trainer = Trainer(model.to(env.device), ds_config, t)
     engine = trainer.engine
     noises = _install_noise(model, config, env)
     start_step = load_checkpoint(engine, run) if t.resume else 0
 
     logger = RunLogger(run, t.max_steps, start_step, enabled=env.rank == 0)
-    flops_per_step = training_flops_per_token(lstm_moe_forward_macs_per_token(m, len(data.vocab))) \
+    flops_per_step = training_flops_per_token(forward_macs_per_token(m, len(data.vocab), config.data.seq_len)) \
         * t.batch_size * config.data.seq_len
     interval, interval_moe, timed = MeanTracker(), MoEMetrics(model.moe_layers()), {"seconds": 0.0, "steps": 0}
     last_train, valid = {}, {}
-    logger.line(f"training {_count(model)} on {env.world_size} process(es), ep_size={t.ep_size}, "
+    logger.line(f"training {describe_parameters(model)} on {env.world_size} process(es), ep_size={t.ep_size}, "
                 f"{data.train.num_windows} steps per epoch")
     for step in range(start_step, t.max_steps):
         torch.manual_seed(step_seed(t.seed, step, env.rank))
@@ -90,6 +93,8 @@ def run_training(config: RunConfig) -> dict:
             noise.set_step(step)
         inputs, targets = data.train.batch(step, shuffle_seed=t.seed)
         began = time.perf_counter()
+        if mae is not None:
+            mae.g_step_if_due(step, inputs, targets, env.device)
         sums = torch.zeros(3, dtype=torch.float64, device=collective_device())   # [NLL sum, tokens, aux sum]
         for micro_inputs, micro_targets in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)):
             out = engine(micro_inputs.to(env.device), micro_targets.to(env.device))
@@ -120,7 +125,7 @@ def run_training(config: RunConfig) -> dict:
                                   "perf/tokens_per_s": perf["tokens_per_s"],
                                   "perf/tflops_per_device": perf["tflops_per_device"]})
             logger.line(f"step {done}/{t.max_steps}  loss {last_train['nll']:.4f}  "
-                        f"ppl {math.exp(last_train['nll']):.2f}  cv(load) {last_train['cv_load']:.3f}  "
+                        f"ppl {math.exp(last_train['nll']):.2f}  cv(load) {last_train.get('cv_load', float('nan')):.3f}  "
                         f"{perf['tokens_per_s']:.0f} tok/s")
         if done % t.eval_interval == 0 or done == t.max_steps:
             valid = evaluate(model, data.valid, t.eval_max_batches, env.device)
@@ -156,12 +161,6 @@ def _throughput(timed: dict, tokens_per_step: int, flops_per_step: float, world_
     step_seconds = timed["seconds"] / timed["steps"]
     return {"tokens_per_s": tokens_per_step / step_seconds,
             "tflops_per_device": tflops_per_device(flops_per_step, step_seconds, world_size)}
-
-
-def _count(model: LSTMMoELM) -> str:
-    experts = sum(p.numel() for p in model.moe.experts.parameters()) * model.moe.ep_size
-    dense = sum(p.numel() for p in model.parameters()) - experts // model.moe.ep_size
-    return f"{(dense + experts) / 1e6:.2f}M parameters ({experts / 1e6:.2f}M in {model.moe.num_experts} experts)"
 
 
 def _summary(config, env, data, last_train, valid, timed, flops_per_step) -> dict:
