@@ -2,6 +2,7 @@
 
     moe-scale train [--config FILE] [--num-experts 16 --top-k 2 ...]
     moe-scale eval --run DIR [--split valid|test] [--data PATH] [--json]
+    moe-scale prune-heads --run DIR [--data PATH] [--steps 10]
 
 Errors a user can cause print one line `moe-scale: error: ...` and exit with status 2.
 """
@@ -69,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", choices=("valid", "test"), default="valid")
     evaluate.add_argument("--data", metavar="PATH", help="evaluate on this text instead (file, dir or glob)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+
+    prune = sub.add_parser("prune-heads", help="head importance and global head pruning of a transformer run "
+                                               "(Michel et al. 2019)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    prune.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
+    prune.add_argument("--data", metavar="PATH", help="text for importance and perplexity (default: the run's "
+                                                      "validation split)")
+    prune.add_argument("--steps", type=int, default=10, help="pruning steps (the first prunes nothing)")
+    prune.add_argument("--fraction-per-step", type=float, default=0.1, help="share of all heads removed per step")
+    prune.add_argument("--max-batches", type=int, default=0, help="cap on batches of the data (0: all)")
+    prune.add_argument("--abs-granularity", choices=("token", "example"), default="token",
+                       help="|A·dL/dA| per token (released code) or per sequence (paper)")
+    prune.add_argument("--recompute-importance", action="store_true", help="re-score the pruned model every step")
+    prune.add_argument("--out", metavar="DIR", help="where pruning.{json,md,png} go (default: RUN/pruning)")
     return parser
 
 
@@ -87,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             result = run_eval(args.run, args.split, args.data)
             if result is not None:
                 print(json.dumps(result) if args.json else _format_eval(result))
+        elif args.command == "prune-heads":
+            from moe_scale.train.prune_command import format_report, run_prune_heads
+
+            print(format_report(run_prune_heads(args.run, args.data, args.steps, args.fraction_per_step,
+                                                args.max_batches, args.abs_granularity, args.recompute_importance,
+                                                args.out)))
     except UserError as e:
         print(f"moe-scale: error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@ Z = Σ_i g_i f_i equals Σ_j c_j H_j with c_j = h/(h−1)·(1 − g_j), so it ru
 with per-token head weights c (spec §4.1); W_o's bias is added once. Uniform g gives c ≡ 1: plain MHA.
 
 Gate g(·; φ) (§4.2): the mean of the most recent `window` input vectors (a causal prefix mean, so position t
-never sees t+1 and every position has its own gate), BatchNorm, Linear(D, 256) → tanh → dropout(0.1) →
+never sees t+1 and every position has its own gate), BatchNorm (normalising with running statistics, see
+CausalBatchNorm), Linear(D, 256) → tanh → dropout(0.1) →
 Linear(256, h) → softmax.
 
 Modes: "mixture" (the G step, joint training and evaluation: c from g) and "sample" (the F step: g without
@@ -36,12 +37,28 @@ def causal_window_mean(x_BTD: torch.Tensor, window: int) -> torch.Tensor:
     return (prefix_BTD - shifted_BTD) / count_T[None, :, None]
 
 
+class CausalBatchNorm(nn.BatchNorm1d):
+    """BatchNorm that normalises with its running statistics also in training (the batch only updates them).
+
+    A plain BatchNorm normalises each position with the mean and variance of the whole batch, future positions
+    included — a (small) leak of future tokens into the gate during training. The paper does not say; we keep
+    the decoder strictly causal."""
+
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                nn.functional.batch_norm(x_ND.detach(), self.running_mean, self.running_var, training=True,
+                                         momentum=self.momentum, eps=self.eps)
+        return nn.functional.batch_norm(x_ND, self.running_mean, self.running_var, self.weight, self.bias,
+                                        training=False, eps=self.eps)
+
+
 class MAEGate(nn.Module):
     def __init__(self, d_model: int, num_heads: int, window: int = GATE_WINDOW, hidden: int = GATE_HIDDEN,
                  dropout: float = 0.1):
         super().__init__()
         self.window = window
-        self.norm = nn.BatchNorm1d(d_model)
+        self.norm = CausalBatchNorm(d_model)
         self.hidden = nn.Linear(d_model, hidden)
         self.dropout = nn.Dropout(dropout)
         self.out = nn.Linear(hidden, num_heads)

@@ -11,6 +11,8 @@ heads remain (the BERT fork's `prune_linear_layer` keeps W_o's bias whole).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,11 +63,11 @@ class MultiHeadAttention(nn.Module):
         rows = torch.cat([torch.arange(i * d, (i + 1) * d) for i in keep]) if keep else torch.zeros(0, dtype=torch.long)
         for name in ("q_proj", "k_proj", "v_proj"):
             old = getattr(self, name)
-            new = nn.Linear(self.d_model, len(rows)).to(old.weight)
+            new = _linear(self.d_model, len(rows)).to(old.weight)
             new.weight.copy_(old.weight[rows])
             new.bias.copy_(old.bias[rows])
             setattr(self, name, new)
-        new_out = nn.Linear(len(rows), self.d_model).to(self.out_proj.weight)
+        new_out = _linear(len(rows), self.d_model).to(self.out_proj.weight)
         new_out.weight.copy_(self.out_proj.weight[:, rows])
         new_out.bias.copy_(self.out_proj.bias)
         self.out_proj = new_out
@@ -74,3 +76,10 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.head_ids}, head_dim={self.head_dim}"
+
+
+def _linear(d_in: int, d_out: int) -> nn.Linear:
+    """A Linear whose weights are overwritten next; no warning when a layer loses its last head (0 rows)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return nn.Linear(d_in, d_out)
