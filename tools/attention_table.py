@@ -19,6 +19,7 @@ Outputs: --out/attention_table.md (also printed) and --out/attention_table.json;
 
     python tools/attention_table.py --out runs/attention_table                 # ~10 min on 2 cores
     python tools/attention_table.py --out runs/at --max-steps 5 --only mha     # a smoke run
+    python tools/attention_table.py --out runs/attention_table --reuse        # retrain only missing rows
 
 Exit status: 0 done; 1 a training run failed (its stderr tail is printed); 2 a bad flag (one line).
 """
@@ -54,6 +55,7 @@ def parse_args():
     parser.add_argument("--max-steps", type=positive_int, default=400)
     parser.add_argument("--only", default="mha,moa,mae", help="comma-separated subset of mha,moa,mae")
     parser.add_argument("--wikitext", type=Path, default=DEFAULT_WIKITEXT)
+    parser.add_argument("--reuse", action="store_true", help="keep rows whose run already has a summary.json")
     args = parser.parse_args()
     args.only = [k.strip() for k in args.only.split(",") if k.strip()]
     bad = [k for k in args.only if k not in ROWS]
@@ -67,6 +69,9 @@ def parse_args():
 
 def train(args, kind: str) -> Path:
     run = args.out / "runs" / kind
+    if args.reuse and (run / "summary.json").is_file():
+        print(f"[attention_table] reusing {run}", file=sys.stderr)
+        return run
     cmd = [sys.executable, "-m", "moe_scale", "train", *COMMON, *ROWS[kind], "--max-steps", str(args.max_steps),
            "--eval-interval", str(args.max_steps), "--checkpoint-interval", str(args.max_steps),
            "--data", str(args.wikitext / "valid.txt"), "--valid-data", str(args.wikitext / "test.txt"),

@@ -38,19 +38,21 @@ def causal_window_mean(x_BTD: torch.Tensor, window: int) -> torch.Tensor:
 
 
 class CausalBatchNorm(nn.BatchNorm1d):
-    """BatchNorm that normalises with its running statistics also in training (the batch only updates them).
+    """BatchNorm that normalises with its running statistics also in training (the batch updates them after).
 
     A plain BatchNorm normalises each position with the mean and variance of the whole batch, future positions
     included — a (small) leak of future tokens into the gate during training. The paper does not say; we keep
     the decoder strictly causal."""
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        # Statistics from before this batch (clones: the update below is in place and autograd keeps them).
+        out = nn.functional.batch_norm(x_ND, self.running_mean.clone(), self.running_var.clone(), self.weight,
+                                       self.bias, training=False, eps=self.eps)
         if self.training:
             with torch.no_grad():
                 nn.functional.batch_norm(x_ND.detach(), self.running_mean, self.running_var, training=True,
                                          momentum=self.momentum, eps=self.eps)
-        return nn.functional.batch_norm(x_ND, self.running_mean, self.running_var, self.weight, self.bias,
-                                        training=False, eps=self.eps)
+        return out
 
 
 class MAEGate(nn.Module):
