@@ -32,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tool_args import OneLineParser, positive_int
+from tool_args import OneLineParser, non_negative_int, positive_int
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -40,7 +40,7 @@ DEFAULT_WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"
 
 COMMON = ["--model", "transformer", "--d-model", "64", "--num-layers", "2", "--ffn-hidden", "256",
           "--vocab-size", "5000", "--batch-size", "32", "--seq-len", "32", "--lr", "0.003", "--warmup-steps", "50",
-          "--dropout", "0.1", "--eval-max-batches", "0", "--log-interval", "50", "--seed", "1234"]
+          "--dropout", "0.1", "--log-interval", "50", "--seed", "1234"]
 ROWS = {
     "mha": ["--attention", "mha", "--num-heads", "4", "--head-dim", "16"],
     "moa": ["--attention", "moa", "--moa-num-experts", "8", "--moa-top-k", "4", "--head-dim", "16"],
@@ -55,6 +55,8 @@ def parse_args():
     parser.add_argument("--max-steps", type=positive_int, default=400)
     parser.add_argument("--only", default="mha,moa,mae", help="comma-separated subset of mha,moa,mae")
     parser.add_argument("--wikitext", type=Path, default=DEFAULT_WIKITEXT)
+    parser.add_argument("--eval-max-batches", type=non_negative_int, default=0,
+                        help="cap on validation batches (0: all of test.txt, for the table)")
     parser.add_argument("--reuse", action="store_true", help="keep rows whose run already has a summary.json")
     args = parser.parse_args()
     args.only = [k.strip() for k in args.only.split(",") if k.strip()]
@@ -73,7 +75,7 @@ def train(args, kind: str) -> Path:
         print(f"[attention_table] reusing {run}", file=sys.stderr)
         return run
     cmd = [sys.executable, "-m", "moe_scale", "train", *COMMON, *ROWS[kind], "--max-steps", str(args.max_steps),
-           "--eval-interval", str(args.max_steps), "--checkpoint-interval", str(args.max_steps),
+           "--eval-interval", str(args.max_steps), "--eval-max-batches", str(args.eval_max_batches), "--checkpoint-interval", str(args.max_steps),
            "--data", str(args.wikitext / "valid.txt"), "--valid-data", str(args.wikitext / "test.txt"),
            "--test-data", str(args.wikitext / "test.txt"), "--out", str(run), "--overwrite"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "DS_ACCELERATOR": "cpu",

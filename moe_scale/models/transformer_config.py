@@ -21,14 +21,14 @@ def validate_transformer(m: ModelConfig, ep_size: int) -> None:
             raise UserError(f"{flag} must be at least 1 (got {value})")
     if m.head_dim < 0:
         raise UserError(f"--head-dim must be 0 (d_model / heads) or positive (got {m.head_dim})")
+    if m.attention == "moa" and m.moa_top_k > m.moa_num_experts:
+        raise UserError(f"--moa-top-k {m.moa_top_k} is larger than --moa-num-experts {m.moa_num_experts}; "
+                        f"choose k <= number of attention experts")
     heads, flag = (m.moa_top_k, "--moa-top-k") if m.attention == "moa" else (m.num_heads, "--num-heads")
     if not m.head_dim and m.d_model % heads:
         raise UserError(f"{flag} {heads} does not divide --d-model {m.d_model}; choose a divisor of the width "
                         f"or set --head-dim explicitly")
     if m.attention == "moa":
-        if m.moa_top_k > m.moa_num_experts:
-            raise UserError(f"--moa-top-k {m.moa_top_k} is larger than --moa-num-experts {m.moa_num_experts}; "
-                            f"choose k <= number of attention experts")
         if m.moa_num_experts % ep_size:
             raise UserError(f"--moa-num-experts {m.moa_num_experts} is not divisible by --ep-size {ep_size}; "
                             f"each expert-parallel rank must hold the same number of attention experts")

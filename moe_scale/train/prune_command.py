@@ -3,7 +3,7 @@
     moe-scale prune-heads --run DIR [--data PATH] [--steps 10] [--fraction-per-step 0.1] [--out DIR]
 
 Scores come once from the unpruned model (the released codes' default) or, with --recompute-importance,
-again from the pruned model after every step. Step i removes heads until ceil(i·fraction·total) are gone,
+again from the pruned model after every step. Step i removes heads until floor(i·fraction·total) are gone,
 physically, then measures perplexity on the data and forward speed (tokens/s over the timing batches, best
 of 3 passes, against the unpruned model in the same process). Writes pruning.json, pruning.md and
 pruning.png (perplexity and speed-up against the fraction pruned) to --out (default DIR/pruning), only

@@ -95,7 +95,8 @@ def test_global_ascending_order_is_stable_and_skips_pruned():
 
 
 def test_schedule_and_its_errors():
-    assert prune_schedule(16, 0.1, 10) == [0, 2, 4, 5, 7, 8, 10, 12, 13, 15]
+    assert prune_schedule(16, 0.1, 10) == [0, 1, 3, 4, 6, 8, 9, 11, 12, 14]
+    assert prune_schedule(8, 0.1, 10)[-1] == 7     # never more than the fraction
     for fraction, steps in ((0.0, 10), (1.0, 2), (-0.1, 3), (0.2, 6)):
         with pytest.raises(UserError, match=r"\[0, 1\)|\(0, 1\)"):
             prune_schedule(16, fraction, steps)
