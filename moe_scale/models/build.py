@@ -5,12 +5,16 @@ from __future__ import annotations
 from torch import nn
 
 from moe_scale.config import ModelConfig
+from moe_scale.errors import UserError
 
 
 def build_model(config: ModelConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0) -> nn.Module:
     if config.model == "transformer":
         from moe_scale.models.transformer_lm import TransformerLM
 
+        if config.attention == "moa" and config.moa_num_experts % ep_size:
+            raise UserError(f"{config.moa_num_experts} attention experts cannot be split over {ep_size} expert-"
+                            f"parallel processes; launch a number of processes that divides --moa-num-experts")
         return TransformerLM(config, vocab_size, ep_size=ep_size, ep_rank=ep_rank, seed=seed)
     from moe_scale.models.lstm_lm import LSTMMoELM
 
