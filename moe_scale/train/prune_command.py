@@ -4,14 +4,15 @@
 
 Scores come once from the unpruned model (the released codes' default) or, with --recompute-importance,
 again from the pruned model after every step. Step i removes heads until floor(i·fraction·total) are gone,
-physically, then measures perplexity on the data and forward speed (tokens/s over the timing batches, best
-of 3 passes, against the unpruned model in the same process). Writes pruning.json, pruning.md and
-pruning.png (perplexity and speed-up against the fraction pruned) to --out (default DIR/pruning), only
-once everything is computed.
+physically, then measures perplexity on the data and the forward speed-up over the unpruned model (best of
+3 passes over the timing batches, timed in turn with a copy of the unpruned model, so both see the same
+machine load). Writes pruning.json, pruning.md and pruning.png (perplexity and speed-up against the
+fraction pruned) to --out (default DIR/pruning), only once everything is computed.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -78,21 +79,21 @@ def run_prune_heads(run_dir: str, data: str | None, steps: int, fraction_per_ste
     total = len(layers) * num_heads
     schedule = prune_schedule(total, fraction_per_step, steps)
     scores = head_importance(model, batches, num_heads, abs_granularity, device)
+    unpruned = copy.deepcopy(model)
     pruned: list[tuple[int, int]] = []
     rows = []
-    base_seconds = None
     for target in schedule:
         if recompute and pruned:
             scores = head_importance(model, batches, num_heads, abs_granularity, device)
         new = heads_to_prune(scores, target - len(pruned), set(pruned))
         apply_pruning(model, new)
         pruned += new
-        seconds = _forward_seconds(model, batches[:TIMING_BATCHES], device)
-        base_seconds = base_seconds or seconds
+        base_seconds, seconds = _forward_seconds([unpruned, model], batches[:TIMING_BATCHES], device)
         result = evaluate(model, _Replay(batches), device=device)
         rows.append({"fraction_pruned": len(pruned) / total, "heads_pruned": len(pruned),
                      "heads_left": total - len(pruned), "params": parameter_counts(model)["total"],
-                     "ppl": result["ppl"], "forward_seconds": seconds, "speedup": base_seconds / seconds,
+                     "ppl": result["ppl"], "forward_seconds": seconds, "unpruned_forward_seconds": base_seconds,
+                     "speedup": base_seconds / seconds,
                      "pruned_heads": [list(h) for h in pruned]})
     report = {"run": str(run), "checkpoint": tag, "data": data or "valid", "tokens": result["tokens"],
               "abs_granularity": abs_granularity, "recompute_importance": recompute,
@@ -121,14 +122,17 @@ class _Replay:
 
 
 @torch.no_grad()
-def _forward_seconds(model, batches, device, repeats: int = 3) -> float:
-    model.eval()
-    best = float("inf")
+def _forward_seconds(models, batches, device, repeats: int = 3) -> list[float]:
+    """Best-of-`repeats` seconds of each model over the batches, the models timed in turn within each repeat
+    (so a busy machine slows them alike)."""
+    best = [float("inf")] * len(models)
     for _ in range(repeats):
-        began = time.perf_counter()
-        for inputs, targets in batches:
-            model(inputs.to(device), targets.to(device))
-        best = min(best, time.perf_counter() - began)
+        for index, model in enumerate(models):
+            model.eval()
+            began = time.perf_counter()
+            for inputs, targets in batches:
+                model(inputs.to(device), targets.to(device))
+            best[index] = min(best[index], time.perf_counter() - began)
     return best
 
 

@@ -63,6 +63,6 @@ def test_train_and_prune_heads_through_the_cli(tmp_path, embedded_cache):
     assert [r["heads_left"] for r in report["steps"]] == [8, 6, 4, 2]
     params = [r["params"] for r in report["steps"]]
     assert params == sorted(params, reverse=True) and params[0] - params[1] == 2 * (4 * 32 * 8 + 3 * 8)
-    assert report["steps"][0]["speedup"] == 1.0
+    assert all(r["speedup"] > 0 for r in report["steps"])
     assert (run / "pruning" / "pruning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "heads left" in proc.stdout
