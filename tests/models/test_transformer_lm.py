@@ -1,17 +1,20 @@
-"""The transformer LM: causality of every attention variant, and train / prune-heads through the CLI."""
+"""The transformer LM: causality of every attention variant; MAE with BCD trained, then pruned, through the CLI."""
 
 from __future__ import annotations
 
 import copy
 import json
 import math
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from moe_scale.config import ModelConfig
+from moe_scale.config import ModelConfig, RunConfig
+from moe_scale.data import Vocab
+from moe_scale.models.build import build_model
 from moe_scale.models.transformer_lm import TransformerLM
 from tests.train.run_helpers import run_train, step_log
 
@@ -46,18 +49,27 @@ TINY_TRANSFORMER = ["--model", "transformer", "--d-model", "32", "--num-heads", 
                     "--checkpoint-interval", "10", "--vocab-size", "500"]
 
 
-def test_train_and_prune_heads_through_the_cli(tmp_path, embedded_cache):
-    run = tmp_path / "mha"
-    run_train([*TINY_TRANSFORMER, "--attention", "mha", "--out", str(run)], cwd=tmp_path, cache=embedded_cache)
+def test_mae_bcd_train_and_prune_heads_through_the_cli(tmp_path, embedded_cache):
+    run = tmp_path / "mae"
+    run_train([*TINY_TRANSFORMER, "--attention", "mae", "--mae-g-unit", "step", "--mae-g-every", "2",
+               "--out", str(run)], cwd=tmp_path, cache=embedded_cache)
     log = step_log(run)
     assert len(log) == 10 and log[-1]["loss"] < log[0]["loss"]          # it trained
     summary = json.loads((run / "summary.json").read_text())
     assert math.isfinite(summary["valid_ppl"]) and summary["tokens_per_s"] > 0
-    # (eval of transformer checkpoints: tests/attention/test_moa_multiprocess.py)
+    # the G steps moved the gate: compare the checkpoint with the initial model (same seed as the trainer)
+    config = RunConfig.load(run / "config.json")
+    torch.manual_seed(config.train.seed)
+    initial = build_model(config.model, len(Vocab.load(run / "vocab")), seed=config.train.seed).state_dict()
+    trained = torch.load(next((run / "checkpoints").glob("step*/mp_rank_00_model_states.pt")),
+                         weights_only=False)["module"]
+    assert not torch.equal(trained["blocks.0.attn.gate.out.weight"], initial["blocks.0.attn.gate.out.weight"])
+    assert not torch.equal(trained["blocks.0.attn.mha.q_proj.weight"], initial["blocks.0.attn.mha.q_proj.weight"])
+
     proc = subprocess.run([sys.executable, "-m", "moe_scale", "prune-heads", "--run", str(run), "--steps", "4",
                            "--fraction-per-step", "0.25", "--max-batches", "3"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "MOE_SCALE_CACHE": str(embedded_cache)})
+                          env={**os.environ, "MOE_SCALE_CACHE": str(embedded_cache), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run / "pruning" / "pruning.json").read_text())
     assert [r["heads_left"] for r in report["steps"]] == [8, 6, 4, 2]
