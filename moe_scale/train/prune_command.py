@@ -4,9 +4,9 @@
 
 Scores come once from the unpruned model (the released codes' default) or, with --recompute-importance,
 again from the pruned model after every step. Step i removes heads until floor(i·fraction·total) are gone,
-physically, then measures perplexity on the data and the forward speed-up over the unpruned model (best of
-3 passes over the timing batches, timed in turn with a copy of the unpruned model, so both see the same
-machine load). Writes pruning.json, pruning.md and pruning.png (perplexity and speed-up against the
+physically, then measures perplexity on the data and the forward speed-up over the unpruned model (the
+median over 7 repeats of the time ratio over 4 batches, the two models timed in turn within each repeat, so
+both see the same machine load). Writes pruning.json, pruning.md and pruning.png (perplexity and speed-up against the
 fraction pruned) to --out (default DIR/pruning), only once everything is computed.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -31,7 +32,8 @@ from moe_scale.train.data_setup import load_run_splits, min_over_ranks
 from moe_scale.train.evaluate import evaluate
 from moe_scale.train.run_dir import write_json_atomic
 
-TIMING_BATCHES = 8
+TIMING_BATCHES = 4
+TIMING_REPEATS = 7
 
 
 def load_trained(run: Path):
@@ -89,11 +91,12 @@ def run_prune_heads(run_dir: str, data: str | None, steps: int, fraction_per_ste
         apply_pruning(model, new)
         pruned += new
         base_seconds, seconds = _forward_seconds([unpruned, model], batches[:TIMING_BATCHES], device)
+        speedup = _speedup(base_seconds, seconds)
         result = evaluate(model, _Replay(batches), device=device)
         rows.append({"fraction_pruned": len(pruned) / total, "heads_pruned": len(pruned),
                      "heads_left": total - len(pruned), "params": parameter_counts(model)["total"],
-                     "ppl": result["ppl"], "forward_seconds": seconds, "unpruned_forward_seconds": base_seconds,
-                     "speedup": base_seconds / seconds,
+                     "ppl": result["ppl"], "forward_seconds": min(seconds),
+                     "unpruned_forward_seconds": min(base_seconds), "speedup": speedup,
                      "pruned_heads": [list(h) for h in pruned]})
     report = {"run": str(run), "checkpoint": tag, "data": data or "valid", "tokens": result["tokens"],
               "abs_granularity": abs_granularity, "recompute_importance": recompute,
@@ -122,18 +125,23 @@ class _Replay:
 
 
 @torch.no_grad()
-def _forward_seconds(models, batches, device, repeats: int = 3) -> list[float]:
-    """Best-of-`repeats` seconds of each model over the batches, the models timed in turn within each repeat
-    (so a busy machine slows them alike)."""
-    best = [float("inf")] * len(models)
+def _forward_seconds(models, batches, device, repeats: int = TIMING_REPEATS) -> list[list[float]]:
+    """Seconds of each model over the batches, per repeat; the models run in turn within each repeat, so a
+    busy machine slows them alike and the per-repeat ratios stay comparable."""
+    seconds = [[] for _ in models]
     for _ in range(repeats):
         for index, model in enumerate(models):
             model.eval()
             began = time.perf_counter()
             for inputs, targets in batches:
                 model(inputs.to(device), targets.to(device))
-            best[index] = min(best[index], time.perf_counter() - began)
-    return best
+            seconds[index].append(time.perf_counter() - began)
+    return seconds
+
+
+def _speedup(base_seconds: list[float], seconds: list[float]) -> float:
+    """Median over repeats of unpruned time / pruned time."""
+    return statistics.median(b / s for b, s in zip(base_seconds, seconds))
 
 
 def _write(out_dir: Path, report: dict) -> None:
