@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             if result is not None:
                 print(json.dumps(result) if args.json else _format_eval(result))
         elif args.command == "prune-heads":
+            from moe_scale.attention.prune_schedule import prune_schedule
+
+            prune_schedule(1, args.fraction_per_step, args.steps)   # flag errors before the slow imports
             from moe_scale.train.prune_command import format_report, run_prune_heads
 
             print(format_report(run_prune_heads(args.run, args.data, args.steps, args.fraction_per_step,

@@ -18,11 +18,10 @@ import statistics
 import time
 from pathlib import Path
 
-import deepspeed
 import torch
 
-from moe_scale.attention.pruning import (apply_pruning, head_importance, heads_to_prune, prunable_layers,
-                                         prune_schedule)
+from moe_scale.attention.prune_schedule import prune_schedule
+from moe_scale.attention.pruning import apply_pruning, head_importance, heads_to_prune, prunable_layers
 from moe_scale.config import RunConfig
 from moe_scale.data import LMWindows, Vocab, load_sentences, resolve_text_files
 from moe_scale.distributed.launch import init_distributed
@@ -51,6 +50,8 @@ def load_trained(run: Path):
     env = init_distributed()
     if env.world_size != 1:
         raise UserError("prune-heads runs in one process; start it without a launcher")
+    import deepspeed   # here, not at the top: flag errors come back before this slow import
+
     torch.manual_seed(config.train.seed)
     model = build_model(config.model, len(vocab), seed=config.train.seed)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,

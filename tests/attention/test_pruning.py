@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from moe_scale.attention.mha import MultiHeadAttention
-from moe_scale.attention.pruning import (apply_masks, apply_pruning, head_importance, heads_to_prune,
-                                         prune_schedule)
+from moe_scale.attention.prune_schedule import prune_schedule
+from moe_scale.attention.pruning import apply_masks, apply_pruning, head_importance, heads_to_prune
 from moe_scale.config import ModelConfig
 from moe_scale.errors import UserError
 from moe_scale.models.transformer_lm import TransformerLM
