@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data", metavar="PATH", help="evaluate on this text instead (file, dir or glob)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
 
-    prune = sub.add_parser("prune-heads", help="head importance and global head pruning of a transformer run "
-                                               "(Michel et al. 2019)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    prune = sub.add_parser("prune-heads", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           help="head importance and global head pruning of a transformer run (Michel et al. 2019)")
     prune.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
     prune.add_argument("--data", metavar="PATH", help="text for importance and perplexity (default: the run's "
                                                       "validation split)")
