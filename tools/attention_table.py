@@ -75,7 +75,8 @@ def train(args, kind: str) -> Path:
         print(f"[attention_table] reusing {run}", file=sys.stderr)
         return run
     cmd = [sys.executable, "-m", "moe_scale", "train", *COMMON, *ROWS[kind], "--max-steps", str(args.max_steps),
-           "--eval-interval", str(args.max_steps), "--eval-max-batches", str(args.eval_max_batches), "--checkpoint-interval", str(args.max_steps),
+           "--eval-interval", str(args.max_steps), "--eval-max-batches", str(args.eval_max_batches),
+           "--checkpoint-interval", str(args.max_steps),
            "--data", str(args.wikitext / "valid.txt"), "--valid-data", str(args.wikitext / "test.txt"),
            "--test-data", str(args.wikitext / "test.txt"), "--out", str(run), "--overwrite"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "DS_ACCELERATOR": "cpu",

@@ -125,7 +125,8 @@ def run_training(config: RunConfig) -> dict:
                                   "perf/tokens_per_s": perf["tokens_per_s"],
                                   "perf/tflops_per_device": perf["tflops_per_device"]})
             logger.line(f"step {done}/{t.max_steps}  loss {last_train['nll']:.4f}  "
-                        f"ppl {math.exp(last_train['nll']):.2f}  cv(load) {last_train.get('cv_load', float('nan')):.3f}  "
+                        f"ppl {math.exp(last_train['nll']):.2f}  "
+                        f"cv(load) {last_train.get('cv_load', float('nan')):.3f}  "
                         f"{perf['tokens_per_s']:.0f} tok/s")
         if done % t.eval_interval == 0 or done == t.max_steps:
             valid = evaluate(model, data.valid, t.eval_max_batches, env.device)

@@ -33,4 +33,5 @@ def test_bad_pruning_fraction(tmp_path, flags, fragment):
 
 
 def test_prune_heads_needs_a_trained_run(tmp_path):
-    assert_one_line_error(run_cli("prune-heads", "--run", str(tmp_path / "none"), cwd=tmp_path), "--run", "no trained run")
+    proc = run_cli("prune-heads", "--run", str(tmp_path / "none"), cwd=tmp_path)
+    assert_one_line_error(proc, "--run", "no trained run")
