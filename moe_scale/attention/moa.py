@@ -11,6 +11,8 @@ M (token, expert) pairs that arrived here.
     expert e:  q = x W_q[e] / √d ;  o = softmax(q Kᵀ + causal) V  (over its own sequence) ;  y = o W_o[e]
     dispatcher: y back to the token's rank, summed with the gates
 
+The expert side runs one batched attention over the group's sequences (see `_experts`).
+
 Why an all-gather of K/V (and not of the queries' results): an expert needs K/V of every sequence whose
 tokens chose it, and those can be any sequence of the group. Gathering the shared K/V costs per layer and
 rank (P−1)·B·T·2d values in the forward (and the same back in the backward) — with MoA's small d (= D/k)
@@ -105,15 +107,22 @@ class MoAAttention(MoELayer):
         return self.dispatcher.combine(y_MD, gate_P, state).to(x_BTD.dtype).view(B, T, D), route.aux_loss
 
     def _experts(self, tokens_MD, position_M, kv_STd, T: int, tokens_per_expert: list[int]) -> torch.Tensor:
+        """Each arrived row's expert query attends over its own sequence's shared K/V (causally).
+
+        The rows are laid out densely as [S sequences, R slots, T positions] (R = min(k, L): a token sends at
+        most that many rows to one rank; empty slots hold q = 0 and are never read back), so one batched
+        attention over the group's sequences runs with K/V shared by the slots, as in multi-query attention."""
         d = self.head_dim
         q_Md = grouped_matmul(tokens_MD, self.experts.w_q.to(tokens_MD.dtype), tokens_per_expert) / math.sqrt(d)
+        S, R = kv_STd.shape[0], min(self.k, self.num_local_experts)
+        slot_M = _slot_within_token(position_M, S * T)
         sequence_M, time_M = position_M // T, position_M % T
-        kv_MTd = kv_STd.index_select(0, sequence_M)                      # K/V of each query's own sequence
-        scores_MT = torch.bmm(kv_MTd[..., :d], q_Md[:, :, None])[..., 0]
-        future_MT = torch.arange(T, device=scores_MT.device)[None, :] > time_M[:, None]
-        attn_MT = torch.softmax(scores_MT.masked_fill(future_MT, float("-inf")), dim=-1)
-        attn_MT = nn.functional.dropout(attn_MT, self.dropout, self.training)
-        o_Md = torch.bmm(attn_MT[:, None, :], kv_MTd[..., d:])[:, 0]
+        q_SRTd = q_Md.new_zeros(S, T, R, d).index_put((sequence_M, time_M, slot_M), q_Md).transpose(1, 2)
+        k_SRTd = kv_STd[:, None, :, :d].expand(S, R, T, d)
+        v_SRTd = kv_STd[:, None, :, d:].expand(S, R, T, d)
+        o_SRTd = nn.functional.scaled_dot_product_attention(
+            q_SRTd, k_SRTd, v_SRTd, is_causal=True, scale=1.0, dropout_p=self.dropout if self.training else 0.0)
+        o_Md = o_SRTd.transpose(1, 2)[sequence_M, time_M, slot_M]
         return grouped_matmul(o_Md, self.experts.w_o.to(o_Md.dtype), tokens_per_expert)
 
     def _gather_over_experts(self, kv_BTd: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -126,3 +135,13 @@ class MoAAttention(MoELayer):
         out = flat.new_empty(P * flat.shape[0], flat.shape[1])
         gathered = dist_autograd.all_to_all_single(out, flat.repeat(P, 1), group=group)
         return gathered.view(P * kv_BTd.shape[0], *kv_BTd.shape[1:]), dist.get_rank(group)
+
+
+def _slot_within_token(position_M: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """For rows that share a query token (same position), 0, 1, 2, ... in row order."""
+    order_M = torch.argsort(position_M, stable=True)
+    count_P = torch.bincount(position_M, minlength=num_positions)
+    first_P = count_P.cumsum(0) - count_P
+    slot_M = torch.empty_like(position_M)
+    slot_M[order_M] = torch.arange(len(position_M), device=position_M.device) - first_P[position_M[order_M]]
+    return slot_M
