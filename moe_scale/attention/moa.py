@@ -111,7 +111,10 @@ class MoAAttention(MoELayer):
 
         The rows are laid out densely as [S sequences, R slots, T positions] (R = min(k, L): a token sends at
         most that many rows to one rank; empty slots hold q = 0 and are never read back), so one batched
-        attention over the group's sequences runs with K/V shared by the slots, as in multi-query attention."""
+        attention over the group's sequences runs with K/V shared by the slots, as in multi-query attention.
+        The layout spans all S = P·B sequences of the group, so its score work is S·R·T² against M·T for the
+        rows alone (the same in one process, where M = N·k; up to P·R/k times more with P ranks) — still far
+        faster than per-row gathers of K/V on CPU at these sizes."""
         d = self.head_dim
         q_Md = grouped_matmul(tokens_MD, self.experts.w_q.to(tokens_MD.dtype), tokens_per_expert) / math.sqrt(d)
         S, R = kv_STd.shape[0], min(self.k, self.num_local_experts)
