@@ -3,6 +3,7 @@
     moe-scale train [--config FILE] [--num-experts 16 --top-k 2 ...]
     moe-scale eval --run DIR [--split valid|test] [--data PATH] [--json]
     moe-scale flops --preset NAME [--json]        moe-scale plan --preset NAME --nodes N ...
+    moe-scale prune-heads --run DIR [--data PATH] [--steps 10]
 
 Errors a user can cause print one line `moe-scale: error: ...` and exit with status 2.
 """
@@ -82,6 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     flops.add_argument("--json", action="store_true", help="print one JSON object")
     from moe_scale.plan_command import add_plan_parser
     add_plan_parser(sub)
+    prune = sub.add_parser("prune-heads", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           help="head importance and global head pruning of a transformer run (Michel et al. 2019)")
+    prune.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
+    prune.add_argument("--data", metavar="PATH", help="text for importance and perplexity (default: the run's "
+                                                      "validation split)")
+    prune.add_argument("--steps", type=int, default=10, help="pruning steps (the first prunes nothing)")
+    prune.add_argument("--fraction-per-step", type=float, default=0.1, help="share of all heads removed per step")
+    prune.add_argument("--max-batches", type=int, default=0, help="cap on batches of the data (0: all)")
+    prune.add_argument("--abs-granularity", choices=("token", "example"), default="token",
+                       help="|A·dL/dA| per token (released code) or per sequence (paper)")
+    prune.add_argument("--recompute-importance", action="store_true", help="re-score the pruned model every step")
+    prune.add_argument("--out", metavar="DIR", help="where pruning.{json,md,png} go (default: RUN/pruning)")
     return parser
 
 
@@ -106,6 +119,15 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "plan":
             from moe_scale.plan_command import run_plan
             print(run_plan(args))
+        elif args.command == "prune-heads":
+            from moe_scale.attention.prune_schedule import prune_schedule
+
+            prune_schedule(1, args.fraction_per_step, args.steps)   # flag errors before the slow imports
+            from moe_scale.train.prune_command import format_report, run_prune_heads
+
+            print(format_report(run_prune_heads(args.run, args.data, args.steps, args.fraction_per_step,
+                                                args.max_batches, args.abs_granularity, args.recompute_importance,
+                                                args.out)))
     except UserError as e:
         print(f"moe-scale: error: {e}", file=sys.stderr)
         return 2

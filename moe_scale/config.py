@@ -56,6 +56,24 @@ class ModelConfig:
     lstm_hidden: int = _f(0, "LSTM units (0: d_model); more than d_model adds an output projection back to d_model "
                              "(Sak et al. 2014)")
     ffn_layers: int = _f(1, "lstm-ffn-lstm: ReLU hidden layers of width expert_hidden in the dense FFN")
+    model: str = _f("lstm", "architecture: Shazeer's LSTM-MoE (App. C.1) or a decoder-only transformer LM",
+                    ("lstm", "transformer"))
+    attention: str = _f("mha", "transformer: attention of every layer: multi-head with head masks, MoA "
+                               "attention experts, or MAE (mixture of h-1 heads)", ("mha", "moa", "mae"))
+    num_layers: int = _f(2, "transformer: decoder blocks")
+    num_heads: int = _f(4, "transformer: heads per attention layer (mha, mae); MoA uses --moa-top-k")
+    head_dim: int = _f(0, "transformer: width per head (0: d_model / num_heads)")
+    ffn: str = _f("dense", "transformer: feed-forward of every block: dense, or an MoE layer with --gate",
+                  ("dense", "moe"))
+    ffn_hidden: int = _f(256, "transformer: hidden width of the dense feed-forward")
+    moa_num_experts: int = _f(8, "moa: attention experts per layer (E)")
+    moa_top_k: int = _f(2, "moa: attention experts per query token (k)")
+    mae_g_every: int = _f(5, "mae: G steps (gate only) on one epoch (or step, --mae-g-unit) in every n, each "
+                             "before the F step on the same batch (Alg. 3)")
+    mae_g_unit: str = _f("epoch", "mae: what --mae-g-every counts", ("epoch", "step"))
+    mae_training: str = _f("bcd", "mae: block coordinate descent (G and F steps), or the NoBCD ablation: gate "
+                                  "and model trained jointly through the mixture", ("bcd", "joint"))
+    mae_gate_lr: float = _f(1.0, "mae: plain-SGD learning rate of the gate in G steps")
 
 
 @dataclass
@@ -182,6 +200,10 @@ class RunConfig:
             raise UserError(f"--node-size must be 0 (from the launcher) or a positive rank count (got {t.node_size})")
         if t.resume and t.overwrite:
             raise UserError("--resume and --overwrite contradict each other; pass one of them")
+        if m.model == "transformer":
+            from moe_scale.models.transformer_config import validate_transformer
+
+            validate_transformer(m, t.ep_size)
 
     def _validate_hierarchical(self) -> None:
         m, ep = self.model, self.train.ep_size

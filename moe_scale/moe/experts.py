@@ -72,6 +72,33 @@ def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, counts: list[int], 
     return out_EIO
 
 
+class _GroupedMatmul(torch.autograd.Function):
+    """out[rows of e] = x[rows of e] @ w[e] for each expert e (MoA's per-expert W_q and W_o)."""
+
+    @staticmethod
+    def forward(ctx, x_MI, w_EIO, counts: list[int]):
+        grouped = _use_grouped_mm(x_MI)
+        offsets = torch.tensor(counts, dtype=torch.int32, device=x_MI.device).cumsum(0, dtype=torch.int32)
+        ctx.save_for_backward(x_MI, w_EIO, offsets)
+        ctx.counts, ctx.grouped = counts, grouped
+        return rows_times_expert(x_MI, w_EIO, counts, offsets, grouped)
+
+    @staticmethod
+    def backward(ctx, grad_MO):
+        x_MI, w_EIO, offsets = ctx.saved_tensors
+        grad_MO = grad_MO.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = rows_times_expert(grad_MO, w_EIO.transpose(1, 2), ctx.counts, offsets, ctx.grouped)
+        if ctx.needs_input_grad[1]:
+            grad_w = per_expert_outer(x_MI, grad_MO, ctx.counts, offsets, ctx.grouped)
+        return grad_x, grad_w, None
+
+
+def grouped_matmul(x_MI: torch.Tensor, w_EIO: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    return _GroupedMatmul.apply(x_MI, w_EIO, tokens_per_expert)
+
+
 class _ExpertFFN(torch.autograd.Function):
     """y[rows of e] = relu(x[rows of e] @ w_in[e]) @ w_out[e] * scale for every local expert e."""
 

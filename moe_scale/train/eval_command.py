@@ -12,7 +12,7 @@ from moe_scale.config import RunConfig
 from moe_scale.data import LMWindows, Vocab, load_sentences, resolve_text_files
 from moe_scale.distributed.launch import init_distributed
 from moe_scale.errors import UserError
-from moe_scale.models.lstm_lm import LSTMMoELM
+from moe_scale.models.build import build_model
 from moe_scale.train.data_setup import load_run_splits, min_over_ranks
 from moe_scale.train.evaluate import evaluate
 
@@ -41,7 +41,7 @@ def run_eval(run_dir: str, split: str, data: str | None) -> dict | None:
 
     torch.manual_seed(config.train.seed)
     ep_size = env.world_size   # evaluation spreads the experts over all processes
-    model = LSTMMoELM(config.model, len(vocab), ep_size=ep_size, ep_rank=env.rank, seed=config.train.seed)
+    model = build_model(config.model, len(vocab), ep_size=ep_size, ep_rank=env.rank, seed=config.train.seed)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
     tag = json.loads(marker.read_text())["tag"]

@@ -19,10 +19,10 @@ from moe_scale.distributed.launch import DistEnv, init_distributed
 from moe_scale.errors import UserError
 from moe_scale.data import sentence_texts, unigram_perplexity
 from moe_scale.metrics.balance import MeanTracker, MoEMetrics
-from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token, tflops_per_device, training_flops_per_token
+from moe_scale.metrics.flops import tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.metrics.perf import all_to_all_seconds, device_peak_tflops, efficiency, peak_rss_mib
-from moe_scale.models.lstm_lm import LSTMMoELM
+from moe_scale.models.build import build_model, describe_parameters, forward_macs_per_token
 from moe_scale.moe.layer import ranks_per_node
 from moe_scale.moe.routers import GlobalTokenNoise
 from moe_scale.train.checkpoint import load_checkpoint, save_checkpoint
@@ -30,6 +30,7 @@ from moe_scale.train.data_setup import build_lm_data
 from moe_scale.train.ds_config import complete_ds_config, load_ds_config
 from moe_scale.train.engine import Trainer
 from moe_scale.train.evaluate import evaluate
+from moe_scale.train.mae_bcd import mae_schedule
 from moe_scale.train.run_dir import check_run_dir, create_run_dir, write_json_atomic
 
 _EVAL_TOTALS = ("ppl", "nll_per_token", "tokens")
@@ -86,22 +87,23 @@ def run_training(config: RunConfig) -> dict:
     dist.barrier()
 
     torch.manual_seed(t.seed)
-    model = LSTMMoELM(m, len(data.vocab), ep_size=t.ep_size, ep_rank=env.rank % t.ep_size, seed=t.seed)
+    model = build_model(m, len(data.vocab), ep_size=t.ep_size, ep_rank=env.rank % t.ep_size, seed=t.seed)
     for layer in model.moe_layers():   # how rows travel; groups are built when DeepSpeed connects the layer
         layer.all_to_all, layer.node_size = t.all_to_all, t.node_size
+    mae = mae_schedule(model, config, data.train.num_windows)   # MAE's G steps (None for other models)
     trainer = Trainer(model.to(env.device), ds_config, t)
     engine = trainer.engine
     noises = _install_noise(model, config, env)
     start_step = load_checkpoint(engine, run) if t.resume else 0
 
     logger = RunLogger(run, t.max_steps, start_step, enabled=env.rank == 0)
-    flops_per_step = training_flops_per_token(lstm_moe_forward_macs_per_token(m, len(data.vocab))) \
+    flops_per_step = training_flops_per_token(forward_macs_per_token(m, len(data.vocab), config.data.seq_len)) \
         * t.batch_size * config.data.seq_len
     interval, interval_moe = MeanTracker(), MoEMetrics(model.moe_layers())
     timed = {"seconds": 0.0, "steps": 0, "all_to_all": 0.0}
     timed["peak_tflops"], timed["peak_source"] = _peak(env, ds_config)
     last_train, valid = {}, {}
-    logger.line(f"training {_count(model)} on {env.world_size} process(es), ep_size={t.ep_size}, "
+    logger.line(f"training {describe_parameters(model)} on {env.world_size} process(es), ep_size={t.ep_size}, "
                 f"{data.train.num_windows} steps per epoch")
     for step in range(start_step, t.max_steps):
         torch.manual_seed(step_seed(t.seed, step, env.rank))
@@ -109,6 +111,8 @@ def run_training(config: RunConfig) -> dict:
             noise.set_step(step)
         inputs, targets = data.train.batch(step, shuffle_seed=t.seed)
         began, comm_before = time.perf_counter(), all_to_all_seconds(model.moe_layers())
+        if mae is not None:
+            mae.g_step_if_due(step, inputs, targets, env.device)
         sums = torch.zeros(3, dtype=torch.float64, device=collective_device())   # [NLL sum, tokens, aux sum]
         for micro_inputs, micro_targets in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)):
             out = engine(micro_inputs.to(env.device), micro_targets.to(env.device))
@@ -141,7 +145,8 @@ def run_training(config: RunConfig) -> dict:
                                   "perf/tflops_per_device": perf["tflops_per_device"],
                                   "perf/mfu": perf["mfu"], "perf/all_to_all_share": perf["all_to_all_share"]})
             logger.line(f"step {done}/{t.max_steps}  loss {last_train['nll']:.4f}  "
-                        f"ppl {math.exp(last_train['nll']):.2f}  cv(load) {last_train.get('cv_load', 0.0):.3f}  "
+                        f"ppl {math.exp(last_train['nll']):.2f}  "
+                        f"cv(load) {last_train.get('cv_load', float('nan')):.3f}  "
                         f"{perf['tokens_per_s']:.0f} tok/s  {perf['tflops_per_device']:.4g} TFLOPS/device  "
                         f"MFU {perf['mfu']:.2%}  all-to-all {perf['all_to_all_share']:.1%}")
         if done % t.eval_interval == 0 or done == t.max_steps:
@@ -165,7 +170,7 @@ def run_training(config: RunConfig) -> dict:
     return summary
 
 
-def _install_noise(model: LSTMMoELM, config: RunConfig, env: DistEnv) -> list[GlobalTokenNoise]:
+def _install_noise(model: torch.nn.Module, config: RunConfig, env: DistEnv) -> list[GlobalTokenNoise]:
     if config.train.noise_rng != "global":
         return []
     noises = []
@@ -192,14 +197,6 @@ def _peak(env: DistEnv, ds_config: dict) -> tuple[float, str]:
     peak_t = torch.tensor([peak], dtype=torch.float64, device=collective_device())
     dist.all_reduce(peak_t)
     return peak_t.item() / env.world_size, source
-
-
-def _count(model: LSTMMoELM) -> str:
-    if not model.moe_layers():
-        return f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters ({model.layout}, no experts)"
-    experts = sum(p.numel() for p in model.moe.experts.parameters()) * model.moe.ep_size
-    dense = sum(p.numel() for p in model.parameters()) - experts // model.moe.ep_size
-    return f"{(dense + experts) / 1e6:.2f}M parameters ({experts / 1e6:.2f}M in {model.moe.num_experts} experts)"
 
 
 def _summary(config, env, data, last_train, valid, timed, flops_per_step) -> dict:

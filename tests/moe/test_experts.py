@@ -9,7 +9,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from moe_scale.moe.experts import GroupedExperts, expert_ffn, per_expert_outer, rows_times_expert
+from moe_scale.moe.experts import GroupedExperts, expert_ffn, grouped_matmul, per_expert_outer, rows_times_expert
 
 COUNTS = {
     "all_nonzero": [3, 1, 5, 2],
@@ -74,6 +74,25 @@ def test_expert_ffn_matches_per_expert_autograd(counts, dtype, recompute):
     for expert, count in enumerate(counts):
         if count == 0:
             assert torch.count_nonzero(got[1][expert]) == 0 and torch.count_nonzero(got[2][expert]) == 0
+
+
+@pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["loop_f64", "grouped_f32"])
+def test_grouped_matmul_matches_per_expert_slices(counts, dtype):
+    gen = torch.Generator().manual_seed(len(counts) * 3 + sum(counts))
+    m, e = sum(counts), len(counts)
+    x = torch.randn(m, 8, generator=gen, dtype=dtype, requires_grad=True)
+    w = torch.randn(e, 8, 12, generator=gen, dtype=dtype, requires_grad=True)
+    bounds = [0] + torch.tensor(counts).cumsum(0).tolist()
+    ref = torch.cat([x[a:b] @ w[i] for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    out = grouped_matmul(x, w, counts)
+    torch.testing.assert_close(out, ref)
+    if m:
+        grad = torch.randn(m, 12, generator=gen, dtype=dtype)
+        for g, r in zip(torch.autograd.grad(out, (x, w), grad), torch.autograd.grad(ref, (x, w), grad, allow_unused=True)):
+            torch.testing.assert_close(g, torch.zeros_like(g) if r is None else r)
+    if dtype == torch.float64 and m:
+        assert torch.autograd.gradcheck(lambda a, b: grouped_matmul(a, b, counts), (x, w))
 
 
 def test_expert_ffn_gradcheck_and_single_input_grad():

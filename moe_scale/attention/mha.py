@@ -1,0 +1,85 @@
+"""Causal multi-head attention with per-head masks (Michel et al. §2.3), per-token head weights (what MAE's
+mixture needs) and physical head pruning (spec §5.4).
+
+Legend: B sequences, T positions, D model dim, H heads (current, after pruning), d = head width.
+
+A head's output is its context vector ctx_h = softmax(q_h k_hᵀ/√d + causal) v_h, multiplied by
+mask_h (0/1, Michel's ξ_h; applied after the softmax and attention dropout, as the BERT fork does) and by an
+optional per-token weight, then all heads go through one output projection. Its bias is added once, whatever
+heads remain (the BERT fork's `prune_linear_layer` keeps W_o's bias whole).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, dropout: float = 0.0):
+        super().__init__()
+        self.d_model, self.head_dim, self.dropout = d_model, head_dim, dropout
+        self.q_proj = nn.Linear(d_model, num_heads * head_dim)
+        self.k_proj = nn.Linear(d_model, num_heads * head_dim)
+        self.v_proj = nn.Linear(d_model, num_heads * head_dim)
+        self.out_proj = nn.Linear(num_heads * head_dim, d_model)
+        # Original index of every head still here: pruning and MAE's gate (which scores the original heads) use it.
+        self.head_ids: list[int] = list(range(num_heads))
+        self.register_buffer("head_mask_H", torch.ones(num_heads), persistent=False)
+        self.capture_context = False          # keep ctx with its gradient for head importance
+        self.context_BTHd: torch.Tensor | None = None
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.head_ids)
+
+    def forward(self, x_BTD: torch.Tensor, head_weights_BTH: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        H, d = self.num_heads, self.head_dim
+        if H == 0:   # every head pruned: only the output bias is left
+            return self.out_proj.bias.expand(B, T, self.d_model)
+        q_BHTd, k_BHTd, v_BHTd = (proj(x_BTD).view(B, T, H, d).transpose(1, 2)
+                                  for proj in (self.q_proj, self.k_proj, self.v_proj))
+        ctx_BTHd = F.scaled_dot_product_attention(
+            q_BHTd, k_BHTd, v_BHTd, is_causal=True, dropout_p=self.dropout if self.training else 0.0).transpose(1, 2)
+        if self.capture_context and ctx_BTHd.requires_grad:
+            ctx_BTHd.retain_grad()
+            self.context_BTHd = ctx_BTHd
+        scale_BTH = self.head_mask_H.to(ctx_BTHd.dtype).expand(B, T, H)
+        if head_weights_BTH is not None:
+            scale_BTH = scale_BTH * head_weights_BTH.to(ctx_BTHd.dtype)
+        return self.out_proj((ctx_BTHd * scale_BTH[..., None]).reshape(B, T, H * d))
+
+    @torch.no_grad()
+    def prune_heads(self, original_ids: set[int]) -> None:
+        """Physically removes the heads with these original ids: smaller q/k/v/out matrices (spec §5.4)."""
+        keep = [i for i, head in enumerate(self.head_ids) if head not in original_ids]
+        if len(keep) == self.num_heads:
+            return
+        d = self.head_dim
+        rows = torch.cat([torch.arange(i * d, (i + 1) * d) for i in keep]) if keep else torch.zeros(0, dtype=torch.long)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(self, name)
+            new = _linear(self.d_model, len(rows)).to(old.weight)
+            new.weight.copy_(old.weight[rows])
+            new.bias.copy_(old.bias[rows])
+            setattr(self, name, new)
+        new_out = _linear(len(rows), self.d_model).to(self.out_proj.weight)
+        new_out.weight.copy_(self.out_proj.weight[:, rows])
+        new_out.bias.copy_(self.out_proj.bias)
+        self.out_proj = new_out
+        self.head_ids = [self.head_ids[i] for i in keep]
+        self.head_mask_H = self.head_mask_H[keep].clone()
+
+    def extra_repr(self) -> str:
+        return f"heads={self.head_ids}, head_dim={self.head_dim}"
+
+
+def _linear(d_in: int, d_out: int) -> nn.Linear:
+    """A Linear whose weights are overwritten next; no warning when a layer loses its last head (0 rows)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return nn.Linear(d_in, d_out)

@@ -1,0 +1,151 @@
+"""Mixture of attention heads, MoA (Zhang et al. 2022; spec §3.1-3.2), causal, with expert parallelism.
+
+Legend: B sequences, T positions, N = B·T query tokens on this rank, D model dim, d head width, E attention
+experts, L = E / P local experts, P expert-parallel ranks, S = P·B sequences of the expert-parallel group,
+M (token, expert) pairs that arrived here.
+
+    router (softmax top-k, MoA's losses) ─▶ pairs (token, expert, gate)
+    K, V = x W_k, x W_v   computed ONCE per sequence, shared by every expert   [B, T, d] each
+    K/V all-gathered within the expert-parallel group                          [S, T, 2d]
+    dispatcher: the query token's x row (and its global position) travels to the rank that owns its expert
+    expert e:  q = x W_q[e] / √d ;  o = softmax(q Kᵀ + causal) V  (over its own sequence) ;  y = o W_o[e]
+    dispatcher: y back to the token's rank, summed with the gates
+
+The expert side runs one batched attention over the group's sequences (see `_experts`).
+
+Why an all-gather of K/V (and not of the queries' results): an expert needs K/V of every sequence whose
+tokens chose it, and those can be any sequence of the group. Gathering the shared K/V costs per layer and
+rank (P−1)·B·T·2d values in the forward (and the same back in the backward) — with MoA's small d (= D/k)
+that is 2/k of the hidden states, against 2·k·N·D for the token all-to-all there and back. The
+alternative, sending q back to the token's rank and o forward again, needs two more all-to-alls per layer.
+In one process the gather is the identity. The gather is an autograd all-to-all of P copies (gloo has no
+reduce-scatter), so every rank gets the K/V gradient its sequences received on any rank.
+
+Attention experts are DeepSpeed expert parameters exactly like the FFN experts of `MoELayer`, whose
+DeepSpeed wiring this class inherits (expert-parallel groups, `allreduce=False` / `group_name`, one
+checkpoint file per global expert through the same state-dict hooks); only forward differs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_autograd
+from torch import nn
+
+from moe_scale.moe.dispatch import AllToAllDispatcher
+from moe_scale.moe.experts import grouped_matmul
+from moe_scale.moe.layer import MoELayer, MoEStats, _per_expert_to_stacked_keys, _stacked_to_per_expert_keys
+from moe_scale.moe.softmax_router import SoftmaxTopKRouter
+
+
+class AttentionExperts(nn.Module):
+    """L local attention experts: w_q [L, D, d] and w_o [L, d, D], Xavier-uniform (MoA's init), each drawn
+    from a generator seeded by (seed, global expert id) so an expert starts the same on any rank."""
+
+    def __init__(self, num_local_experts: int, d_model: int, head_dim: int, first_global_expert: int, seed: int):
+        super().__init__()
+        self.w_q = nn.Parameter(torch.empty(num_local_experts, d_model, head_dim))
+        self.w_o = nn.Parameter(torch.empty(num_local_experts, head_dim, d_model))
+        bound = math.sqrt(6.0 / (d_model + head_dim))
+        with torch.no_grad():
+            for local_id in range(num_local_experts):
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + 7_919 + first_global_expert + local_id)
+                for weight in (self.w_q, self.w_o):
+                    weight[local_id].copy_(torch.empty(weight.shape[1:]).uniform_(-bound, bound, generator=generator))
+
+
+class MoAAttention(MoELayer):
+    """Causal MoA self-attention; returns (y_BTD, aux_loss). `stats` holds the router's balance numbers."""
+
+    def __init__(self, d_model: int, head_dim: int, num_experts: int, k: int, ep_size: int = 1, ep_rank: int = 0,
+                 seed: int = 0, router: nn.Module | None = None, dropout: float = 0.0):
+        nn.Module.__init__(self)   # MoELayer's __init__ builds FFN experts; we reuse its DeepSpeed wiring only
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        self.num_experts, self.ep_size, self.k, self.ep_rank = num_experts, ep_size, k, ep_rank
+        self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.head_dim, self.dropout = head_dim, dropout
+        self.router = router if router is not None else SoftmaxTopKRouter(d_model, num_experts, k)
+        self.experts = AttentionExperts(self.num_local_experts, d_model, head_dim,
+                                        first_global_expert=ep_rank * self.num_local_experts, seed=seed)
+        for param in self.experts.parameters():
+            param.allreduce = False
+            param.group_name = self.expert_group_name
+        # Shared K and V: one head each, no bias; gain 1/√2 as MoA's code when the q/k/v widths are equal.
+        self.k_proj = nn.Linear(d_model, head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, head_dim, bias=False)
+        for proj in (self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
+        self.dispatcher = AllToAllDispatcher(num_experts, self.num_local_experts)
+        self.all_to_all, self.node_size, self.data_parallel_group = "flat", 0, None   # what MoELayer's wiring reads
+        self.stats: MoEStats | None = None
+        self._register_state_dict_hook(_stacked_to_per_expert_keys)
+        self._register_load_state_dict_pre_hook(_per_expert_to_stacked_keys, with_module=True)
+
+    def shared_kv(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """K and V of this rank's sequences, computed once: [B, T, 2d]."""
+        return torch.cat([self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ep_size > 1 and self.dispatcher.ep_group is None:
+            raise RuntimeError("ep_size > 1 needs set_deepspeed_parallelism() (deepspeed.initialize calls it)")
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        route = self.router(x_ND)
+        self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach(), dict(route.metrics))
+        token_index_P, expert_P, gate_P = route.pairs()
+
+        kv_STd, group_rank = self._gather_over_experts(self.shared_kv(x_BTD))
+        # Each query's position in the group's token list (float64: exact, and the dispatcher moves float rows).
+        position_N1 = (group_rank * B * T + torch.arange(B * T, device=x_BTD.device, dtype=torch.float64))[:, None]
+        tokens_MD, state = self.dispatcher.dispatch(x_ND, token_index_P, expert_P)
+        position_M1, _ = self.dispatcher.dispatch(position_N1, token_index_P, expert_P)   # same order as tokens
+        y_MD = self._experts(tokens_MD, position_M1[:, 0].long(), kv_STd, T, state.tokens_per_expert)
+        return self.dispatcher.combine(y_MD, gate_P, state).to(x_BTD.dtype).view(B, T, D), route.aux_loss
+
+    def _experts(self, tokens_MD, position_M, kv_STd, T: int, tokens_per_expert: list[int]) -> torch.Tensor:
+        """Each arrived row's expert query attends over its own sequence's shared K/V (causally).
+
+        The rows are laid out densely as [S sequences, R slots, T positions] (R = min(k, L): a token sends at
+        most that many rows to one rank; empty slots hold q = 0 and are never read back), so one batched
+        attention over the group's sequences runs with K/V shared by the slots, as in multi-query attention.
+        The layout spans all S = P·B sequences of the group, so its score work is S·R·T² against M·T for the
+        rows alone (the same in one process, where M = N·k; up to P·R/k times more with P ranks) — still far
+        faster than per-row gathers of K/V on CPU at these sizes."""
+        d = self.head_dim
+        q_Md = grouped_matmul(tokens_MD, self.experts.w_q.to(tokens_MD.dtype), tokens_per_expert) / math.sqrt(d)
+        S, R = kv_STd.shape[0], min(self.k, self.num_local_experts)
+        slot_M = _slot_within_token(position_M, S * T)
+        sequence_M, time_M = position_M // T, position_M % T
+        q_SRTd = q_Md.new_zeros(S, T, R, d).index_put((sequence_M, time_M, slot_M), q_Md).transpose(1, 2)
+        k_SRTd = kv_STd[:, None, :, :d].expand(S, R, T, d)
+        v_SRTd = kv_STd[:, None, :, d:].expand(S, R, T, d)
+        o_SRTd = nn.functional.scaled_dot_product_attention(
+            q_SRTd, k_SRTd, v_SRTd, is_causal=True, scale=1.0, dropout_p=self.dropout if self.training else 0.0)
+        o_Md = o_SRTd.transpose(1, 2)[sequence_M, time_M, slot_M]
+        return grouped_matmul(o_Md, self.experts.w_o.to(o_Md.dtype), tokens_per_expert)
+
+    def _gather_over_experts(self, kv_BTd: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """([S, T, 2d] K/V of every sequence of the expert-parallel group in rank order, this rank's index)."""
+        group = self.dispatcher.ep_group
+        if self.ep_size == 1 or group is None:
+            return kv_BTd, 0
+        P = self.ep_size
+        flat = kv_BTd.reshape(kv_BTd.shape[0], -1)
+        out = flat.new_empty(P * flat.shape[0], flat.shape[1])
+        gathered = dist_autograd.all_to_all_single(out, flat.repeat(P, 1), group=group)
+        return gathered.view(P * kv_BTd.shape[0], *kv_BTd.shape[1:]), dist.get_rank(group)
+
+
+def _slot_within_token(position_M: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """For rows that share a query token (same position), 0, 1, 2, ... in row order."""
+    order_M = torch.argsort(position_M, stable=True)
+    count_P = torch.bincount(position_M, minlength=num_positions)
+    first_P = count_P.cumsum(0) - count_P
+    slot_M = torch.empty_like(position_M)
+    slot_M[order_M] = torch.arange(len(position_M), device=position_M.device) - first_P[position_M[order_M]]
+    return slot_M

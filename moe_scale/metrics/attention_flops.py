@@ -1,0 +1,48 @@
+"""Analytic parameter and MAC counts of the attention variants and the transformer LM.
+
+MoA's own formulas (Zhang et al. 2022, eq. 18-20; spec §3.3), per sequence of T tokens:
+
+    MACs_MoA = k·T²·d_h + 2(k+1)·T·d_h·d_m     (one T² term, QKᵀ, as the paper counts it; no router)
+    MACs_MHA = T²·d_m + 4·T·d_m²
+    params_MoA = (2E + 2)·d_h·d_m  (+ d_m·E for the router, which the paper's eq. 20 leaves out)
+
+The transformer's per-token accounting divides these by T with T = the training window, and, like the
+paper, counts the full T² score matrix (a causal model could skip half of it).
+"""
+
+from __future__ import annotations
+
+from moe_scale.config import ModelConfig
+from moe_scale.models.transformer_config import head_width
+
+
+def moa_macs(T: int, d_model: int, head_dim: int, k: int) -> int:
+    return k * T * T * head_dim + 2 * (k + 1) * T * head_dim * d_model
+
+
+def mha_macs(T: int, d_model: int) -> int:
+    return T * T * d_model + 4 * T * d_model * d_model
+
+
+def moa_params(num_experts: int, d_model: int, head_dim: int, with_router: bool = True) -> int:
+    return (2 * num_experts + 2) * head_dim * d_model + (d_model * num_experts if with_router else 0)
+
+
+def transformer_forward_macs_per_token(m: ModelConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
+    """Forward MACs per token of TransformerLM by component (active experts only)."""
+    d, h, T = m.d_model, head_width(m), seq_len
+    if m.attention == "moa":
+        attention = moa_macs(T, d, h, m.moa_top_k) // T + d * m.moa_num_experts
+    else:
+        width = m.num_heads * h   # eq. 19 with the attention width H·d_h in place of d_m
+        attention = T * width + 4 * d * width
+        if m.attention == "mae":
+            from moe_scale.attention.mae import GATE_HIDDEN
+
+            attention += d * GATE_HIDDEN + GATE_HIDDEN * m.num_heads
+    if m.ffn == "dense":
+        ffn = 2 * d * m.ffn_hidden
+    else:
+        gating = 2 * d * m.num_experts if m.gate in ("noisy_topk",) else d * m.num_experts
+        ffn = gating + m.top_k * 2 * d * m.expert_hidden
+    return {"attention": m.num_layers * attention, "ffn": m.num_layers * ffn, "softmax": d * vocab_size}

@@ -1,0 +1,49 @@
+"""The model a config asks for (`--model lstm|transformer`), its FLOP accounting and its parameter count."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from moe_scale.config import ModelConfig
+from moe_scale.errors import UserError
+
+
+def build_model(config: ModelConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0) -> nn.Module:
+    if config.model == "transformer":
+        from moe_scale.models.transformer_lm import TransformerLM
+
+        if config.attention == "moa" and config.moa_num_experts % ep_size:
+            raise UserError(f"{config.moa_num_experts} attention experts cannot be split over {ep_size} expert-"
+                            f"parallel processes; launch a number of processes that divides --moa-num-experts")
+        return TransformerLM(config, vocab_size, ep_size=ep_size, ep_rank=ep_rank, seed=seed)
+    from moe_scale.models.lstm_lm import LSTMMoELM
+
+    return LSTMMoELM(config, vocab_size, ep_size=ep_size, ep_rank=ep_rank, seed=seed)
+
+
+def forward_macs_per_token(config: ModelConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
+    if config.model == "transformer":
+        from moe_scale.metrics.attention_flops import transformer_forward_macs_per_token
+
+        return transformer_forward_macs_per_token(config, vocab_size, seq_len)
+    from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token
+
+    return lstm_moe_forward_macs_per_token(config, vocab_size)
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """{"total", "experts"}: every expert counted once over all expert-parallel ranks."""
+    local_expert = 0
+    total_expert = 0
+    for layer in model.moe_layers():
+        n = sum(p.numel() for p in layer.experts.parameters())
+        local_expert += n
+        total_expert += n * layer.ep_size
+    dense = sum(p.numel() for p in model.parameters()) - local_expert
+    return {"total": dense + total_expert, "experts": total_expert}
+
+
+def describe_parameters(model: nn.Module) -> str:
+    counts = parameter_counts(model)
+    experts = sum(layer.num_experts for layer in model.moe_layers())
+    return f"{counts['total'] / 1e6:.2f}M parameters ({counts['experts'] / 1e6:.2f}M in {experts} experts)"

@@ -1,0 +1,118 @@
+"""Decoder-only (causal) transformer language model with a choice of attention and feed-forward per block.
+
+    embedding + sinusoidal positions ─▶ N × [x + Att(LN(x)),  x + FFN(LN(x))] ─▶ LN ─▶ softmax
+
+Att: multi-head with head masks (mha), MoA attention experts (moa) or MAE (mae); FFN: dense (GELU) or an
+MoE layer with any `--gate`. Pre-LayerNorm blocks; dropout on every sub-layer output. Legend: B sequences,
+T positions, D model dim, V vocabulary. Interface as the LSTM model: `moe_layers()` and `LMOutput`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from moe_scale.attention.mae import MAEAttention
+from moe_scale.attention.mha import MultiHeadAttention
+from moe_scale.attention.moa import MoAAttention
+from moe_scale.config import ModelConfig
+from moe_scale.models.lstm_lm import LMOutput
+from moe_scale.models.softmax import FullSoftmax
+from moe_scale.models.transformer_config import head_width
+from moe_scale.moe.gates import build_router
+from moe_scale.moe.layer import MoELayer
+
+
+def sinusoidal_positions(T: int, d: int, device=None) -> torch.Tensor:
+    position_T1 = torch.arange(T, device=device, dtype=torch.float32)[:, None]
+    frequency = torch.exp(torch.arange(0, d, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / d))
+    table_TD = torch.zeros(T, d, device=device)
+    table_TD[:, 0::2] = torch.sin(position_T1 * frequency)
+    table_TD[:, 1::2] = torch.cos(position_T1 * frequency[: d // 2])
+    return table_TD
+
+
+class DenseFFN(nn.Module):
+    def __init__(self, d_model: int, d_hidden: int):
+        super().__init__()
+        self.up = nn.Linear(d_model, d_hidden)
+        self.down = nn.Linear(d_hidden, d_model)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x_BTD)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, ep_size: int, ep_rank: int, seed: int):
+        super().__init__()
+        d, h = config.d_model, head_width(config)
+        self.attention_kind = config.attention
+        if config.attention == "mha":
+            self.attn = MultiHeadAttention(d, config.num_heads, h, config.dropout)
+        elif config.attention == "mae":
+            self.attn = MAEAttention(d, config.num_heads, h, config.dropout)
+        else:
+            router_config = dataclasses.replace(config, gate="softmax_topk", num_experts=config.moa_num_experts,
+                                                top_k=config.moa_top_k)
+            self.attn = MoAAttention(d, h, config.moa_num_experts, config.moa_top_k, ep_size=ep_size,
+                                     ep_rank=ep_rank, seed=seed, router=build_router(router_config),
+                                     dropout=config.dropout)
+        if config.ffn == "dense":
+            self.ffn = DenseFFN(d, config.ffn_hidden)
+        else:
+            self.ffn = MoELayer(d, config.expert_hidden, config.num_experts, config.top_k, ep_size=ep_size,
+                                ep_rank=ep_rank, seed=seed + 1, router=build_router(config),
+                                recompute=config.expert_recompute)
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        aux = x_BTD.new_zeros((), dtype=torch.float32)
+        attended = self.attn(self.norm1(x_BTD))
+        if isinstance(attended, tuple):   # MoA returns its router loss
+            attended, attn_aux = attended
+            aux = aux + attn_aux
+        x_BTD = x_BTD + self.dropout(attended)
+        B, T, D = x_BTD.shape
+        normed = self.norm2(x_BTD)
+        if isinstance(self.ffn, MoELayer):
+            ffn_ND, ffn_aux = self.ffn(normed.reshape(B * T, D))
+            aux = aux + ffn_aux
+            ffn_out = ffn_ND.view(B, T, D)
+        else:
+            ffn_out = self.ffn(normed)
+        return x_BTD + self.dropout(ffn_out), aux
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, config: ModelConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0):
+        """`ep_rank` selects which experts (attention and FFN) this process holds; `seed` seeds the experts'
+        init (the rest uses the global RNG, which the caller seeds identically on every rank)."""
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, ep_size, ep_rank, seed + 2 * i) for i in range(config.num_layers))
+        self.final_norm = nn.LayerNorm(config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.softmax = FullSoftmax(config.d_model, vocab_size)
+
+    def moe_layers(self) -> list[MoELayer]:
+        """Every expert layer (MoA attention and MoE FFNs), in forward order."""
+        return [m for m in self.modules() if isinstance(m, MoELayer)]
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [block.attn for block in self.blocks]
+
+    def forward(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> LMOutput:
+        B, T = inputs_BT.shape
+        x_BTD = self.embedding(inputs_BT)
+        x_BTD = self.dropout(x_BTD + sinusoidal_positions(T, self.config.d_model, x_BTD.device).to(x_BTD.dtype))
+        aux = x_BTD.new_zeros((), dtype=torch.float32)
+        for block in self.blocks:
+            x_BTD, block_aux = block(x_BTD)
+            aux = aux + block_aux
+        nll_N = self.softmax(self.final_norm(x_BTD).reshape(B * T, -1), targets_BT.reshape(-1))
+        return LMOutput(nll_N.sum(), B * T, aux)
