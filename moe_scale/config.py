@@ -86,6 +86,20 @@ class TrainConfig:
     eval_interval: int = _f(200, "steps between validation passes (and at the end)")
     eval_max_batches: int = _f(0, "cap on validation batches per pass (0: the whole split)")
     checkpoint_interval: int = _f(200, "steps between checkpoints (and at the end)")
+    softmax: str = _f("full", "output layer: exact softmax, importance-sampled softmax in training (exact at eval; "
+                              "Jozefowicz et al. 2016), or adaptive softmax", ("full", "sampled", "adaptive"))
+    num_sampled: int = _f(8192, "sampled softmax: classes drawn per batch (shared by all its tokens)")
+    sampler: str = _f("log_uniform", "sampled softmax proposal: Zipfian over frequency-sorted ids, or the "
+                                     "training unigram counts", ("log_uniform", "unigram"))
+    adaptive_cutoffs: str = _f("2000,10000", "adaptive softmax: comma-separated cluster boundaries (word ids)")
+    optimizer: str = _f("adam", "AdamW everywhere, or for expert matrices a factored second moment without first "
+                                "moment (Shazeer et al. App. D) and AdamW for the rest", ("adam", "factored"))
+    stream: bool = _f(False, "stream the training shards (never loads them into memory; the position is "
+                             "checkpointed) instead of loading them")
+    shuffle_buffer: int = _f(10000, "streaming: sentences in the shuffle buffer of each reader (0 or 1: no shuffle)")
+    stream_workers: int = _f(1, "streaming: shard readers per rank (shards are split over ranks x readers)")
+    token_budget: int = _f(0, "streaming: stop after this many training tokens (0: --max-steps); one pass, "
+                              "training also stops when the data runs out")
 
 
 @dataclass
@@ -170,6 +184,8 @@ class RunConfig:
             raise UserError(f"--node-size must be 0 (from the launcher) or a positive rank count (got {t.node_size})")
         if t.resume and t.overwrite:
             raise UserError("--resume and --overwrite contradict each other; pass one of them")
+        from moe_scale.train.scale_options import validate_scale_options   # softmax, optimizer, streaming
+        validate_scale_options(self)
 
     def _validate_hierarchical(self) -> None:
         m, ep = self.model, self.train.ep_size

@@ -29,6 +29,7 @@ from moe_scale.train.ds_config import complete_ds_config, load_ds_config
 from moe_scale.train.engine import Trainer
 from moe_scale.train.evaluate import evaluate
 from moe_scale.train.run_dir import check_run_dir, create_run_dir, write_json_atomic
+from moe_scale.train.scale_options import build_softmax
 
 _EVAL_TOTALS = ("ppl", "nll_per_token", "tokens")
 TIMING_WARMUP_STEPS = 3   # first steps pay for allocation and DeepSpeed's lazy setup; not counted in tokens/s
@@ -72,13 +73,15 @@ def run_training(config: RunConfig) -> dict:
 
     torch.manual_seed(t.seed)
     model = LSTMMoELM(m, len(data.vocab), ep_size=t.ep_size, ep_rank=env.rank % t.ep_size, seed=t.seed)
+    model.softmax = build_softmax(t, model.softmax, data.vocab.counts)   # --softmax full|sampled|adaptive
     trainer = Trainer(model.to(env.device), ds_config, t)
     engine = trainer.engine
     noises = _install_noise(model, config, env)
     start_step = load_checkpoint(engine, run) if t.resume else 0
 
     logger = RunLogger(run, t.max_steps, start_step, enabled=env.rank == 0)
-    flops_per_step = training_flops_per_token(lstm_moe_forward_macs_per_token(m, len(data.vocab))) \
+    flops_per_step = training_flops_per_token({**lstm_moe_forward_macs_per_token(m, len(data.vocab)),
+                                               "softmax": model.softmax.forward_macs_per_token()}) \
         * t.batch_size * config.data.seq_len
     interval, interval_moe, timed = MeanTracker(), MoEMetrics(model.moe_layers()), {"seconds": 0.0, "steps": 0}
     last_train, valid = {}, {}
