@@ -28,6 +28,7 @@ from moe_scale.train.data_setup import build_lm_data
 from moe_scale.train.ds_config import complete_ds_config, load_ds_config
 from moe_scale.train.engine import Trainer
 from moe_scale.train.evaluate import evaluate
+from moe_scale.train.factored_optimizer import check_optimizer_fits
 from moe_scale.train.run_dir import check_run_dir, create_run_dir, write_json_atomic
 from moe_scale.train.scale_options import build_softmax
 
@@ -57,6 +58,7 @@ def run_training(config: RunConfig) -> dict:
     config.validate()
     t, m = config.train, config.model
     user_ds_config = load_ds_config(t.ds_config)
+    check_optimizer_fits(t, user_ds_config, f"--ds-config {t.ds_config or '(built-in)'}")
     run = check_run_dir(t.out, t.resume, t.overwrite)
     env = init_distributed()
     micro_batch = check_parallel_layout(config, env)
