@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", choices=("valid", "test"), default="valid")
     evaluate.add_argument("--data", metavar="PATH", help="evaluate on this text instead (file, dir or glob)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.add_argument("--expert-stats", action="store_true", help="per MoE layer: load and importance per "
+                          "expert, CV and max/mean load over the evaluated text")
+    evaluate.add_argument("--top-tokens", type=int, default=0, metavar="N", help="per expert: the N positions with "
+                          "the largest gate (with context) and the N words routed there most often")
     return parser
 
 
@@ -84,17 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "eval":
             from moe_scale.train.eval_command import run_eval
 
-            result = run_eval(args.run, args.split, args.data)
+            from moe_scale.train.eval_command import format_eval
+
+            result = run_eval(args.run, args.split, args.data, args.expert_stats, args.top_tokens)
             if result is not None:
-                print(json.dumps(result) if args.json else _format_eval(result))
+                print(json.dumps(result) if args.json else format_eval(result))
     except UserError as e:
         print(f"moe-scale: error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _format_eval(result: dict) -> str:
-    return "\n".join(f"{k:<22} {v:.4f}" if isinstance(v, float) else f"{k:<22} {v}" for k, v in result.items())
 
 
 if __name__ == "__main__":

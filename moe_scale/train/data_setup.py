@@ -11,6 +11,7 @@ import torch.distributed as dist
 from moe_scale.config import DataConfig
 from moe_scale.data import (LMWindows, Vocab, load_sentences, load_splits, resolve_text_files, sentence_texts,
                             split_files)
+from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv
 from moe_scale.errors import UserError
@@ -20,7 +21,7 @@ from moe_scale.errors import UserError
 class LMData:
     vocab: Vocab
     train: LMWindows
-    valid: LMWindows
+    valid: EvalWindows
     valid_sentences: object
     train_sentences: object
 
@@ -58,4 +59,5 @@ def build_lm_data(config: DataConfig, env: DistEnv, global_rows: int, saved_voca
     windows = dict(seq_len=config.seq_len, global_rows=global_rows, rank=env.rank, world_size=env.world_size,
                    min_over_ranks=min_over_ranks)
     return LMData(vocab, LMWindows(train, vocab, what="the training data", **windows),
-                  LMWindows(valid, vocab, what="the validation data", **windows), valid, train)
+                  EvalWindows(sentence_texts(valid), vocab, config.seq_len, global_rows, env.rank, env.world_size,
+                              what="the validation data"), valid, train)
