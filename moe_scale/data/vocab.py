@@ -70,21 +70,13 @@ class Vocab:
         return [ids.get(w, 0) for w in sentence.split()]
 
     def save(self, path: Path) -> None:
-        """One word per line, UTF-8, written atomically."""
+        """One word per line, UTF-8, written atomically; the counts (if known) first, beside it (for the
+        unigram sampler and adaptive-softmax FLOPs), so a reader that sees the vocabulary sees its counts."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write("".join(w + "\n" for w in self.words))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        if self.counts is not None:   # beside it, for the unigram sampler and adaptive-softmax FLOPs
-            tmp_counts = path.with_name(f".{path.name}.counts.tmp")
-            tmp_counts.write_text("".join(f"{c}\n" for c in self.counts), encoding="utf-8")
-            os.replace(tmp_counts, counts_path(path))
+        if self.counts is not None:
+            _write_atomic(counts_path(path), "".join(f"{c}\n" for c in self.counts))
+        _write_atomic(path, "".join(w + "\n" for w in self.words))
 
     @classmethod
     def load(cls, path: Path) -> "Vocab":
@@ -116,17 +108,34 @@ class Vocab:
         return cls(words, counts)
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def counts_path(vocab_path: Path) -> Path:
     return Path(vocab_path).with_name(Path(vocab_path).name + ".counts")
 
 
-def unigram_perplexity(train_sentences: Iterable[str], eval_sentences: Iterable[str], vocab: Vocab) -> float:
-    """Perplexity of an add-one smoothed unigram model over `vocab` (one </S> per sentence, OOV -> <UNK>)."""
-    counts = [1] * len(vocab)
-    for s in train_sentences:
-        for i in vocab.encode(s):
-            counts[i] += 1
-        counts[Vocab.EOS_ID] += 1
+def unigram_perplexity(train_sentences: Iterable[str] | None, eval_sentences: Iterable[str], vocab: Vocab) -> float:
+    """Perplexity of an add-one smoothed unigram model over `vocab` (one </S> per sentence, OOV -> <UNK>);
+    train_sentences None: from the vocabulary's own training counts (the same numbers)."""
+    if train_sentences is None:
+        if vocab.counts is None:
+            raise ValueError("unigram_perplexity without training sentences needs vocabulary counts")
+        counts = [c + 1 for c in vocab.counts]
+    else:
+        counts = [1] * len(vocab)
+        for s in train_sentences:
+            for i in vocab.encode(s):
+                counts[i] += 1
+            counts[Vocab.EOS_ID] += 1
     log_total = math.log(sum(counts))
     nll, n = 0.0, 0
     for s in eval_sentences:

@@ -17,14 +17,13 @@ from moe_scale.config import RunConfig
 from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv, init_distributed
 from moe_scale.errors import UserError
-from moe_scale.data import sentence_texts, unigram_perplexity
 from moe_scale.metrics.balance import MeanTracker, MoEMetrics
 from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token, tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.models.lstm_lm import LSTMMoELM
 from moe_scale.moe.routers import GlobalTokenNoise
 from moe_scale.train.checkpoint import load_checkpoint, save_checkpoint
-from moe_scale.train.data_setup import build_lm_data
+from moe_scale.train.data_setup import apply_token_budget, build_lm_data
 from moe_scale.train.ds_config import complete_ds_config, load_ds_config
 from moe_scale.train.engine import Trainer
 from moe_scale.train.evaluate import evaluate
@@ -57,6 +56,7 @@ def run_training(config: RunConfig) -> dict:
     # Every input is checked before the run directory is touched: a bad flag leaves nothing half-written.
     config.validate()
     t, m = config.train, config.model
+    apply_token_budget(t, config.data.seq_len)   # --stream --token-budget sets the number of steps
     user_ds_config = load_ds_config(t.ds_config)
     check_optimizer_fits(t, user_ds_config, f"--ds-config {t.ds_config or '(built-in)'}")
     run = check_run_dir(t.out, t.resume, t.overwrite)
@@ -65,7 +65,7 @@ def run_training(config: RunConfig) -> dict:
     ds_config = complete_ds_config(user_ds_config, micro_batch, t.grad_accum, env.world_size,
                                    f"--ds-config {t.ds_config or '(built-in)'}")
     data = build_lm_data(config.data, env, global_rows=t.batch_size,
-                         saved_vocab=run / "vocab" if t.resume else None)
+                         saved_vocab=run / "vocab" if t.resume else None, train_config=t)
     if env.rank == 0:
         create_run_dir(run, t.resume, t.overwrite)
         data.vocab.save(run / "vocab")
@@ -79,7 +79,7 @@ def run_training(config: RunConfig) -> dict:
     trainer = Trainer(model.to(env.device), ds_config, t)
     engine = trainer.engine
     noises = _install_noise(model, config, env)
-    start_step = load_checkpoint(engine, run) if t.resume else 0
+    start_step = load_checkpoint(engine, run, data.train) if t.resume else 0
 
     logger = RunLogger(run, t.max_steps, start_step, enabled=env.rank == 0)
     flops_per_step = training_flops_per_token({**lstm_moe_forward_macs_per_token(m, len(data.vocab)),
@@ -88,12 +88,17 @@ def run_training(config: RunConfig) -> dict:
     interval, interval_moe, timed = MeanTracker(), MoEMetrics(model.moe_layers()), {"seconds": 0.0, "steps": 0}
     last_train, valid = {}, {}
     logger.line(f"training {_count(model)} on {env.world_size} process(es), ep_size={t.ep_size}, "
-                f"{data.train.num_windows} steps per epoch")
+                f"{data.train.describe()}")
     for step in range(start_step, t.max_steps):
+        if step >= t.max_steps:   # a streamed run's data ran out (one pass)
+            break
         torch.manual_seed(step_seed(t.seed, step, env.rank))
         for noise in noises:
             noise.set_step(step)
         inputs, targets = data.train.batch(step, shuffle_seed=t.seed)
+        if getattr(data.train, "last_step", None) == step:
+            t.max_steps = step + 1
+            logger.line(f"the streamed training data ends at step {step + 1}: the last step of this pass")
         began = time.perf_counter()
         sums = torch.zeros(3, dtype=torch.float64, device=collective_device())   # [NLL sum, tokens, aux sum]
         for micro_inputs, micro_targets in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)):
@@ -133,7 +138,7 @@ def run_training(config: RunConfig) -> dict:
                                                                   in valid.items() if name not in _EVAL_TOTALS}})
             logger.line(f"step {done}/{t.max_steps}  valid ppl {valid['ppl']:.2f}")
         if done % t.checkpoint_interval == 0 or done == t.max_steps:
-            save_checkpoint(engine, run, done, env.rank)
+            save_checkpoint(engine, run, done, env.rank, data.train)
 
     if not valid:   # resumed a run that had already finished
         valid = evaluate(model, data.valid, t.eval_max_batches, env.device)
@@ -181,8 +186,7 @@ def _summary(config, env, data, last_train, valid, timed, flops_per_step) -> dic
         "gate": config.model.gate,
         "train_ppl": train_ppl,
         "valid_ppl": valid["ppl"],
-        "unigram_valid_ppl": unigram_perplexity(sentence_texts(data.train_sentences),
-                                                sentence_texts(data.valid_sentences), data.vocab),
+        "unigram_valid_ppl": data.unigram_valid_ppl(),
         "tokens_per_s": perf["tokens_per_s"],
         "tflops_per_device": perf["tflops_per_device"],
         **train_moe,

@@ -135,7 +135,6 @@ def test_non_utf8_shard_is_one_clear_error(tmp_path):
 
 
 def test_empty_shard_is_a_logged_skip(tmp_path):
-    from moe_scale.data.text import load_sentences
     (tmp_path / "a.txt").write_text("one two\nthree\n")
     (tmp_path / "b.txt").write_text("\n  \n")
     import subprocess
