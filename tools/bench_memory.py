@@ -141,12 +141,15 @@ def main(argv=None) -> int:
         print(json.dumps(lines[-1]), flush=True)
     by = {line["config"]: line for line in lines}
     summary = {"summary": True}
-    if "baseline" in by and "factored" in by and by["factored"]["expert_optimizer_state_mb"]:
+    base = by.get("baseline")
+    factored = next((by[n] for n in ("factored", "both") if n in by), None)
+    recomputed = next((by[n] for n in ("recompute", "both") if n in by), None)
+    if base and factored and factored["expert_optimizer_state_mb"]:
         summary["expert_optimizer_state_reduction"] = round(
-            by["baseline"]["expert_optimizer_state_mb"] / by["factored"]["expert_optimizer_state_mb"], 1)
-    if "baseline" in by and "recompute" in by:
+            base["expert_optimizer_state_mb"] / factored["expert_optimizer_state_mb"], 1)
+    if base and recomputed:
         summary["saved_for_backward_reduction_mb"] = round(
-            by["baseline"]["saved_for_backward_mb"] - by["recompute"]["saved_for_backward_mb"], 3)
+            base["saved_for_backward_mb"] - recomputed["saved_for_backward_mb"], 3)
     for name, line in by.items():
         summary[f"peak_rss_mb_{name}"] = line["peak_rss_mb"]
     lines.append(summary)
