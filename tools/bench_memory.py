@@ -11,8 +11,8 @@ tokens, and reports what it measured:
   params_mb, grads_mb     parameter and gradient bytes
   optimizer_state_mb      bytes held in the optimizer's state after the steps; expert_optimizer_state_mb the
                           part for expert matrices
-  saved_for_backward_mb   bytes of the distinct tensor storages autograd saved for the backward pass
-                          during one forward (what --expert-recompute cuts)
+  saved_for_backward_mb   bytes of the distinct tensor storages, other than parameters, that autograd saved
+                          for the backward pass during one forward (what --expert-recompute cuts)
   step_seconds            mean wall time of a step after the first
 
 One JSON line per configuration on stdout (and in --out), then one summary line with the ratios.
@@ -82,10 +82,12 @@ def measure_one(args, name: str) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     saved: dict[int, int] = {}
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
-    def pack(t):
+    def pack(t):   # distinct storages; parameters saved for backward cost no extra memory
         storage = t.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in parameter_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
         return t
 
     times = []
