@@ -115,3 +115,21 @@ def test_factored_refuses_zero_and_half_precision_configs():
         with pytest.raises(UserError, match=what):
             check_optimizer_fits(train, bad, "--ds-config x.json")
     check_optimizer_fits(TrainConfig(optimizer="adam"), {"zero_optimization": {"stage": 2}}, "x")
+
+
+def test_factored_optimizer_adaptive_softmax_and_recompute_train_and_evaluate(tmp_path, embedded_cache):
+    from tests.train.run_helpers import TINY, run_eval, run_train, step_log
+    run = tmp_path / "run"
+    run_train([*TINY, "--optimizer", "factored", "--softmax", "adaptive", "--adaptive-cutoffs", "100,1000",
+               "--expert-recompute", "--max-steps", "6", "--eval-interval", "6", "--eval-max-batches", "0", "--lr", "0.01", "--warmup-steps",
+               "0", "--out", str(run)], cwd=tmp_path, cache=embedded_cache)
+    losses = [r["loss"] for r in step_log(run)]
+    assert losses[-1] < losses[0]
+    saved = [torch.load(f, weights_only=False) for f in (run / "checkpoints" / "step00000006").glob("*.pt")]
+    optimizers = [s["optimizer"] for s in saved if isinstance(s, dict) and s.get("optimizer")]
+    assert optimizers, "no optimizer state in the checkpoint"
+    assert [g["factored"] for g in optimizers[0]["param_groups"]] == [False, True]
+    assert any({"row", "col"} <= set(v) for v in optimizers[0]["state"].values())   # the factored state is saved
+    result = run_eval(["--run", str(run)], cwd=tmp_path, cache=embedded_cache)   # rebuilds the adaptive softmax
+    import json
+    assert result["ppl"] == pytest.approx(json.loads((run / "summary.json").read_text())["valid_ppl"], rel=1e-6)

@@ -102,8 +102,11 @@ def test_ranks_read_disjoint_sentences(lm1b_benchmark):
 
 
 def test_trainer_streaming_resume_equals_an_uninterrupted_run(tmp_path, lm1b_benchmark):
+    # also the sampled softmax (its samples come from the per-step seeded RNG) and the factored optimizer
+    # (its row/column state goes through DeepSpeed's checkpoint)
     common = [*TINY, "--data", str(lm1b_benchmark), "--vocab-size", "3000", "--stream", "--stream-workers", "2",
-              "--shuffle-buffer", "100", "--dropout", "0.1", "--eval-interval", "100", "--checkpoint-interval", "3"]
+              "--shuffle-buffer", "100", "--dropout", "0.1", "--eval-interval", "100", "--checkpoint-interval", "3",
+              "--softmax", "sampled", "--num-sampled", "200", "--optimizer", "factored"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_train([*common, "--token-budget", str(6 * 8 * 16), "--out", str(straight)], cwd=tmp_path,
               cache=tmp_path / "cache")
