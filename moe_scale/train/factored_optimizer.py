@@ -46,8 +46,11 @@ class FactoredExpertAdam(torch.optim.Optimizer):
                 if group["weight_decay"]:
                     p.mul_(1 - group["lr"] * group["weight_decay"])
                 g = p.grad.to(torch.promote_types(p.grad.dtype, torch.float32))   # state in fp32 or wider
+                if group["factored"] and g.dim() >= 2:
+                    _factored_step_(p, g, state, beta2, t, group["eps"], group["lr"])
+                    continue
                 if group["factored"]:
-                    update = _factored_update(g, state, beta2, t, group["eps"])
+                    update = _unfactored_update(g, state, beta2, t, group["eps"])
                 else:
                     update = _adam_update(g, state, beta1, beta2, t, group["eps"])
                 p.add_(update.to(p.dtype), alpha=-group["lr"])
@@ -64,22 +67,37 @@ def _adam_update(g: torch.Tensor, state: dict, beta1: float, beta2: float, t: in
     return m_hat / (v_hat.sqrt() + eps)
 
 
-def _factored_update(g: torch.Tensor, state: dict, beta2: float, t: int, eps: float) -> torch.Tensor:
-    g2 = g * g
-    if g.dim() < 2:   # nothing to factor: beta1 = 0 Adam
-        if "exp_avg_sq" not in state:
-            state["exp_avg_sq"] = torch.zeros_like(g)
-        v = state["exp_avg_sq"].mul_(beta2).add_(g2, alpha=1 - beta2)
-        return g / ((v / (1 - beta2 ** t)).sqrt() + eps)
+def _unfactored_update(g: torch.Tensor, state: dict, beta2: float, t: int, eps: float) -> torch.Tensor:
+    """1-D tensors in a factored group: nothing to factor, so beta1 = 0 Adam."""
+    if "exp_avg_sq" not in state:
+        state["exp_avg_sq"] = torch.zeros_like(g)
+    v = state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    return g / ((v / (1 - beta2 ** t)).sqrt() + eps)
+
+
+CHUNK_ELEMENTS = 1 << 22   # temporaries per chunk of experts: a few x 16 MB in fp32, whatever E is
+
+
+def _factored_step_(p: torch.Tensor, g: torch.Tensor, state: dict, beta2: float, t: int, eps: float,
+                    lr: float) -> None:
+    """p -= lr * g / (sqrt(v_hat) + eps), v_hat = (row ⊗ col / mean(row)) / (1 - beta2^t), in place and a
+    chunk of leading (expert) indices at a time, so the full-size temporaries (g^2, v_hat) stay small."""
     if "row" not in state:
         state["row"] = torch.zeros(g.shape[:-1], dtype=g.dtype, device=g.device)                  # [..., R]
         state["col"] = torch.zeros(g.shape[:-2] + g.shape[-1:], dtype=g.dtype, device=g.device)   # [..., C]
-    row = state["row"].mul_(beta2).add_(g2.mean(-1), alpha=1 - beta2)
-    col = state["col"].mul_(beta2).add_(g2.mean(-2), alpha=1 - beta2)
-    # v_hat = (row ⊗ col / mean(row)) / (1 - beta2^t); the bias correction of row and col cancels once
-    row_mean = row.mean(-1, keepdim=True).clamp_min(1e-30)
-    v_hat = (row / row_mean).unsqueeze(-1) * col.unsqueeze(-2) / (1 - beta2 ** t)
-    return g / (v_hat.sqrt() + eps)
+    g_3, p_3 = g.reshape(-1, *g.shape[-2:]), p.view(-1, *p.shape[-2:])     # [L, R, C], L leading matrices
+    row_2, col_2 = state["row"].view(-1, g.shape[-2]), state["col"].view(-1, g.shape[-1])
+    per_chunk = max(1, CHUNK_ELEMENTS // (g.shape[-2] * g.shape[-1]))
+    for lo in range(0, g_3.shape[0], per_chunk):
+        chunk = slice(lo, lo + per_chunk)
+        g2 = g_3[chunk] * g_3[chunk]
+        row = row_2[chunk].mul_(beta2).add_(g2.mean(-1), alpha=1 - beta2)
+        col = col_2[chunk].mul_(beta2).add_(g2.mean(-2), alpha=1 - beta2)
+        # the bias correction of row and col cancels in row / mean(row) once; one factor remains
+        row_mean = row.mean(-1, keepdim=True).clamp_min(1e-30)
+        v_hat = torch.mul((row / row_mean).unsqueeze(-1), col.unsqueeze(-2), out=g2).div_(1 - beta2 ** t)
+        denominator = v_hat.sqrt_().add_(eps)
+        p_3[chunk].addcdiv_(g_3[chunk].to(p.dtype), denominator.to(p.dtype), value=-lr)
 
 
 def build_optimizer(groups: list[dict[str, Any]], train) -> torch.optim.Optimizer:

@@ -133,3 +133,21 @@ def test_factored_optimizer_adaptive_softmax_and_recompute_train_and_evaluate(tm
     result = run_eval(["--run", str(run)], cwd=tmp_path, cache=embedded_cache)   # rebuilds the adaptive softmax
     import json
     assert result["ppl"] == pytest.approx(json.loads((run / "summary.json").read_text())["valid_ppl"], rel=1e-6)
+
+
+def test_chunked_factored_step_equals_one_chunk(monkeypatch):
+    """The in-place step works a chunk of experts at a time (bounded temporaries); chunking changes nothing."""
+    import moe_scale.train.factored_optimizer as module
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(37, 8, 16, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(37, 8, 16, generator=gen, dtype=torch.float64) for _ in range(3)]
+    results = []
+    for chunk_elements in (1 << 22, 8 * 16 * 5):     # one chunk; chunks of 5 experts (the last one of 2)
+        monkeypatch.setattr(module, "CHUNK_ELEMENTS", chunk_elements)
+        w = torch.nn.Parameter(w0.clone())
+        optimizer = FactoredExpertAdam([{"params": [w], "factored": True}], lr=LR)
+        for g in grads:
+            w.grad = g.clone()
+            optimizer.step()
+        results.append(w.detach())
+    assert torch.equal(results[0], results[1])
