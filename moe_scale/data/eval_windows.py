@@ -38,7 +38,7 @@ class EvalWindows:
             ids.append(Vocab.EOS_ID)
             words += len(encoded)
             oov += sum(1 for i, w in zip(encoded, sentence.split()) if i == Vocab.UNK_ID and w != Vocab.UNK)
-        if not words and not sentences:
+        if not sentences:
             raise UserError(f"{what} has no sentences; give a file with one sentence per line")
         self.tokens = np.asarray(ids, dtype=np.int64)    # the whole stream (for contexts in expert reports)
         self.seq_len, self.global_rows, self.rank, self.world_size = seq_len, global_rows, rank, world_size

@@ -78,13 +78,20 @@ class SampledSoftmax(nn.Module):
     measured in tests/models/test_softmax.py). In eval mode (model.eval()) it is the exact full softmax.
     """
 
-    def __init__(self, d_model: int, vocab_size: int, num_sampled: int, sampler):
+    def __init__(self, d_model: int, vocab_size: int, num_sampled: int, sampler, proj: nn.Linear | None = None):
+        """`proj`: an existing output layer to train (e.g. the model's full softmax's), else a new one."""
         super().__init__()
         if sampler.vocab_size != vocab_size:
             raise ValueError(f"sampler over {sampler.vocab_size} classes for a vocabulary of {vocab_size}")
-        self.proj = nn.Linear(d_model, vocab_size)
+        self.proj = proj if proj is not None else nn.Linear(d_model, vocab_size)
         self.num_sampled, self.sampler = num_sampled, sampler
         self.generator: torch.Generator | None = None   # None: the global RNG (seeded per step by the trainer)
+        self._log_q_on: dict[torch.device, torch.Tensor] = {}
+
+    def _log_q(self, device: torch.device) -> torch.Tensor:
+        if device not in self._log_q_on:   # copied to the device once, not every step
+            self._log_q_on[device] = self.sampler.log_q_V.to(device)
+        return self._log_q_on[device]
 
     def forward(self, h_ND: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
         if not self.training:
@@ -93,8 +100,9 @@ class SampledSoftmax(nn.Module):
         counted_N = targets_N != IGNORE
         safe_targets_N = torch.where(counted_N, targets_N, torch.zeros_like(targets_N))
         sampled_S = self.sampler.sample(self.num_sampled, self.generator).to(targets_N.device)
-        log_expected_S = self.sampler.log_q_V.to(h_ND.device)[sampled_S] + math.log(self.num_sampled)
-        log_expected_N = self.sampler.log_q_V.to(h_ND.device)[safe_targets_N] + math.log(self.num_sampled)
+        log_q_V = self._log_q(h_ND.device)
+        log_expected_S = log_q_V[sampled_S] + math.log(self.num_sampled)
+        log_expected_N = log_q_V[safe_targets_N] + math.log(self.num_sampled)
         w, b = self.proj.weight, self.proj.bias
         h = h_ND.float()
         true_N = (h * w[safe_targets_N].float()).sum(-1) + b[safe_targets_N].float() - log_expected_N

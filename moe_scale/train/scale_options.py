@@ -55,9 +55,7 @@ def build_softmax(train, full: FullSoftmax, counts: list[int] | None) -> nn.Modu
             sampler = UnigramSampler(torch.tensor(counts))
         else:
             sampler = LogUniformSampler(vocab_size)
-        layer = SampledSoftmax(d_model, vocab_size, train.num_sampled, sampler)
-        layer.proj = full.proj
-        return layer
+        return SampledSoftmax(d_model, vocab_size, train.num_sampled, sampler, proj=full.proj)
     cutoffs = parse_cutoffs(train.adaptive_cutoffs)
     if cutoffs[-1] >= vocab_size:
         raise UserError(f"--adaptive-cutoffs {train.adaptive_cutoffs}: the last cutoff must be below the "
