@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -151,3 +152,12 @@ def test_chunked_factored_step_equals_one_chunk(monkeypatch):
             optimizer.step()
         results.append(w.detach())
     assert torch.equal(results[0], results[1])
+
+
+def test_cli_refuses_factored_with_zero2_before_writing_anything(tmp_path):
+    from tests.train.test_cli_errors import assert_one_line_error, run_cli
+    config = Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json"
+    proc = run_cli("train", "--optimizer", "factored", "--ds-config", str(config), "--out", str(tmp_path / "run"),
+                   "--max-steps", "1", cwd=tmp_path)
+    assert_one_line_error(proc, "ZeRO stage 2", "--optimizer factored")
+    assert not (tmp_path / "run").exists()

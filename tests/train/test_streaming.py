@@ -128,3 +128,9 @@ def test_streaming_needs_a_validation_split(tmp_path):
     proc = run_cli("train", "--data", str(tmp_path / "train.txt"), "--stream", "--out", str(tmp_path / "run"),
                    "--max-steps", "1", cwd=tmp_path)
     assert_one_line_error(proc, "--stream needs a validation split")
+
+
+def test_token_budget_needs_stream(tmp_path):
+    from tests.train.test_cli_errors import assert_one_line_error, run_cli
+    proc = run_cli("train", "--token-budget", "1000", "--out", str(tmp_path / "run"), cwd=tmp_path)
+    assert_one_line_error(proc, "--token-budget needs --stream")
