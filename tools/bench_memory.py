@@ -7,7 +7,8 @@ Each process builds the model, runs --steps training steps (forward, backward, o
 tokens, and reports what it measured:
 
   peak_rss_mb             the process's peak resident memory (ru_maxrss; includes Python and torch, see
-                          rss_before_model_mb) — on --device cuda, peak_device_mb is torch's peak allocation
+                          rss_before_model_mb; large allocations are mmap'd so that freed memory leaves
+                          RSS) — on --device cuda, peak_device_mb is torch's peak allocation
   params_mb, grads_mb     parameter and gradient bytes
   optimizer_state_mb      bytes held in the optimizer's state after the steps; expert_optimizer_state_mb the
                           part for expert matrices
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -32,6 +34,11 @@ import time
 from pathlib import Path
 
 from tool_args import OneLineParser, positive_int
+
+# glibc keeps freed heap memory mapped, so the peak RSS of a process that frees and reallocates large tensors
+# depends on fragmentation. Serving every allocation over 64 KiB by mmap (returned to the OS when freed)
+# makes ru_maxrss follow the peak of live memory.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 CONFIGS = {"baseline": (False, "adam"), "recompute": (True, "adam"), "factored": (False, "factored"),
            "both": (True, "factored")}
@@ -135,7 +142,8 @@ def main(argv=None) -> int:
                  for flag in ("experts", "top_k", "d", "h", "vocab", "batch", "seq_len", "steps", "device")]
     lines = []
     for name in args.configs.split(","):
-        proc = subprocess.run([sys.executable, __file__, *forwarded, "--one", name], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, __file__, *forwarded, "--one", name], capture_output=True, text=True,
+                              env={**os.environ, **MALLOC_ENV})
         if proc.returncode:
             print(f"bench_memory.py: error: configuration {name} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             return 1
