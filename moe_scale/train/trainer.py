@@ -80,6 +80,8 @@ def run_training(config: RunConfig) -> dict:
     engine = trainer.engine
     noises = _install_noise(model, config, env)
     start_step = load_checkpoint(engine, run, data.train) if t.resume else 0
+    if getattr(data.train, "last_step", None) is not None:   # resumed a streamed run whose one pass was done
+        t.max_steps = start_step
 
     logger = RunLogger(run, t.max_steps, start_step, enabled=env.rank == 0)
     flops_per_step = training_flops_per_token({**lstm_moe_forward_macs_per_token(m, len(data.vocab)),

@@ -134,3 +134,21 @@ def test_token_budget_needs_stream(tmp_path):
     from tests.train.test_cli_errors import assert_one_line_error, run_cli
     proc = run_cli("train", "--token-budget", "1000", "--out", str(tmp_path / "run"), cwd=tmp_path)
     assert_one_line_error(proc, "--token-budget needs --stream")
+
+
+def test_one_pass_stops_every_rank_after_the_last_full_batch(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.txt").write_text("".join(f"w{i % 13} w{i % 7} w{i % 5} .\n" for i in range(60)))  # 360 tokens
+    (data / "valid.txt").write_text("w1 w2 w3 .\n" * 20)
+    run = tmp_path / "run"
+    args = [*TINY, "--data", str(data), "--stream", "--max-steps", "50", "--eval-interval", "100",
+            "--checkpoint-interval", "100", "--out", str(run)]
+    proc = run_train(args, cwd=tmp_path, cache=tmp_path / "cache")
+    # windows of 17 tokens sharing one: 360 tokens give 22 windows, 8 rows per step: 2 full steps
+    assert [r["step"] for r in step_log(run)] == [1, 2]
+    assert "the streamed training data ends at step 2" in proc.stdout + proc.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert json.loads((run / "checkpoints" / "complete").read_text())["step"] == 2
+    run_train([*args, "--resume"], cwd=tmp_path, cache=tmp_path / "cache")    # nothing left: finishes at once
+    assert [r["step"] for r in step_log(run)] == [1, 2]
