@@ -90,8 +90,8 @@ def format_expert_report(report: dict, top_n: int) -> str:
     for layer, stats in report.items():
         lines.append(f"{layer}: {stats['tokens']} routed token copies  cv(importance) {stats['cv_importance']:.3f}  "
                      f"cv(load) {stats['cv_load']:.3f}  max/mean load {stats['max_over_mean_load']:.2f}")
-        lines.append("  expert  load  importance" + ("  top tokens by gate (context [word])" if top_n else ""))
+        lines.append("  expert      load  importance" + ("  top tokens by gate (context [word])" if top_n else ""))
         for e in stats["experts"]:
             tops = "  |  ".join(t["context"] for t in e.get("top_by_gate", []))
-            lines.append(f"  {e['expert']:>6}  {e['load']:>4}  {e['importance']:>10.2f}  {tops}")
+            lines.append(f"  {e['expert']:>6}  {e['load']:>8}  {e['importance']:>10.2f}  {tops}")
     return "\n".join(lines)
