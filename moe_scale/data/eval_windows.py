@@ -14,6 +14,7 @@ window starts fresh, as in training).
 
 from __future__ import annotations
 
+from array import array
 from typing import Iterator
 
 import numpy as np
@@ -29,7 +30,7 @@ class EvalWindows:
                  world_size: int = 1, what: str = "the evaluation data"):
         if global_rows % world_size:
             raise ValueError(f"{global_rows} rows do not split over {world_size} ranks")
-        ids: list[int] = []
+        ids = array("q")   # not a list: 8 bytes per token instead of ~36 (lm1b's held-out shard: 160k words)
         words = oov = 0
         for sentence in sentences:
             encoded = vocab.encode(sentence)
@@ -40,7 +41,7 @@ class EvalWindows:
             oov += sum(1 for i, w in zip(encoded, sentence.split()) if i == Vocab.UNK_ID and w != Vocab.UNK)
         if not sentences:
             raise UserError(f"{what} has no sentences; give a file with one sentence per line")
-        self.tokens = np.asarray(ids, dtype=np.int64)    # the whole stream (for contexts in expert reports)
+        self.tokens = np.frombuffer(ids, dtype=np.int64).copy()    # the whole stream (for contexts in expert reports)
         self.seq_len, self.global_rows, self.rank, self.world_size = seq_len, global_rows, rank, world_size
         self.rows_per_rank = global_rows // world_size
         self.num_windows = -(-(len(self.tokens) - 1) // seq_len)

@@ -90,8 +90,9 @@ _LM1B_HELDOUT = re.compile(r"news\.en\.heldout-(\d+)-of-(\d+)$")
 
 
 def conventional_lm1b_splits(spec: str, path: Path, out: dict[str, list[Path]]) -> dict[str, list[Path]]:
-    """The 1B-word benchmark's convention: test perplexity is over heldout shard 00000 only; the other
-    held-out shards (if no valid files were given) are the validation split. lm1b's training directory
+    """The 1B-word benchmark's convention: test perplexity is over heldout shard 00000 only; the next
+    held-out shard (if no valid files were given) is the validation split (one shard, ~160k words: a
+    validation pass stays short; the other 48 are left unused). lm1b's training directory
     (training-monolingual*) without a held-out directory is an error, not a silent held-out part of train."""
     if any(p.name.startswith("training-monolingual") for p in path.iterdir()) and not out["test"]:
         raise UserError(f"--data {spec}: lm1b training shards but no held-out split (heldout-monolingual*/"
@@ -100,7 +101,7 @@ def conventional_lm1b_splits(spec: str, path: Path, out: dict[str, list[Path]]) 
     heldout = {int(m.group(1)): f for f in out["test"] if (m := _LM1B_HELDOUT.search(f.name))}
     if len(heldout) == len(out["test"]) and len(heldout) > 1 and 0 in heldout:
         rest = [f for k, f in sorted(heldout.items()) if k != 0]
-        out = {**out, "test": [heldout[0]], "valid": out["valid"] or rest}
+        out = {**out, "test": [heldout[0]], "valid": out["valid"] or rest[:1]}
     return out
 
 

@@ -97,7 +97,7 @@ def test_expert_token_stats_count_every_real_token_k_times():
 def test_lm1b_layout_uses_heldout_shard_00000_for_test(lm1b_benchmark):
     files = split_files(str(lm1b_benchmark))
     assert [f.name for f in files["test"]] == ["news.en.heldout-00000-of-00050"]
-    assert [f.name for f in files["valid"]] == ["news.en.heldout-00001-of-00050", "news.en.heldout-00002-of-00050"]
+    assert [f.name for f in files["valid"]] == ["news.en.heldout-00001-of-00050"]
     assert len(files["train"]) == 5
 
 
