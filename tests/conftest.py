@@ -67,8 +67,9 @@ def lm1b_benchmark(tmp_path) -> Path:
     held_dir = root / "heldout-monolingual.tokenized.shuffled"
     train_dir.mkdir(parents=True)
     held_dir.mkdir()
-    for directory, sentences, name, shards in ((train_dir, wikitext_sentences("valid"), "news.en-{:05d}-of-00100", 5),
-                                               (held_dir, wikitext_sentences("test"), "news.en.heldout-{:05d}-of-00050", 3)):
+    layout = ((train_dir, wikitext_sentences("valid"), "news.en-{:05d}-of-00100", 5),
+              (held_dir, wikitext_sentences("test"), "news.en.heldout-{:05d}-of-00050", 3))
+    for directory, sentences, name, shards in layout:
         n = len(sentences)
         first = 1 if directory is train_dir else 0   # lm1b's training shards start at 00001
         for k in range(shards):

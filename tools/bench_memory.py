@@ -116,7 +116,8 @@ def measure_one(args, name: str) -> dict:
     expert_numel = sum(p.numel() for p in model.moe.experts.parameters())
     result = {
         "config": name, "expert_recompute": recompute, "optimizer": optimizer_name, "experts": args.experts,
-        "top_k": args.top_k, "d": args.d, "h": args.h, "vocab": args.vocab, "tokens_per_step": args.batch * args.seq_len,
+        "top_k": args.top_k, "d": args.d, "h": args.h, "vocab": args.vocab,
+        "tokens_per_step": args.batch * args.seq_len,
         "device": args.device, "expert_params_m": round(expert_numel / 1e6, 3),
         "params_mb": _mb(sum(p.numel() * p.element_size() for p in model.parameters())),
         "grads_mb": _mb(grads_bytes),

@@ -122,8 +122,8 @@ def test_factored_optimizer_adaptive_softmax_and_recompute_train_and_evaluate(tm
     from tests.train.run_helpers import TINY, run_eval, run_train, step_log
     run = tmp_path / "run"
     run_train([*TINY, "--optimizer", "factored", "--softmax", "adaptive", "--adaptive-cutoffs", "100,1000",
-               "--expert-recompute", "--max-steps", "6", "--eval-interval", "6", "--eval-max-batches", "0", "--lr", "0.01", "--warmup-steps",
-               "0", "--out", str(run)], cwd=tmp_path, cache=embedded_cache)
+               "--expert-recompute", "--max-steps", "6", "--eval-interval", "6", "--eval-max-batches", "0",
+               "--lr", "0.01", "--warmup-steps", "0", "--out", str(run)], cwd=tmp_path, cache=embedded_cache)
     losses = [r["loss"] for r in step_log(run)]
     assert losses[-1] < losses[0]
     saved = [torch.load(f, weights_only=False) for f in (run / "checkpoints" / "step00000006").glob("*.pt")]
