@@ -123,11 +123,11 @@ def test_trainer_streaming_resume_equals_an_uninterrupted_run(tmp_path, lm1b_ben
 
 
 def test_streaming_needs_a_validation_split(tmp_path):
-    from tests.train.test_cli_errors import assert_one_line_error, run_cli
+    from moe_scale.config import DataConfig
+    from moe_scale.train.data_setup import stream_files
     (tmp_path / "train.txt").write_text("a b c .\n" * 100)
-    proc = run_cli("train", "--data", str(tmp_path / "train.txt"), "--stream", "--out", str(tmp_path / "run"),
-                   "--max-steps", "1", cwd=tmp_path)
-    assert_one_line_error(proc, "--stream needs a validation split")
+    with pytest.raises(UserError, match="--stream needs a validation split"):
+        stream_files(DataConfig(data=str(tmp_path / "train.txt")))
 
 
 def test_token_budget_needs_stream(tmp_path):
