@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", choices=("valid", "test"), default="valid")
     evaluate.add_argument("--data", metavar="PATH", help="evaluate on this text instead (file, dir or glob)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.add_argument("--expert-stats", action="store_true", help="per MoE layer: load and importance per "
+                          "expert, CV and max/mean load over the evaluated text")
+    evaluate.add_argument("--top-tokens", type=int, default=0, metavar="N", help="per expert: the N positions with "
+                          "the largest gate (with context) and the N words routed there most often")
 
     flops = sub.add_parser("flops", help="parameters, ops/timestep and training FLOPs of a paper preset")
     flops.add_argument("--preset", help="preset name (see --list)")
@@ -110,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "eval":
             from moe_scale.train.eval_command import run_eval
 
-            result = run_eval(args.run, args.split, args.data)
+            from moe_scale.train.eval_command import format_eval
+
+            result = run_eval(args.run, args.split, args.data, args.expert_stats, args.top_tokens)
             if result is not None:
-                print(json.dumps(result) if args.json else _format_eval(result))
+                print(json.dumps(result) if args.json else format_eval(result))
         elif args.command == "flops":
             from moe_scale.flops_command import run_flops
             print(run_flops(args.preset, args.json, args.softmax, args.softmax_samples, args.list))
@@ -132,10 +138,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-scale: error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _format_eval(result: dict) -> str:
-    return "\n".join(f"{k:<22} {v:.4f}" if isinstance(v, float) else f"{k:<22} {v}" for k, v in result.items())
 
 
 if __name__ == "__main__":

@@ -113,6 +113,20 @@ class TrainConfig:
     checkpoint_interval: int = _f(200, "steps between checkpoints (and at the end)")
     preset: str | None = _f(None, "start from a paper model's settings (`moe-scale flops --list`; NAME-mini for a "
                                   "CPU-sized miniature); other flags given override them")
+    softmax: str = _f("full", "output layer: exact softmax, importance-sampled softmax in training (exact at eval; "
+                              "Jozefowicz et al. 2016), or adaptive softmax", ("full", "sampled", "adaptive"))
+    num_sampled: int = _f(8192, "sampled softmax: classes drawn per batch (shared by all its tokens)")
+    sampler: str = _f("log_uniform", "sampled softmax proposal: Zipfian over frequency-sorted ids, or the "
+                                     "training unigram counts", ("log_uniform", "unigram"))
+    adaptive_cutoffs: str = _f("2000,10000", "adaptive softmax: comma-separated cluster boundaries (word ids)")
+    optimizer: str = _f("adam", "AdamW everywhere, or for expert matrices a factored second moment without first "
+                                "moment (Shazeer et al. App. D) and AdamW for the rest", ("adam", "factored"))
+    stream: bool = _f(False, "stream the training shards (never loads them into memory; the position is "
+                             "checkpointed) instead of loading them")
+    shuffle_buffer: int = _f(10000, "streaming: sentences in the shuffle buffer of each reader (0 or 1: no shuffle)")
+    stream_workers: int = _f(1, "streaming: shard readers per rank (shards are split over ranks x readers)")
+    token_budget: int = _f(0, "streaming: stop after this many training tokens (0: --max-steps); one pass, "
+                              "training also stops when the data runs out")
 
 
 @dataclass
@@ -204,6 +218,11 @@ class RunConfig:
             from moe_scale.models.transformer_config import validate_transformer
 
             validate_transformer(m, t.ep_size)
+            if m.attention == "mae" and m.mae_training == "bcd" and m.mae_g_unit == "epoch" and t.stream:
+                raise UserError("--mae-g-unit epoch needs epochs, and streamed data (--stream) is one pass; "
+                                "pass --mae-g-unit step")
+        from moe_scale.train.scale_options import validate_scale_options   # softmax, optimizer, streaming
+        validate_scale_options(self)
 
     def _validate_hierarchical(self) -> None:
         m, ep = self.model, self.train.ep_size

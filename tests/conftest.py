@@ -54,3 +54,25 @@ def lm1b_shards(tmp_path) -> Path:
 def embedded_cache(tmp_path_factory) -> Path:
     """A session-wide MOE_SCALE_CACHE, so the embedded corpus is generated once per test session."""
     return tmp_path_factory.mktemp("moe_scale_cache")
+
+
+@pytest.fixture
+def lm1b_benchmark(tmp_path) -> Path:
+    """The 1B-word benchmark's own layout under tmp_path/"1b" (WikiText-2 text, one sentence per line):
+    training-monolingual.tokenized.shuffled/news.en-0000{1..5}-of-00100 (WikiText-2 valid; 5 shards, so
+    they do not divide 2 x 2 or 3 x 1 readers) and heldout-monolingual.tokenized.shuffled/
+    news.en.heldout-0000{0..2}-of-00050 (WikiText-2 test in 3 shards)."""
+    root = tmp_path / "1b"
+    train_dir = root / "training-monolingual.tokenized.shuffled"
+    held_dir = root / "heldout-monolingual.tokenized.shuffled"
+    train_dir.mkdir(parents=True)
+    held_dir.mkdir()
+    layout = ((train_dir, wikitext_sentences("valid"), "news.en-{:05d}-of-00100", 5),
+              (held_dir, wikitext_sentences("test"), "news.en.heldout-{:05d}-of-00050", 3))
+    for directory, sentences, name, shards in layout:
+        n = len(sentences)
+        first = 1 if directory is train_dir else 0   # lm1b's training shards start at 00001
+        for k in range(shards):
+            chunk = sentences[k * n // shards: (k + 1) * n // shards]
+            (directory / name.format(first + k)).write_text("\n".join(chunk) + "\n", encoding="utf-8")
+    return root

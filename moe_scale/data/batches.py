@@ -66,6 +66,9 @@ class LMWindows:
                 "or more data")
         self._perm: tuple[tuple[int, int], np.ndarray] | None = None  # ((seed, epoch), permutation)
 
+    def describe(self) -> str:
+        return f"{self.num_windows} steps per epoch"
+
     def window_index(self, step: int, shuffle_seed: int | None = None) -> int:
         """Which window of every row step `step` uses."""
         epoch, w = divmod(step, self.num_windows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import re
+import sys
 from pathlib import Path
 
 import datasets
@@ -81,8 +82,50 @@ def split_files(spec: str) -> dict[str, list[Path]]:
         if out["train"]:
             if not any(_has_words(f) for f in out["train"]):
                 raise UserError(f"--data {spec}: the training files are empty; provide text, one sentence per line")
-            return out
+            return conventional_lm1b_splits(spec, path, out)
     return {"train": resolve_text_files(spec), "valid": [], "test": []}
+
+
+_LM1B_HELDOUT = re.compile(r"news\.en\.heldout-(\d+)-of-(\d+)$")
+
+
+def conventional_lm1b_splits(spec: str, path: Path, out: dict[str, list[Path]]) -> dict[str, list[Path]]:
+    """The 1B-word benchmark's convention: test perplexity is over heldout shard 00000 only; the next
+    held-out shard (if no valid files were given) is the validation split (one shard, ~160k words: a
+    validation pass stays short; the other 48 are left unused). lm1b's training directory
+    (training-monolingual*) without a held-out directory is an error, not a silent held-out part of train."""
+    if any(p.name.startswith("training-monolingual") for p in path.iterdir()) and not out["test"]:
+        raise UserError(f"--data {spec}: lm1b training shards but no held-out split (heldout-monolingual*/"
+                        "news.en.heldout-*); the standard perplexity is over news.en.heldout-00000-of-00050: "
+                        "put the heldout directory beside the training one, or pass --test-data")
+    heldout = {int(m.group(1)): f for f in out["test"] if (m := _LM1B_HELDOUT.search(f.name))}
+    if len(heldout) == len(out["test"]) and len(heldout) > 1 and 0 in heldout:
+        rest = [f for k, f in sorted(heldout.items()) if k != 0]
+        out = {**out, "test": [heldout[0]], "valid": out["valid"] or rest[:1]}
+    return out
+
+
+def _first_bad_utf8(path: Path) -> int | None:
+    """Byte offset of the first invalid UTF-8 sequence in the file, or None (reads it in 1 MiB pieces)."""
+    import codecs
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                return offset + e.start
+            offset += len(chunk)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            return offset
+    return None
+
+
+def not_utf8_error(path: Path, offset: int) -> UserError:
+    return UserError(f"{path}: not UTF-8 text (invalid byte at offset {offset}); convert it (e.g. "
+                     f"`iconv -f latin1 -t utf-8`) or remove it from the data")
 
 
 def _hf_cache_dir() -> str:
@@ -97,8 +140,21 @@ def load_sentences(files: list[Path]) -> Dataset:
         raise ValueError("load_sentences needs at least one file")
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
-    ds = datasets.load_dataset("text", data_files=[str(Path(f).resolve()) for f in files], split="train",
-                               cache_dir=_hf_cache_dir())
+    nonempty = [f for f in files if _has_words(Path(f))]
+    for f in files:
+        if f not in nonempty:
+            print(f"moe-scale: skipping empty shard {f}", file=sys.stderr)
+    if not nonempty:
+        raise UserError(f"all {len(files)} file(s) are empty or blank ({files[0]} ...); "
+                        "provide text with one sentence per line")
+    try:
+        ds = datasets.load_dataset("text", data_files=[str(Path(f).resolve()) for f in nonempty], split="train",
+                                   cache_dir=_hf_cache_dir())
+    except datasets.exceptions.DatasetGenerationError:
+        for f in nonempty:   # the usual cause: a file that is not UTF-8; name it
+            if (offset := _first_bad_utf8(Path(f))) is not None:
+                raise not_utf8_error(Path(f), offset) from None
+        raise
     ds = ds.map(lambda b: {"text": [t.strip() for t in b["text"]]}, batched=True)
     return ds.filter(lambda b: [bool(t) for t in b["text"]], batched=True)
 

@@ -17,7 +17,11 @@ class Vocab:
     SPECIALS = (UNK, BOS, EOS)
     UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
-    def __init__(self, words: list[str]):
+    def __init__(self, words: list[str], counts: list[int] | None = None):
+        """`counts`: training occurrences per id (<UNK>: out-of-vocabulary words, </S>: sentences), if known."""
+        if counts is not None and len(counts) != len(words):
+            raise ValueError(f"{len(counts)} counts for {len(words)} words")
+        self.counts = counts
         if tuple(words[:3]) != self.SPECIALS:
             raise ValueError(f"the first three vocabulary words must be {self.SPECIALS}, got {words[:3]}")
         self.words = list(words)
@@ -31,13 +35,28 @@ class Vocab:
         if max_size is not None and max_size < 4:
             raise UserError(f"vocabulary size {max_size} is too small; use a vocabulary size of at least 4 "
                             "(3 special tokens + 1 word)")
-        counts = Counter(w for s in sentences for w in s.split())
+        counts: Counter = Counter()
+        num_sentences = 0
+        for s in sentences:
+            counts.update(s.split())
+            num_sentences += 1
+        return cls.from_counts(counts, num_sentences, max_size, min_count)
+
+    @classmethod
+    def from_counts(cls, counts: Counter, num_sentences: int, max_size: int | None = None,
+                    min_count: int = 1) -> "Vocab":
+        """The vocabulary of `Vocab.build` from word counts already made (e.g. by a streaming pass)."""
+        if max_size is not None and max_size < 4:
+            raise UserError(f"vocabulary size {max_size} is too small; use a vocabulary size of at least 4 "
+                            "(3 special tokens + 1 word)")
+        counts = Counter(counts)
         for special in cls.SPECIALS:
             counts.pop(special, None)
         ranked = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
         if max_size is not None:
             ranked = ranked[: max_size - 3]
-        return cls(list(cls.SPECIALS) + ranked)
+        oov = sum(counts.values()) - sum(counts[w] for w in ranked)
+        return cls(list(cls.SPECIALS) + ranked, [oov, 0, num_sentences] + [counts[w] for w in ranked])
 
     def __len__(self) -> int:
         return len(self.words)
@@ -51,17 +70,13 @@ class Vocab:
         return [ids.get(w, 0) for w in sentence.split()]
 
     def save(self, path: Path) -> None:
-        """One word per line, UTF-8, written atomically."""
+        """One word per line, UTF-8, written atomically; the counts (if known) first, beside it (for the
+        unigram sampler and adaptive-softmax FLOPs), so a reader that sees the vocabulary sees its counts."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write("".join(w + "\n" for w in self.words))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        if self.counts is not None:
+            _write_atomic(counts_path(path), "".join(f"{c}\n" for c in self.counts))
+        _write_atomic(path, "".join(w + "\n" for w in self.words))
 
     @classmethod
     def load(cls, path: Path) -> "Vocab":
@@ -82,16 +97,45 @@ class Vocab:
             raise UserError(f"vocabulary file {path} line {bad[0]} is empty or has whitespace; {fix}")
         if len(set(words)) != len(words):
             raise UserError(f"vocabulary file {path} has duplicate words; {fix}")
-        return cls(words)
+        counts = None
+        if counts_path(path).is_file():
+            try:
+                counts = [int(c) for c in counts_path(path).read_text(encoding="utf-8").split()]
+            except ValueError:
+                raise UserError(f"{counts_path(path)} is not one integer per line; {fix}") from None
+            if len(counts) != len(words):
+                raise UserError(f"{counts_path(path)} has {len(counts)} counts for {len(words)} words; {fix}")
+        return cls(words, counts)
 
 
-def unigram_perplexity(train_sentences: Iterable[str], eval_sentences: Iterable[str], vocab: Vocab) -> float:
-    """Perplexity of an add-one smoothed unigram model over `vocab` (one </S> per sentence, OOV -> <UNK>)."""
-    counts = [1] * len(vocab)
-    for s in train_sentences:
-        for i in vocab.encode(s):
-            counts[i] += 1
-        counts[Vocab.EOS_ID] += 1
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def counts_path(vocab_path: Path) -> Path:
+    return Path(vocab_path).with_name(Path(vocab_path).name + ".counts")
+
+
+def unigram_perplexity(train_sentences: Iterable[str] | None, eval_sentences: Iterable[str], vocab: Vocab) -> float:
+    """Perplexity of an add-one smoothed unigram model over `vocab` (one </S> per sentence, OOV -> <UNK>);
+    train_sentences None: from the vocabulary's own training counts (the same numbers)."""
+    if train_sentences is None:
+        if vocab.counts is None:
+            raise ValueError("unigram_perplexity without training sentences needs vocabulary counts")
+        counts = [c + 1 for c in vocab.counts]
+    else:
+        counts = [1] * len(vocab)
+        for s in train_sentences:
+            for i in vocab.encode(s):
+                counts[i] += 1
+            counts[Vocab.EOS_ID] += 1
     log_total = math.log(sum(counts))
     nll, n = 0.0, 0
     for s in eval_sentences:

@@ -11,6 +11,10 @@ import torch.distributed as dist
 from moe_scale.config import DataConfig
 from moe_scale.data import (LMWindows, Vocab, load_sentences, load_splits, resolve_text_files, sentence_texts,
                             split_files)
+from moe_scale.data.eval_windows import EvalWindows
+from moe_scale.data.stream import StreamBatches
+from moe_scale.data.vocab import unigram_perplexity
+from moe_scale.data.vocab_cache import cached_stream_vocab
 from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv
 from moe_scale.errors import UserError
@@ -19,10 +23,15 @@ from moe_scale.errors import UserError
 @dataclass
 class LMData:
     vocab: Vocab
-    train: LMWindows
-    valid: LMWindows
+    train: LMWindows | StreamBatches
+    valid: EvalWindows
     valid_sentences: object
-    train_sentences: object
+    train_sentences: object          # None when streaming
+
+    def unigram_valid_ppl(self) -> float:
+        """Add-one unigram perplexity on the validation text (from the vocabulary's counts when streaming)."""
+        train = sentence_texts(self.train_sentences) if self.train_sentences is not None else None
+        return unigram_perplexity(train, sentence_texts(self.valid_sentences), self.vocab)
 
 
 def min_over_ranks(value: int) -> int:
@@ -45,9 +54,13 @@ def load_run_splits(config: DataConfig):
     return splits["train"], splits["valid"], splits["test"]
 
 
-def build_lm_data(config: DataConfig, env: DistEnv, global_rows: int, saved_vocab: Path | None) -> LMData:
+def build_lm_data(config: DataConfig, env: DistEnv, global_rows: int, saved_vocab: Path | None,
+                  train_config=None) -> LMData:
     """Loads text and makes this rank's windows. The vocabulary is rebuilt deterministically on every rank
-    (no file exchange needed), or reloaded from a resumed run."""
+    (no file exchange needed), or reloaded from a resumed run. With `train_config.stream`, see
+    `build_stream_data`."""
+    if train_config is not None and train_config.stream:
+        return build_stream_data(config, train_config, env, global_rows, saved_vocab)
     train, valid, _ = load_run_splits(config)
     if saved_vocab is not None:
         if not saved_vocab.exists():
@@ -58,4 +71,47 @@ def build_lm_data(config: DataConfig, env: DistEnv, global_rows: int, saved_voca
     windows = dict(seq_len=config.seq_len, global_rows=global_rows, rank=env.rank, world_size=env.world_size,
                    min_over_ranks=min_over_ranks)
     return LMData(vocab, LMWindows(train, vocab, what="the training data", **windows),
-                  LMWindows(valid, vocab, what="the validation data", **windows), valid, train)
+                  EvalWindows(sentence_texts(valid), vocab, config.seq_len, global_rows, env.rank, env.world_size,
+                              what="the validation data"), valid, train)
+
+
+def stream_files(config: DataConfig) -> tuple[list[Path], object]:
+    """(training shard paths, validation sentences) without reading the training text."""
+    files = split_files(config.data)
+    if config.valid_data:
+        valid = load_sentences(resolve_text_files(config.valid_data, "--valid-data"))
+    elif files["valid"] or files["test"]:
+        valid = load_sentences(files["valid"] or files["test"])
+    else:
+        raise UserError(f"--stream needs a validation split it does not have to cut from the training text: "
+                        f"valid*/heldout* files beside --data {config.data}, or --valid-data")
+    return files["train"], valid
+
+
+def build_stream_data(config: DataConfig, train_config, env: DistEnv, global_rows: int,
+                      saved_vocab: Path | None) -> LMData:
+    """Streaming training batches; the vocabulary counted in one pass and cached (rank 0 counts, the
+    others load the cache after a barrier), or reloaded from a resumed run."""
+    train_files, valid = stream_files(config)
+    if saved_vocab is not None:
+        if not saved_vocab.exists():
+            raise UserError(f"{saved_vocab} is missing; the run directory is incomplete, start a new run")
+        vocab = Vocab.load(saved_vocab)
+    else:
+        if env.rank == 0:
+            cached_stream_vocab(train_files, config.vocab_size, config.min_count)
+        if dist.is_initialized():
+            dist.barrier()
+        vocab = cached_stream_vocab(train_files, config.vocab_size, config.min_count)
+    train = StreamBatches(train_files, vocab, config.seq_len, global_rows, env.rank, env.world_size,
+                          train_config.stream_workers, train_config.shuffle_buffer, train_config.seed,
+                          min_over_ranks=min_over_ranks)
+    return LMData(vocab, train, EvalWindows(sentence_texts(valid), vocab, config.seq_len, global_rows, env.rank,
+                                            env.world_size, what="the validation data"), valid, None)
+
+
+def apply_token_budget(train_config, seq_len: int) -> None:
+    """--token-budget: the number of steps that reads that many training tokens (rounded up)."""
+    if train_config.stream and train_config.token_budget:
+        tokens_per_step = train_config.batch_size * seq_len
+        train_config.max_steps = -(-train_config.token_budget // tokens_per_step)

@@ -12,6 +12,7 @@ from torch import nn
 
 from moe_scale.config import TrainConfig
 from moe_scale.train.clipping import expert_aware_clip_
+from moe_scale.train.factored_optimizer import build_optimizer
 from moe_scale.train.ds_config import zero_stage
 
 
@@ -42,7 +43,7 @@ class Trainer:
         if zero_stage(ds_config) == 0 and not ds_config.get("bf16", {}).get("enabled") \
                 and not ds_config.get("fp16", {}).get("enabled"):
             self.clip = float(ds_config.pop("gradient_clipping", 0.0))   # DeepSpeed's stage-0 norm is wrong
-        optimizer = torch.optim.AdamW(optimizer_groups(model), lr=train.lr, weight_decay=train.weight_decay)
+        optimizer = build_optimizer(optimizer_groups(model), train)   # --optimizer adam|factored
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(train.warmup_steps))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=ds_config, dist_init_required=False)

@@ -1,4 +1,5 @@
-"""`moe-scale eval`: perplexity and balance statistics of a trained run on a split or on other text."""
+"""`moe-scale eval`: per-word perplexity of a trained run on a split or on other text, and on request the
+expert-utilisation statistics and top tokens per expert of every MoE layer."""
 
 from __future__ import annotations
 
@@ -9,21 +10,27 @@ import deepspeed
 import torch
 
 from moe_scale.config import RunConfig
-from moe_scale.data import LMWindows, Vocab, load_sentences, resolve_text_files
+from moe_scale.data import Vocab, load_sentences, resolve_text_files, sentence_texts, split_files
+from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.distributed.launch import init_distributed
 from moe_scale.errors import UserError
 from moe_scale.models.build import build_model
 from moe_scale.train.data_setup import load_run_splits, min_over_ranks
 from moe_scale.train.evaluate import evaluate
+from moe_scale.train.expert_tokens import ExpertTokenStats, format_expert_report
+from moe_scale.train.scale_options import build_softmax
 
 
-def run_eval(run_dir: str, split: str, data: str | None) -> dict | None:
+def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = False,
+             top_tokens: int = 0) -> dict | None:
     """Evaluates the newest complete checkpoint; returns the result on rank 0 (None elsewhere)."""
     run = Path(run_dir)
     marker = run / "checkpoints" / "complete"
     if not (run / "config.json").exists() or not marker.exists():
         raise UserError(f"--run {run_dir}: no trained run there (config.json and a complete checkpoint are "
                         f"needed); pass the --out directory of a finished `moe-scale train`")
+    if top_tokens < 0:
+        raise UserError(f"--top-tokens must be 0 or more (got {top_tokens})")
     config = RunConfig.load(run / "config.json")
     vocab = Vocab.load(run / "vocab")
     env = init_distributed()
@@ -31,22 +38,53 @@ def run_eval(run_dir: str, split: str, data: str | None) -> dict | None:
         raise UserError(f"{config.model.num_experts} experts cannot be split over {env.world_size} processes; "
                         f"launch a number of processes that divides it")
     if data is not None:
-        sentences = load_sentences(resolve_text_files(data, "--data"))
+        files = resolve_text_files(data, "--data")
+        sentences, source = load_sentences(files), [str(f) for f in files]
     else:
         _, valid, test = load_run_splits(config.data)
-        sentences = valid if split == "valid" else test
+        sentences, source = (valid if split == "valid" else test), split_source(config, split)
     rows = config.train.batch_size if config.train.batch_size % env.world_size == 0 else env.world_size
-    windows = LMWindows(sentences, vocab, seq_len=config.data.seq_len, global_rows=rows, rank=env.rank,
-                        world_size=env.world_size, min_over_ranks=min_over_ranks, what=f"the {split} data")
+    windows = EvalWindows(sentence_texts(sentences), vocab, seq_len=config.data.seq_len, global_rows=rows,
+                          rank=env.rank, world_size=env.world_size, what=f"the {split} data")
 
     torch.manual_seed(config.train.seed)
     ep_size = env.world_size   # evaluation spreads the experts over all processes
     model = build_model(config.model, len(vocab), ep_size=ep_size, ep_rank=env.rank, seed=config.train.seed)
+    model.softmax = build_softmax(config.train, model.softmax, vocab.counts)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
     tag = json.loads(marker.read_text())["tag"]
     engine.load_checkpoint(str(run / "checkpoints"), tag=tag, load_module_only=True,
                            load_optimizer_states=False, load_lr_scheduler_states=False)
-    result = evaluate(model, windows, device=env.device)
-    result = {"split": "data" if data else split, "checkpoint": tag, **result}
+    observer = ExpertTokenStats(model.moe_layers(), vocab, windows.tokens, top_tokens) \
+        if expert_stats or top_tokens else None
+    result = evaluate(model, windows, device=env.device, observer=observer, describe=True)
+    result = {"split": "data" if data else split, "source": source, "checkpoint": tag, **result}
+    if observer is not None:
+        result["expert_stats"] = observer.report()
+        observer.close()
     return result if env.rank == 0 else None
+
+
+def split_source(config: RunConfig, split: str) -> list[str] | str:
+    """Which files a split came from (so a report never hides that it used a held-out part of train)."""
+    given = config.data.valid_data if split == "valid" else config.data.test_data
+    if given:
+        return [str(f) for f in resolve_text_files(given, f"--{split}-data")]
+    files = split_files(config.data.data)[split]
+    return [str(f) for f in files] if files else f"held out from the end of the training text ({config.data.data})"
+
+
+def format_eval(result: dict) -> str:
+    lines = []
+    for key, value in result.items():
+        if key == "expert_stats":
+            continue
+        if isinstance(value, list):
+            value = ", ".join(value)
+        lines.append(f"{key:<22} {value:.4f}" if isinstance(value, float) else f"{key:<22} {value}")
+    if "expert_stats" in result:
+        top_n = max((len(e.get("top_by_gate", [])) for s in result["expert_stats"].values()
+                     for e in s["experts"]), default=0)
+        lines.append(format_expert_report(result["expert_stats"], top_n))
+    return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Perplexity of a model over every window of a split, summed over all data-parallel ranks."""
+"""Per-word perplexity of a model over a split (data/eval_windows.py says what is counted), summed over
+all data-parallel ranks, with the MoE balance statistics of the pass."""
 
 from __future__ import annotations
 
@@ -7,28 +8,39 @@ import math
 import torch
 import torch.distributed as dist
 
-from moe_scale.data import LMWindows
+from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.distributed.comm import collective_device
 from moe_scale.metrics.balance import MoEMetrics
+from moe_scale.models.softmax import IGNORE
+
+COUNTED = "every word (out-of-vocabulary ones as <UNK>) and each sentence's </S>; <S> is never predicted"
 
 
 @torch.no_grad()
-def evaluate(model, windows: LMWindows, max_batches: int = 0, device=None) -> dict[str, float]:
-    """exp(total NLL / total tokens) over the split (every rank runs the same number of batches, which
-    expert-parallel all-to-alls need), plus the MoE balance statistics over the whole pass."""
+def evaluate(model, windows: EvalWindows, max_batches: int = 0, device=None, observer=None,
+             describe: bool = False) -> dict:
+    """exp(total NLL / counted targets) over the split (every rank runs the same number of batches, which
+    expert-parallel all-to-alls need). `observer` (e.g. ExpertTokenStats) is told each batch's positions;
+    `describe` adds what was counted (word, sentence and OOV counts of a complete pass)."""
     was_training = model.training
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=collective_device())      # [NLL sum, tokens]
+    totals = torch.zeros(2, dtype=torch.float64, device=collective_device())      # [NLL sum, counted targets]
     balance = MoEMetrics(model.moe_layers())
     for index, (inputs, targets) in enumerate(windows.all_windows()):
         if max_batches and index >= max_batches:
             break
+        if observer is not None:
+            observer.begin_batch(windows.batch_positions(index))
         out = model(inputs.to(device), targets.to(device))
-        totals += torch.tensor([out.nll_sum.item(), out.num_tokens], dtype=torch.float64, device=totals.device)
+        counted = int((targets != IGNORE).sum())
+        totals += torch.tensor([out.nll_sum.item(), counted], dtype=torch.float64, device=totals.device)
         balance.add()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(totals)
     model.train(was_training)
     nll, tokens = totals.tolist()
+    described = describe and (not max_batches or max_batches >= windows.num_batches)
     return {"ppl": math.exp(nll / tokens), "nll_per_token": nll / tokens, "tokens": int(tokens),
+            **({"words": windows.counts["words"], "sentences": windows.counts["sentences"],
+                "oov_words": windows.counts["oov_words"], "counted": COUNTED} if described else {}),
             **balance.values()}

@@ -75,9 +75,11 @@ def _average_over_ranks(grads: list[torch.Tensor]) -> None:
         offset += g.numel()
 
 
-def mae_schedule(model: torch.nn.Module, config: RunConfig, steps_per_epoch: int) -> MAEBlockCoordinateDescent | None:
+def mae_schedule(model: torch.nn.Module, config: RunConfig,
+                 steps_per_epoch: int | None) -> MAEBlockCoordinateDescent | None:
     """The BCD driver for an MAE model trained with `--mae-training bcd`, else None (joint: nothing to do).
-    Call before the engine is built (it takes the gate out of the optimizer)."""
+    Call before the engine is built (it takes the gate out of the optimizer). `steps_per_epoch` is None for
+    streamed data (one pass, no epochs; the config refuses --mae-g-unit epoch with --stream)."""
     m = config.model
     if m.model != "transformer" or m.attention != "mae" or m.mae_training != "bcd":
         return None

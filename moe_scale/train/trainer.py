@@ -17,7 +17,6 @@ from moe_scale.config import RunConfig
 from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv, init_distributed
 from moe_scale.errors import UserError
-from moe_scale.data import sentence_texts, unigram_perplexity
 from moe_scale.metrics.balance import MeanTracker, MoEMetrics
 from moe_scale.metrics.flops import tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
@@ -26,12 +25,14 @@ from moe_scale.models.build import build_model, describe_parameters, forward_mac
 from moe_scale.moe.layer import ranks_per_node
 from moe_scale.moe.routers import GlobalTokenNoise
 from moe_scale.train.checkpoint import load_checkpoint, save_checkpoint
-from moe_scale.train.data_setup import build_lm_data
+from moe_scale.train.data_setup import apply_token_budget, build_lm_data
 from moe_scale.train.ds_config import complete_ds_config, load_ds_config
 from moe_scale.train.engine import Trainer
 from moe_scale.train.evaluate import evaluate
 from moe_scale.train.mae_bcd import mae_schedule
+from moe_scale.train.factored_optimizer import check_optimizer_fits
 from moe_scale.train.run_dir import check_run_dir, create_run_dir, write_json_atomic
+from moe_scale.train.scale_options import build_softmax
 
 _EVAL_TOTALS = ("ppl", "nll_per_token", "tokens")
 TIMING_WARMUP_STEPS = 3   # first steps pay for allocation and DeepSpeed's lazy setup; not counted in tokens/s
@@ -71,14 +72,16 @@ def run_training(config: RunConfig) -> dict:
     # Every input is checked before the run directory is touched: a bad flag leaves nothing half-written.
     config.validate()
     t, m = config.train, config.model
+    apply_token_budget(t, config.data.seq_len)   # --stream --token-budget sets the number of steps
     user_ds_config = load_ds_config(t.ds_config)
+    check_optimizer_fits(t, user_ds_config, f"--ds-config {t.ds_config or '(built-in)'}")
     run = check_run_dir(t.out, t.resume, t.overwrite)
     env = init_distributed()
     micro_batch = check_parallel_layout(config, env)
     ds_config = complete_ds_config(user_ds_config, micro_batch, t.grad_accum, env.world_size,
                                    f"--ds-config {t.ds_config or '(built-in)'}")
     data = build_lm_data(config.data, env, global_rows=t.batch_size,
-                         saved_vocab=run / "vocab" if t.resume else None)
+                         saved_vocab=run / "vocab" if t.resume else None, train_config=t)
     if env.rank == 0:
         create_run_dir(run, t.resume, t.overwrite)
         data.vocab.save(run / "vocab")
@@ -88,28 +91,37 @@ def run_training(config: RunConfig) -> dict:
 
     torch.manual_seed(t.seed)
     model = build_model(m, len(data.vocab), ep_size=t.ep_size, ep_rank=env.rank % t.ep_size, seed=t.seed)
+    model.softmax = build_softmax(t, model.softmax, data.vocab.counts)   # --softmax full|sampled|adaptive
     for layer in model.moe_layers():   # how rows travel; groups are built when DeepSpeed connects the layer
         layer.all_to_all, layer.node_size = t.all_to_all, t.node_size
-    mae = mae_schedule(model, config, data.train.num_windows)   # MAE's G steps (None for other models)
+    mae = mae_schedule(model, config, getattr(data.train, "num_windows", None))   # MAE's G steps, else None
     trainer = Trainer(model.to(env.device), ds_config, t)
     engine = trainer.engine
     noises = _install_noise(model, config, env)
-    start_step = load_checkpoint(engine, run) if t.resume else 0
+    start_step = load_checkpoint(engine, run, data.train) if t.resume else 0
+    if getattr(data.train, "last_step", None) is not None:   # resumed a streamed run whose one pass was done
+        t.max_steps = start_step
 
     logger = RunLogger(run, t.max_steps, start_step, enabled=env.rank == 0)
-    flops_per_step = training_flops_per_token(forward_macs_per_token(m, len(data.vocab), config.data.seq_len)) \
+    flops_per_step = training_flops_per_token({**forward_macs_per_token(m, len(data.vocab), config.data.seq_len),
+                                               "softmax": model.softmax.forward_macs_per_token()}) \
         * t.batch_size * config.data.seq_len
     interval, interval_moe = MeanTracker(), MoEMetrics(model.moe_layers())
     timed = {"seconds": 0.0, "steps": 0, "all_to_all": 0.0}
     timed["peak_tflops"], timed["peak_source"] = _peak(env, ds_config)
     last_train, valid = {}, {}
     logger.line(f"training {describe_parameters(model)} on {env.world_size} process(es), ep_size={t.ep_size}, "
-                f"{data.train.num_windows} steps per epoch")
+                f"{data.train.describe()}")
     for step in range(start_step, t.max_steps):
+        if step >= t.max_steps:   # a streamed run's data ran out (one pass)
+            break
         torch.manual_seed(step_seed(t.seed, step, env.rank))
         for noise in noises:
             noise.set_step(step)
         inputs, targets = data.train.batch(step, shuffle_seed=t.seed)
+        if getattr(data.train, "last_step", None) == step:
+            t.max_steps = step + 1
+            logger.line(f"the streamed training data ends at step {step + 1}: the last step of this pass")
         began, comm_before = time.perf_counter(), all_to_all_seconds(model.moe_layers())
         if mae is not None:
             mae.g_step_if_due(step, inputs, targets, env.device)
@@ -155,7 +167,7 @@ def run_training(config: RunConfig) -> dict:
                                                                   in valid.items() if name not in _EVAL_TOTALS}})
             logger.line(f"step {done}/{t.max_steps}  valid ppl {valid['ppl']:.2f}")
         if done % t.checkpoint_interval == 0 or done == t.max_steps:
-            save_checkpoint(engine, run, done, env.rank)
+            save_checkpoint(engine, run, done, env.rank, data.train)
 
     if not valid:   # resumed a run that had already finished
         valid = evaluate(model, data.valid, t.eval_max_batches, env.device)
@@ -211,8 +223,7 @@ def _summary(config, env, data, last_train, valid, timed, flops_per_step) -> dic
         "gate": config.model.gate,
         "train_ppl": train_ppl,
         "valid_ppl": valid["ppl"],
-        "unigram_valid_ppl": unigram_perplexity(sentence_texts(data.train_sentences),
-                                                sentence_texts(data.valid_sentences), data.vocab),
+        "unigram_valid_ppl": data.unigram_valid_ppl(),
         "tokens_per_s": perf["tokens_per_s"],
         "tflops_per_device": perf["tflops_per_device"],
         "step_seconds": perf["step_seconds"],

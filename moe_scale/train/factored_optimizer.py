@@ -1,0 +1,131 @@
+"""--optimizer factored: Shazeer et al. App. D's expert optimizer, AdamW for everything else.
+
+For expert matrices, Adam with beta1 = 0 (no first moment) and a factored second moment: per matrix, a
+running average of the row means and of the column means of g^2; the second-moment estimate is their
+outer product divided by the mean of the row averages. State per [R, C] matrix: R + C numbers instead of
+Adam's 2 R C — for our stacked expert weights [E, D, H], E (D + H) instead of 2 E D H.
+
+Why not transformers' Adafactor (beta1=None, relative_step=False, scale_parameter=False): it differs from
+App. D (beta2 follows 1 - t^-0.8 instead of a fixed beta2, updates are clipped by their RMS, no bias
+correction), and DeepSpeed takes one optimizer, so it cannot be Adam for the dense groups. Neither it nor
+this optimizer can factor under ZeRO-1/2 or DeepSpeed's bf16/fp16 optimizers: those flatten every group
+into 1-D partitions, and the matrix shape is gone; `check_optimizer_fits` refuses those configs.
+
+Legend: R rows, C columns of one matrix (the last two dims); leading dims (experts) are batch dims.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moe_scale.errors import UserError
+from moe_scale.train.ds_config import zero_stage
+
+
+class FactoredExpertAdam(torch.optim.Optimizer):
+    """AdamW on groups without `factored`; App. D's factored, first-moment-free Adam on groups with
+    `factored=True` (tensors of 2 or more dims; 1-D tensors there get an unfactored second moment)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, factored=False))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                t = state["step"]
+                if group["weight_decay"]:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                g = p.grad.to(torch.promote_types(p.grad.dtype, torch.float32))   # state in fp32 or wider
+                if group["factored"] and g.dim() >= 2:
+                    _factored_step_(p, g, state, beta2, t, group["eps"], group["lr"])
+                    continue
+                if group["factored"]:
+                    update = _unfactored_update(g, state, beta2, t, group["eps"])
+                else:
+                    update = _adam_update(g, state, beta1, beta2, t, group["eps"])
+                p.add_(update.to(p.dtype), alpha=-group["lr"])
+        return loss
+
+
+def _adam_update(g: torch.Tensor, state: dict, beta1: float, beta2: float, t: int, eps: float) -> torch.Tensor:
+    if "exp_avg" not in state:
+        state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(g), torch.zeros_like(g)
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    m_hat, v_hat = m / (1 - beta1 ** t), v / (1 - beta2 ** t)
+    return m_hat / (v_hat.sqrt() + eps)
+
+
+def _unfactored_update(g: torch.Tensor, state: dict, beta2: float, t: int, eps: float) -> torch.Tensor:
+    """1-D tensors in a factored group: nothing to factor, so beta1 = 0 Adam."""
+    if "exp_avg_sq" not in state:
+        state["exp_avg_sq"] = torch.zeros_like(g)
+    v = state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    return g / ((v / (1 - beta2 ** t)).sqrt() + eps)
+
+
+CHUNK_ELEMENTS = 1 << 22   # temporaries per chunk of experts: a few x 16 MB in fp32, whatever E is
+
+
+def _factored_step_(p: torch.Tensor, g: torch.Tensor, state: dict, beta2: float, t: int, eps: float,
+                    lr: float) -> None:
+    """p -= lr * g / (sqrt(v_hat) + eps), v_hat = (row ⊗ col / mean(row)) / (1 - beta2^t), in place and a
+    chunk of leading (expert) indices at a time, so the full-size temporaries (g^2, v_hat) stay small."""
+    if "row" not in state:
+        state["row"] = torch.zeros(g.shape[:-1], dtype=g.dtype, device=g.device)                  # [..., R]
+        state["col"] = torch.zeros(g.shape[:-2] + g.shape[-1:], dtype=g.dtype, device=g.device)   # [..., C]
+    g_3, p_3 = g.reshape(-1, *g.shape[-2:]), p.view(-1, *p.shape[-2:])     # [L, R, C], L leading matrices
+    row_2, col_2 = state["row"].view(-1, g.shape[-2]), state["col"].view(-1, g.shape[-1])
+    per_chunk = max(1, CHUNK_ELEMENTS // (g.shape[-2] * g.shape[-1]))
+    for lo in range(0, g_3.shape[0], per_chunk):
+        chunk = slice(lo, lo + per_chunk)
+        g2 = g_3[chunk] * g_3[chunk]
+        row = row_2[chunk].mul_(beta2).add_(g2.mean(-1), alpha=1 - beta2)
+        col = col_2[chunk].mul_(beta2).add_(g2.mean(-2), alpha=1 - beta2)
+        # the bias correction of row and col cancels in row / mean(row) once; one factor remains
+        row_mean = row.mean(-1, keepdim=True).clamp_min(1e-30)
+        v_hat = torch.mul((row / row_mean).unsqueeze(-1), col.unsqueeze(-2), out=g2).div_(1 - beta2 ** t)
+        denominator = v_hat.sqrt_().add_(eps)
+        p_3[chunk].addcdiv_(g_3[chunk].to(p.dtype), denominator.to(p.dtype), value=-lr)
+
+
+def build_optimizer(groups: list[dict[str, Any]], train) -> torch.optim.Optimizer:
+    """The --optimizer for DeepSpeed's param groups (expert groups carry `moe=True`)."""
+    if train.optimizer == "adam":
+        return torch.optim.AdamW(groups, lr=train.lr, weight_decay=train.weight_decay)
+    groups = [{**group, "factored": bool(group.get("moe"))} for group in groups]
+    return FactoredExpertAdam(groups, lr=train.lr, betas=(0.9, 0.999), weight_decay=train.weight_decay)
+
+
+def check_optimizer_fits(train, ds_config: dict, source: str) -> None:
+    """Refuses the DeepSpeed configs under which the factored optimizer would silently not factor."""
+    if train.optimizer != "factored":
+        return
+    half = [k for k in ("bf16", "fp16") if ds_config.get(k, {}).get("enabled")]
+    if zero_stage(ds_config) > 0 or half:
+        what = f"ZeRO stage {zero_stage(ds_config)}" if zero_stage(ds_config) > 0 else f"{half[0]} enabled"
+        raise UserError(f"{source} has {what}: DeepSpeed then flattens parameters into 1-D partitions and "
+                        "--optimizer factored cannot factor the expert matrices; use a stage-0 fp32 config "
+                        "(e.g. ds_configs/cpu.json) with --optimizer factored, or --optimizer adam")
+
+
+def optimizer_state_numel(optimizer: torch.optim.Optimizer, factored_only: bool | None = None) -> int:
+    """Numbers held in optimizer state (step counters excluded); restrict to factored / unfactored groups."""
+    total = 0
+    for group in optimizer.param_groups:
+        if factored_only is not None and bool(group.get("factored")) != factored_only:
+            continue
+        for p in group["params"]:
+            total += sum(v.numel() for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+    return total
