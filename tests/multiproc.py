@@ -37,6 +37,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from moe_scale.distributed.launch import release_deepspeed_shm_name
+
 COLLECTIVE_TIMEOUT_S = 60
 STARTUP_ALLOWANCE_S = 90
 
@@ -78,6 +80,7 @@ def _rank_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results: 
                 # torch.distributed is up already: this only wraps it in DeepSpeed's backend (once).
                 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
                                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                release_deepspeed_shm_name()   # DeepSpeed leaks a 66 MB /dev/shm segment per rank otherwise
             results.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
         except BaseException:  # noqa: BLE001
             results.put((rank, False, traceback.format_exc()))

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from tool_args import OneLineParser, non_negative_int, positive_int
+from tool_args import OneLineParser, non_negative_int, positive_int, positive_int_list
 
 import torch
 from torch import nn
@@ -36,19 +36,9 @@ from moe_scale.moe.experts import GroupedExperts
 IMPLS = ("grouped", "sliced_loop", "dense")
 
 
-
-
-
-def _expert_list(text: str) -> list[int]:
-    items = [t.strip() for t in text.split(",")]
-    if not items or any(not t for t in items):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
-    return [positive_int(t) for t in items]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="bench_experts.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--experts", type=_expert_list, default=[8, 64, 256, 1024],
+    p.add_argument("--experts", type=positive_int_list, default=[8, 64, 256, 1024],
                    help="comma-separated expert counts E (default 8,64,256,1024)")
     p.add_argument("--tokens", type=positive_int, default=2048, help="tokens N (default 2048)")
     p.add_argument("--k", type=positive_int, default=2, help="top-k: the experts see N*k rows (default 2)")

@@ -42,20 +42,15 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")   # as moe_scale sets it; here before torch is imported
 
-from tool_args import OneLineParser, non_negative_int, positive_int
+from tool_args import OneLineParser, non_negative_int, positive_int, positive_int_list
 
 import torch
 from torch import nn
 
+from moe_scale.distributed.launch import release_deepspeed_shm_name
+
 IMPLS = ("dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "dense")
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
-
-
-def _int_list(text: str) -> list[int]:
-    items = [t.strip() for t in text.split(",")]
-    if any(not t for t in items):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
-    return [positive_int(t) for t in items]
 
 
 def _impl_list(text: str) -> list[str]:
@@ -78,9 +73,9 @@ def _positive_float(text: str) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="bench_moe_layer.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--experts", type=_int_list, default=[8, 64, 256, 1024, 4096],
+    p.add_argument("--experts", type=positive_int_list, default=[8, 64, 256, 1024, 4096],
                    help="comma-separated expert counts E (default 8,64,256,1024,4096)")
-    p.add_argument("--k", type=_int_list, default=[1, 2, 4], help="comma-separated top-k values (default 1,2,4)")
+    p.add_argument("--k", type=positive_int_list, default=[1, 2, 4], help="comma-separated top-k values (default 1,2,4)")
     p.add_argument("--impls", type=_impl_list, default=list(IMPLS), help=f"subset of {','.join(IMPLS)}")
     p.add_argument("--tokens", type=positive_int, default=2048, help="tokens N per step (per rank; default 2048)")
     p.add_argument("--d", type=positive_int, default=256, help="model dim D (default 256)")
@@ -349,6 +344,7 @@ def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    release_deepspeed_shm_name()
     x, probe = make_inputs(argparse.Namespace(**{**vars(args), "seed": args.seed + rank}))
     for e in args.experts:
         for k in args.k:

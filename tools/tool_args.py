@@ -26,3 +26,11 @@ def _bounded_int(minimum: int, what: str):
 
 positive_int = _bounded_int(1, "a positive integer")
 non_negative_int = _bounded_int(0, "an integer >= 0")
+
+
+def positive_int_list(text: str) -> list[int]:
+    """'8,64,256' -> [8, 64, 256]; empty items and non-positive values are errors."""
+    items = [t.strip() for t in text.split(",")]
+    if any(not t for t in items):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
+    return [positive_int(t) for t in items]

@@ -94,8 +94,11 @@ def test_capacity_mode_is_independent_of_expert_parallelism(tmp_path, embedded_c
               "--eval-interval", "3", "--checkpoint-interval", "3",
               "--ds-config", str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json")]
     dp, ep = tmp_path / "dp", tmp_path / "ep"
+    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     run_train([*common, "--out", str(dp)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
     run_train([*common, "--ep-size", "2", "--out", str(ep)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
+    # DeepSpeed's CPU all-reduce workspace (66 MB per rank) is not left behind in /dev/shm.
+    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before
     for a, b in zip(step_log(dp), step_log(ep), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (a, b)
     first, second = (json.loads((run / "summary.json").read_text()) for run in (dp, ep))
