@@ -17,9 +17,10 @@ used): max(FLOPs / matmul peak, bytes / memory bandwidth) with FLOPs = 3 x 2 x f
 experts and the gating matrices (DeepSpeed's gate has one matrix, ours two; the dense FFN its own), and
 bytes = the expert weights read once plus their gradients written once (dense: its weights and gradients).
 The matmul peak is the best of fp32 [2048x2048]@[2048x2048]; the bandwidth the best of a 256 MiB copy (read
-+ write). Working memory = peak resident memory during one step minus the memory before it (weights, inputs)
-minus the gradients the step creates; measured in a child process with glibc's mmap threshold at 64 KiB, so
-freed tensors leave the resident set at once and the peak is the peak of live tensors.
++ write). Working memory = peak resident memory during one step above the memory before it, with the expert weights
+frozen so that their gradients are never allocated (the dense FFN's weights likewise): what the step needs
+beyond the expert weights and their gradients. Measured in a child process with glibc's mmap threshold at
+64 KiB, so freed tensors leave the resident set at once and the peak is the peak of live tensors.
 
     python tools/bench_moe_layer.py --experts 1024 --k 2          # one configuration
     python tools/bench_moe_layer.py --out bench.jsonl               # the whole sweep (E 8..4096, K 1,2,4)
@@ -218,13 +219,28 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _expert_weights(layer: nn.Module) -> list[nn.Parameter]:
+    """The weights whose size the working memory leaves out: the experts' (the dense FFN's own)."""
+    if isinstance(layer, _Dense):
+        return list(layer.parameters())
+    if isinstance(layer, _DeepSpeedLayer):
+        return list(layer.moe.deepspeed_moe.experts.parameters())
+    return list(layer.experts.parameters())
+
+
 def working_memory_child(args) -> None:
-    """Prints one JSON line per implementation: working memory of one step in MiB."""
+    """Prints one JSON line per implementation: working memory of one step in MiB.
+
+    The expert weights are frozen for the measured step, so their gradients are never allocated: the peak
+    above the memory before the step is then the step's working memory (activations, router and input
+    gradients, dispatch buffers) without the expert weights and their gradients, as the target defines it."""
     x, probe = make_inputs(args)
     for e in args.experts:
         for k in args.k:
             for impl in args.impls:
                 layer = build(impl, e, k, args)
+                for weight in _expert_weights(layer):
+                    weight.requires_grad_(False)
                 step(layer, x, probe)                  # warm-up: lazy allocations, DeepSpeed's caches
                 for p in layer.parameters():
                     p.grad = None
@@ -233,12 +249,8 @@ def working_memory_child(args) -> None:
                 before_kb = _status_kb("VmRSS")
                 Path("/proc/self/clear_refs").write_text("5")   # reset the peak (VmHWM) to the current RSS
                 step(layer, x, probe)
-                peak_kb = _status_kb("VmHWM")
-                grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in layer.parameters()
-                                 if p.grad is not None) + x.grad.numel() * x.grad.element_size()
-                working = (peak_kb * 1024 - before_kb * 1024 - grad_bytes) / 2**20
-                print(json.dumps({"impl": impl, "experts": e, "k": k, "working_mib": round(working, 1),
-                                  "grad_mib": round(grad_bytes / 2**20, 1)}), flush=True)
+                working = (_status_kb("VmHWM") - before_kb) / 1024
+                print(json.dumps({"impl": impl, "experts": e, "k": k, "working_mib": round(working, 1)}), flush=True)
                 del layer
                 gc.collect()
 
