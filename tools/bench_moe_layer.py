@@ -256,16 +256,23 @@ def working_memory_child(args) -> None:
 
 
 def measure_working_memory(args) -> dict[tuple[str, int, int], dict]:
-    cmd = [sys.executable, __file__, "--memory-child", "--experts", ",".join(map(str, args.experts)),
-           "--k", ",".join(map(str, args.k)), "--impls", ",".join(args.impls), "--tokens", str(args.tokens),
-           "--d", str(args.d), "--h", str(args.h), "--capacity-factor", str(args.capacity_factor),
-           "--seed", str(args.seed)]
-    env = {**os.environ, _MMAP_ENV: "65536", "MASTER_PORT": str(_free_port())}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"bench_moe_layer.py: error: the memory child failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {(r["impl"], r["experts"], r["k"]): r for r in rows}
+    """One fresh child process per (implementation, E, k): memory freed by an earlier measurement cannot
+    hide in the next one's baseline."""
+    results = {}
+    for e in args.experts:
+        for k in args.k:
+            for impl in args.impls:
+                cmd = [sys.executable, __file__, "--memory-child", "--experts", str(e), "--k", str(k), "--impls", impl,
+                       "--tokens", str(args.tokens), "--d", str(args.d), "--h", str(args.h),
+                       "--capacity-factor", str(args.capacity_factor), "--seed", str(args.seed)]
+                env = {**os.environ, _MMAP_ENV: "65536", "MASTER_PORT": str(_free_port())}
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                if proc.returncode:
+                    raise SystemExit(f"bench_moe_layer.py: error: the memory child for {impl} E={e} k={k} failed "
+                                     f"(status {proc.returncode}):\n{proc.stderr[-3000:]}")
+                row = next(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+                results[(impl, e, k)] = row
+    return results
 
 
 def _free_port() -> int:
