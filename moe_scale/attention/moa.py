@@ -100,11 +100,11 @@ class MoAAttention(MoELayer):
         token_index_P, expert_P, gate_P = route.pairs()
 
         kv_STd, group_rank = self._gather_over_experts(self.shared_kv(x_BTD))
-        # Each query's position in the group's token list (float64: exact, and the dispatcher moves float rows).
-        position_N1 = (group_rank * B * T + torch.arange(B * T, device=x_BTD.device, dtype=torch.float64))[:, None]
+        # Each query's position in the group's token list travels with its row.
+        position_N1 = (group_rank * B * T + torch.arange(B * T, device=x_BTD.device))[:, None]
         tokens_MD, state = self.dispatcher.dispatch(x_ND, token_index_P, expert_P)
-        position_M1, _ = self.dispatcher.dispatch(position_N1, token_index_P, expert_P)   # same order as tokens
-        y_MD = self._experts(tokens_MD, position_M1[:, 0].long(), kv_STd, T, state.tokens_per_expert)
+        position_M = self.dispatcher.follow(position_N1, state)[:, 0]
+        y_MD = self._experts(tokens_MD, position_M, kv_STd, T, state.tokens_per_expert)
         return self.dispatcher.combine(y_MD, gate_P, state).to(x_BTD.dtype).view(B, T, D), route.aux_loss
 
     def _experts(self, tokens_MD, position_M, kv_STd, T: int, tokens_per_expert: list[int]) -> torch.Tensor:

@@ -107,6 +107,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def ranks_per_node(node_size: int) -> int:
+    """--node-size, else the launcher's count of processes on this node."""
+    if node_size:
+        return node_size
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    raise ValueError("hierarchical all-to-all needs the ranks per node: pass --node-size (the launcher set "
+                     "none of LOCAL_WORLD_SIZE, LOCAL_SIZE, SLURM_NTASKS_PER_NODE)")
+
+
+
 def release_deepspeed_shm_name() -> None:
     """Remove the name of this rank's shared-memory all-reduce workspace from /dev/shm.
 

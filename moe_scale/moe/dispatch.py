@@ -122,6 +122,12 @@ class AllToAllDispatcher:
                               num_pairs - sort_order_S.shape[0], num_pairs)
         return tokens_MD, state
 
+    def follow(self, values_N: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """values_N[t] (any dtype, e.g. positions) delivered like token t's row by `dispatch`: [M, ...] in the
+        order of its tokens_MD, without planning the exchange again."""
+        arrived = self.exchange.move(values_N.index_select(0, state.unique_token_U), state.row_route)
+        return arrived.index_select(0, state.arrived_row_M)
+
     def _keep_highest_gates(self, expert_C: torch.Tensor, gate_C: torch.Tensor):
         by_gate = torch.argsort(gate_C, descending=True, stable=True)
         order_C = by_gate.index_select(0, torch.argsort(expert_C.index_select(0, by_gate), stable=True))

@@ -42,6 +42,11 @@ def _use_grouped_mm(t: torch.Tensor) -> bool:
     return hasattr(F, "grouped_mm") and t.device.type == "cpu" and t.dtype in _GROUPED_MM_DTYPES
 
 
+def _group_ends(counts: list[int], device: torch.device) -> torch.Tensor:
+    """Cumulative row counts: the `offs` grouped GEMM takes (also carried to the backward by the loop path)."""
+    return torch.tensor(counts, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+
 def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, counts: list[int], offsets: torch.Tensor,
                       grouped: bool) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ b[e]: [M, O]."""
@@ -78,7 +83,7 @@ class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MI, w_EIO, counts: list[int]):
         grouped = _use_grouped_mm(x_MI)
-        offsets = torch.tensor(counts, dtype=torch.int32, device=x_MI.device).cumsum(0, dtype=torch.int32)
+        offsets = _group_ends(counts, x_MI.device)
         ctx.save_for_backward(x_MI, w_EIO, offsets)
         ctx.counts, ctx.grouped = counts, grouped
         return rows_times_expert(x_MI, w_EIO, counts, offsets, grouped)
@@ -105,7 +110,7 @@ class _ExpertFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MD, w_in_EDH, w_out_EHD, counts: list[int], scale: float, recompute: bool):
         grouped = _use_grouped_mm(x_MD)
-        offsets = torch.tensor(counts, dtype=torch.int32, device=x_MD.device).cumsum(0, dtype=torch.int32)
+        offsets = _group_ends(counts, x_MD.device)
         hidden_MH = rows_times_expert(x_MD, w_in_EDH, counts, offsets, grouped).relu_()
         y_MD = rows_times_expert(hidden_MH, w_out_EHD, counts, offsets, grouped).mul_(scale)
         ctx.save_for_backward(x_MD, w_in_EDH, w_out_EHD, offsets, None if recompute else hidden_MH)

@@ -16,7 +16,6 @@ only: none of DeepSpeed's gate/dispatch code runs here. What the engine reads fr
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from deepspeed.utils import groups
 from torch import nn
 
 from moe_scale.distributed.comm import RowGatherer, autograd_all_reduce_sum, collective_device
+from moe_scale.distributed.launch import ranks_per_node
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.exchange import HierarchicalExchange, build_hierarchical_groups
 from moe_scale.moe.experts import GroupedExperts
@@ -120,17 +120,6 @@ class MoELayer(DeepSpeedMoE):
         if self.data_parallel_group is not None and dist.get_world_size(self.data_parallel_group) > 1:
             dist.all_reduce(counts, group=self.data_parallel_group)
         return float(counts[0] / counts[1].clamp(min=1))
-
-
-def ranks_per_node(node_size: int) -> int:
-    """--node-size, else the launcher's count of processes on this node."""
-    if node_size:
-        return node_size
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    raise ValueError("hierarchical all-to-all needs the ranks per node: pass --node-size (the launcher set "
-                     "none of LOCAL_WORLD_SIZE, LOCAL_SIZE, SLURM_NTASKS_PER_NODE)")
 
 
 def _stacked_to_per_expert_keys(module: MoELayer, state_dict, prefix, local_metadata):

@@ -15,7 +15,7 @@ from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.distributed.launch import init_distributed
 from moe_scale.errors import UserError
 from moe_scale.models.build import build_model
-from moe_scale.train.data_setup import load_run_splits, min_over_ranks
+from moe_scale.train.data_setup import load_run_splits
 from moe_scale.train.evaluate import evaluate
 from moe_scale.train.expert_tokens import ExpertTokenStats, format_expert_report
 from moe_scale.train.scale_options import build_softmax

@@ -15,14 +15,13 @@ import torch.distributed as dist
 
 from moe_scale.config import RunConfig
 from moe_scale.distributed.comm import collective_device
-from moe_scale.distributed.launch import DistEnv, init_distributed
+from moe_scale.distributed.launch import DistEnv, init_distributed, ranks_per_node
 from moe_scale.errors import UserError
 from moe_scale.metrics.balance import MeanTracker, MoEMetrics
 from moe_scale.metrics.flops import tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.metrics.perf import all_to_all_seconds, device_peak_tflops, efficiency, peak_rss_mib
 from moe_scale.models.build import build_model, describe_parameters, forward_macs_per_token
-from moe_scale.moe.layer import ranks_per_node
 from moe_scale.moe.routers import GlobalTokenNoise
 from moe_scale.train.checkpoint import load_checkpoint, save_checkpoint
 from moe_scale.train.data_setup import apply_token_budget, build_lm_data

@@ -3,7 +3,6 @@ mean, and block coordinate descent: G steps change only φ, F steps never change
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest

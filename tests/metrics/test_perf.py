@@ -6,12 +6,11 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 from types import SimpleNamespace
 
-from moe_scale.metrics.perf import all_to_all_seconds, device_peak_tflops, peak_rss_mib
+from moe_scale.metrics.perf import all_to_all_seconds, device_peak_tflops
 from moe_scale.moe.exchange import CommTimer
 
 DELAY = 0.05
