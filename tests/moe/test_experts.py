@@ -1,5 +1,5 @@
 """GroupedExperts and its fused FFN autograd function, against per-expert slice references; the grouped-GEMM
-path against the loop path; recompute on/off."""
+and padded-bmm kernels against the loop kernel; the kernel choice; recompute on/off."""
 
 import math
 import os
@@ -9,7 +9,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from moe_scale.moe.experts import GroupedExperts, expert_ffn, grouped_matmul, per_expert_outer, rows_times_expert
+from moe_scale.moe.experts import (GroupedExperts, GroupLayout, expert_ffn, grouped_matmul, per_expert_outer,
+                                   rows_times_expert)
 
 COUNTS = {
     "all_nonzero": [3, 1, 5, 2],
@@ -20,10 +21,6 @@ COUNTS = {
 }
 
 
-def offsets_of(counts):
-    return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-
-
 def reference_ffn(x, w_in, w_out, counts, scale):
     """relu(x[rows of e] @ w_in[e]) @ w_out[e] * scale with plain autograd, expert by expert."""
     bounds = [0] + torch.tensor(counts).cumsum(0).tolist()
@@ -32,17 +29,18 @@ def reference_ffn(x, w_in, w_out, counts, scale):
 
 
 @pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
-def test_grouped_gemm_and_loop_give_the_same_products(counts):
+def test_grouped_padded_and_loop_kernels_give_the_same_products(counts):
     gen = torch.Generator().manual_seed(len(counts) * 100 + sum(counts))
     m, e = sum(counts), len(counts)
     a = torch.randn(m, 8, generator=gen)
     b = torch.randn(e, 8, 12, generator=gen)
     g = torch.randn(m, 12, generator=gen)
-    offsets = offsets_of(counts)
-    loop = rows_times_expert(a, b, counts, offsets, grouped=False)
-    torch.testing.assert_close(rows_times_expert(a, b, counts, offsets, grouped=True), loop)
-    outer_loop = per_expert_outer(a, g, counts, offsets, grouped=False)
-    torch.testing.assert_close(per_expert_outer(a, g, counts, offsets, grouped=True), outer_loop)
+    layout = GroupLayout(counts, a)
+    loop = rows_times_expert(a, b, layout, "loop")
+    outer_loop = per_expert_outer(a, g, layout, "loop")
+    for kernel in ("grouped", "padded") if m else ("grouped",):
+        torch.testing.assert_close(rows_times_expert(a, b, layout, kernel), loop)
+        torch.testing.assert_close(per_expert_outer(a, g, layout, kernel), outer_loop)
     start = 0
     for expert, count in enumerate(counts):        # against slices, and exact zeros for an empty expert
         torch.testing.assert_close(loop[start:start + count], a[start:start + count] @ b[expert])
@@ -53,16 +51,18 @@ def test_grouped_gemm_and_loop_give_the_same_products(counts):
 
 
 @pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["loop_f64", "grouped_f32"])
+@pytest.mark.parametrize("dtype, kernel", [(torch.float64, "loop"), (torch.float32, "grouped"),
+                                           (torch.float64, "padded"), (torch.float32, None)],
+                         ids=["loop_f64", "grouped_f32", "padded_f64", "chosen_f32"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
-def test_expert_ffn_matches_per_expert_autograd(counts, dtype, recompute):
+def test_expert_ffn_matches_per_expert_autograd(counts, dtype, kernel, recompute):
     gen = torch.Generator().manual_seed(len(counts) * 7 + sum(counts))
     m, e, d, h = sum(counts), len(counts), 8, 12
     x = torch.randn(m, d, generator=gen, dtype=dtype, requires_grad=True)
     w_in = torch.randn(e, d, h, generator=gen, dtype=dtype, requires_grad=True)
     w_out = torch.randn(e, h, d, generator=gen, dtype=dtype, requires_grad=True)
     grad_t = torch.randn(d, m, generator=gen, dtype=dtype)     # .t(): a non-contiguous upstream gradient
-    y = expert_ffn(x, w_in, w_out, counts, 0.5, recompute)
+    y = expert_ffn(x, w_in, w_out, counts, 0.5, recompute, kernel)
     ref = reference_ffn(x, w_in, w_out, counts, 0.5)
     torch.testing.assert_close(y, ref)
     if m == 0:
@@ -77,22 +77,23 @@ def test_expert_ffn_matches_per_expert_autograd(counts, dtype, recompute):
 
 
 @pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["loop_f64", "grouped_f32"])
-def test_grouped_matmul_matches_per_expert_slices(counts, dtype):
+@pytest.mark.parametrize("dtype, kernel", [(torch.float64, "loop"), (torch.float32, "grouped"),
+                                           (torch.float64, "padded")], ids=["loop_f64", "grouped_f32", "padded_f64"])
+def test_grouped_matmul_matches_per_expert_slices(counts, dtype, kernel):
     gen = torch.Generator().manual_seed(len(counts) * 3 + sum(counts))
     m, e = sum(counts), len(counts)
     x = torch.randn(m, 8, generator=gen, dtype=dtype, requires_grad=True)
     w = torch.randn(e, 8, 12, generator=gen, dtype=dtype, requires_grad=True)
     bounds = [0] + torch.tensor(counts).cumsum(0).tolist()
     ref = torch.cat([x[a:b] @ w[i] for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
-    out = grouped_matmul(x, w, counts)
+    out = grouped_matmul(x, w, counts, kernel)
     torch.testing.assert_close(out, ref)
     if m:
         grad = torch.randn(m, 12, generator=gen, dtype=dtype)
         for g, r in zip(torch.autograd.grad(out, (x, w), grad), torch.autograd.grad(ref, (x, w), grad, allow_unused=True)):
             torch.testing.assert_close(g, torch.zeros_like(g) if r is None else r)
     if dtype == torch.float64 and m:
-        assert torch.autograd.gradcheck(lambda a, b: grouped_matmul(a, b, counts), (x, w))
+        assert torch.autograd.gradcheck(lambda a, b: grouped_matmul(a, b, counts, kernel), (x, w))
 
 
 def test_expert_ffn_gradcheck_and_single_input_grad():
@@ -102,18 +103,49 @@ def test_expert_ffn_gradcheck_and_single_input_grad():
     w_in = torch.randn(3, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     w_out = torch.randn(3, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     for recompute in (False, True):
-        assert torch.autograd.gradcheck(lambda a, b, c: expert_ffn(a, b, c, counts, 1.5, recompute), (x, w_in, w_out))
+        for kernel in ("loop", "padded"):
+            assert torch.autograd.gradcheck(lambda a, b, c: expert_ffn(a, b, c, counts, 1.5, recompute, kernel),
+                                            (x, w_in, w_out))
     # Only one input needs a gradient: the other branches must be skipped, not crash.
-    (gx,) = torch.autograd.grad(expert_ffn(x, w_in.detach(), w_out.detach(), counts).sum(), x)
-    (gw,) = torch.autograd.grad(expert_ffn(x.detach(), w_in.detach(), w_out, counts).sum(), w_out)
     ref = reference_ffn(x, w_in, w_out, counts, 1.0).sum()
-    torch.testing.assert_close(gx, torch.autograd.grad(ref, x, retain_graph=True)[0])
-    torch.testing.assert_close(gw, torch.autograd.grad(ref, w_out)[0])
+    want_x, want_w_out = torch.autograd.grad(ref, (x, w_out))
+    for kernel in ("loop", "padded"):   # float64: grouped GEMM takes float32/16 only
+        (gx,) = torch.autograd.grad(expert_ffn(x, w_in.detach(), w_out.detach(), counts, kernel=kernel).sum(), x)
+        (gw,) = torch.autograd.grad(expert_ffn(x.detach(), w_in.detach(), w_out, counts, kernel=kernel).sum(), w_out)
+        torch.testing.assert_close(gx, want_x)
+        torch.testing.assert_close(gw, want_w_out)
+
+
+def test_kernel_choice_follows_how_many_rows_padding_adds():
+    """Padded where it adds at most as many rows as there are; for the weight gradients also while every
+    expert has few rows; grouped GEMM (CPU float32) or the loop (float64) otherwise."""
+    f32, f64 = torch.empty(0), torch.empty(0, dtype=torch.float64)
+    even = GroupLayout([40, 40, 40, 40], f32)                       # 160 padded rows for 160 rows
+    assert (even.matmul_kernel, even.outer_kernel) == ("padded", "padded")
+    sparse = GroupLayout([0, 3, 0, 0, 1, 0, 0, 0], f32)             # 24 padded rows for 4 rows, at most 3 each
+    assert (sparse.matmul_kernel, sparse.outer_kernel) == ("grouped", "padded")
+    skewed = GroupLayout([100] + [1] * 99, f32)                     # 10,000 padded rows for 199 rows
+    assert (skewed.matmul_kernel, skewed.outer_kernel) == ("grouped", "grouped")
+    assert GroupLayout([100] + [1] * 99, f64).outer_kernel == "loop"
+    empty = GroupLayout([0, 0], f32, kernel="padded")               # nothing to pad: falls back
+    assert empty.matmul_kernel == empty.outer_kernel == "grouped"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        GroupLayout([1], f32, kernel="fast")
+
+
+def test_padded_layout_puts_each_row_in_its_expert_slot():
+    layout = GroupLayout([2, 0, 3], torch.empty(0))
+    rows = torch.arange(5.0)[:, None]
+    padded = layout.pad(rows)
+    assert padded.shape == (3, 3, 1)
+    assert padded[:, :, 0].tolist() == [[0, 1, 0], [0, 0, 0], [2, 3, 4]]
+    torch.testing.assert_close(layout.unpad(padded), rows)
 
 
 def test_flop_counter_sees_the_grouped_gemm():
     """FlopCounterMode knows no formula for aten::_grouped_mm; experts.py registers one. Forward + backward of
-    the FFN is 3 x 2 matmuls of M x D x H multiply-adds (2 FLOPs each)."""
+    the FFN is 3 x 2 matmuls of M x D x H multiply-adds (2 FLOPs each). (The padded kernel's bmm is counted
+    by torch, padding included.)"""
     from torch.utils.flop_counter import FlopCounterMode
 
     counts, d, h = [5, 0, 7, 4], 8, 24
@@ -121,7 +153,7 @@ def test_flop_counter_sees_the_grouped_gemm():
     w_in = torch.randn(4, d, h, requires_grad=True)
     w_out = torch.randn(4, h, d, requires_grad=True)
     with FlopCounterMode(display=False) as counter:
-        expert_ffn(x, w_in, w_out, counts).sum().backward()
+        expert_ffn(x, w_in, w_out, counts, kernel="grouped").sum().backward()
     assert counter.get_total_flops() == 3 * 2 * 2 * sum(counts) * d * h
 
 
