@@ -15,6 +15,11 @@ Expert e lives on EP rank e // L. Memory grows with N*K, never with N*E: no dens
     combine:   the gates follow the pairs; the receiver sums gate x expert output per arrived row, so the
                way back carries one row per (token, rank) too, and the sender adds each token's rows
 
+The MoE layer uses the row-level halves: `dispatch_rows` stops at the arrived rows and `combine_rows` starts
+from the per-row sums, because its experts gather the pairs' rows and sum their gated outputs themselves
+(moe/experts.py), which saves neither a per-pair copy of the inputs nor of the outputs. With one rank and
+every token routed, the rows are the tokens themselves: nothing is copied at all.
+
 A token with several experts on one rank crosses the network once: with the hierarchical gate (a group's
 experts share a rank) each token travels once per chosen group, not once per expert.
 
@@ -54,6 +59,7 @@ class DispatchState:
     num_tokens: int
     dropped_pairs: int                  # copies this rank dropped (capacity mode)
     num_pairs: int                      # copies this rank routed
+    rows_are_tokens: bool               # one rank, every token routed: row u is token u, nothing moved
 
 
 class AllToAllDispatcher:
@@ -86,8 +92,15 @@ class AllToAllDispatcher:
 
     def dispatch(self, x_ND: torch.Tensor, token_index_C: torch.Tensor, expert_C: torch.Tensor,
                  gate_C: torch.Tensor | None = None) -> tuple[torch.Tensor, DispatchState]:
-        """Sends row x[token_index_C[p]] to expert expert_C[p] for every (token, expert) pair p.
-        `gate_C` ranks the copies for dropping in capacity mode (unused when dropless)."""
+        """Sends row x[token_index_C[p]] to expert expert_C[p] for every (token, expert) pair p: the arrived
+        pairs' rows [M, D], grouped by local expert. `gate_C` ranks the copies for dropping in capacity mode."""
+        rows_RD, state = self.dispatch_rows(x_ND, token_index_C, expert_C, gate_C)
+        return rows_RD.index_select(0, state.arrived_row_M), state
+
+    def dispatch_rows(self, x_ND: torch.Tensor, token_index_C: torch.Tensor, expert_C: torch.Tensor,
+                      gate_C: torch.Tensor | None = None) -> tuple[torch.Tensor, DispatchState]:
+        """As `dispatch`, but returns the R arrived rows (one per (token, rank)); pair m reads row
+        state.arrived_row_M[m]."""
         num_tokens, num_pairs = x_ND.shape[0], expert_C.shape[0]
         if self.mode == "capacity":
             if gate_C is None:
@@ -109,18 +122,20 @@ class AllToAllDispatcher:
 
         row_route = self.exchange.plan(rows_per_rank_P[:, None])
         pair_route = self.exchange.plan(counts_E.view(P, L))
-        arrived_rows_RD = self.exchange.move(x_ND.index_select(0, unique_token_U), row_route)
+        # One rank: the rows are the sorted distinct tokens, i.e. all of them in order when all are routed.
+        rows_are_tokens = isinstance(self.exchange, LocalExchange) and unique_token_U.shape[0] == num_tokens
+        arrived_rows_RD = x_ND if rows_are_tokens else self.exchange.move(x_ND.index_select(0, unique_token_U),
+                                                                           row_route)
         row_in_message_M = self.exchange.move(row_in_message_S[:, None], pair_route)[:, 0]
         # Arrived rows are grouped by source rank; arrived pairs by (local expert, source rank).
         rows_from_P = row_route.recv_counts_PL[:, 0]
         recv_pairs_PL = pair_route.recv_counts_PL
         source_M = torch.repeat_interleave(torch.arange(P, device=x_ND.device).repeat(L), recv_pairs_PL.t().reshape(-1))
         arrived_row_M = (rows_from_P.cumsum(0) - rows_from_P).index_select(0, source_M) + row_in_message_M
-        tokens_MD = arrived_rows_RD.index_select(0, arrived_row_M)
         state = DispatchState(sort_order_S, unique_token_U, row_route, pair_route, arrived_row_M,
                               arrived_rows_RD.shape[0], recv_pairs_PL.sum(0).tolist(), num_tokens,
-                              num_pairs - sort_order_S.shape[0], num_pairs)
-        return tokens_MD, state
+                              num_pairs - sort_order_S.shape[0], num_pairs, rows_are_tokens)
+        return arrived_rows_RD, state
 
     def follow(self, values_N: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """values_N[t] (any dtype, e.g. positions) delivered like token t's row by `dispatch`: [M, ...] in the
@@ -137,11 +152,20 @@ class AllToAllDispatcher:
         capacity = self.capacity(expert_C.shape[0])
         return order_C[rank_in_expert_C < capacity], counts_E.clamp(max=capacity)
 
+    def pair_gates(self, gate_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """The gates of the arrived pairs [M], in the order of the experts' rows."""
+        return self.exchange.move(gate_C.index_select(0, state.sort_order_S)[:, None], state.pair_route)[:, 0]
+
     def combine(self, y_MD: torch.Tensor, gate_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """out[t] = sum over the delivered pairs p of token t of gate_C[p] * (expert output for p)."""
-        gates_S1 = gate_C.index_select(0, state.sort_order_S).to(y_MD.dtype)[:, None]
-        gates_M1 = self.exchange.move(gates_S1, state.pair_route)
+        gates_M1 = self.pair_gates(gate_C, state).to(y_MD.dtype)[:, None]
         per_row_RD = y_MD.new_zeros(state.num_arrived_rows, y_MD.shape[1]).index_add(
             0, state.arrived_row_M, y_MD * gates_M1)
+        return self.combine_rows(per_row_RD, state)
+
+    def combine_rows(self, per_row_RD: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """out[t] = sum of the per-row results of token t's rows, back on this rank: [N, D]."""
+        if state.rows_are_tokens:
+            return per_row_RD
         back_UD = self.exchange.move_back(per_row_RD, state.row_route)
         return back_UD.new_zeros(state.num_tokens, back_UD.shape[1]).index_add(0, state.unique_token_U, back_UD)

@@ -42,9 +42,9 @@ def _grouped_mm_available(t: torch.Tensor) -> bool:
     return hasattr(F, "grouped_mm") and t.device.type == "cpu" and t.dtype in _GROUPED_MM_DTYPES
 
 
-# The padded kernel multiplies zeros in the padding: free while the product stays bound by the expert weights'
-# memory traffic (about 2 * peak FLOP/s / bandwidth ~ 25 rows per expert on CPUs and GPUs alike), or while the
-# padding at most doubles the rows.
+# The padded kernel multiplies zeros in the padding: free while the weight-gradient product stays bound by
+# writing the gradient (up to about 2 * peak FLOP/s / bandwidth ~ 25 rows per expert), or while the padding at
+# most doubles the rows.
 _PADDED_OUTER_MAX_ROWS = 32
 _PADDED_MAX_GROWTH = 2
 
@@ -57,13 +57,14 @@ class GroupLayout:
     Kernels:
       loop     one torch.mm per expert (the reference; the fallback where grouped GEMM is not available)
       grouped  torch's grouped GEMM over the row offsets (CPU float32/bfloat16/float16)
-      padded   rows scattered into a zero-padded [E, P, ...] batch (P = the largest count), one torch.bmm
+      padded   (weight gradients only) rows scattered into a zero-padded [E, P, ...] batch, P = the largest
+               count, and one torch.bmm
 
-    Measured here (2048 tokens x k, D=256, H=512, 2 threads): the weight-gradient products x[rows of e].T @ g
-    have only M/E rows of reduction, and one bmm over the padded batch writes them 1.3-1.9x faster than the
-    grouped GEMM at every E, so `outer_kernel` is padded unless one expert holds far more rows than the rest.
-    The row products (forward and input gradient) gain from padding only while it adds few rows: at E=4096,
-    the grouped GEMM skips the experts with no rows, and the padded bmm would read all of their weights.
+    Measured here (2048 tokens x k, D=256, H=512, 2 threads): a weight gradient x[rows of e].T @ g has only
+    M/E rows of reduction, and one bmm over the padded batch writes it 1.3-1.9x faster than the grouped GEMM
+    at every E, so `outer_kernel` is padded unless one expert holds far more rows than the rest. The row
+    products (forward, input gradient) gain at most a few percent from padding, less than the padded copies
+    cost in time and memory, so they stay grouped.
     """
 
     def __init__(self, counts: list[int], like: torch.Tensor, kernel: str | None = None):
@@ -75,12 +76,12 @@ class GroupLayout:
         self.num_rows, self.num_groups = sum(counts), len(counts)
         self.pad_rows = max(counts, default=0)
         fallback = "grouped" if _grouped_mm_available(like) else "loop"
-        few_padded = self.num_rows > 0 and self.num_groups * self.pad_rows <= _PADDED_MAX_GROWTH * self.num_rows
-        short_groups = self.num_rows > 0 and self.pad_rows <= _PADDED_OUTER_MAX_ROWS
-        self.matmul_kernel = kernel or ("padded" if few_padded else fallback)
-        self.outer_kernel = kernel or ("padded" if few_padded or short_groups else fallback)
-        if self.num_rows == 0 and kernel == "padded":
-            self.matmul_kernel = self.outer_kernel = fallback   # nothing to pad
+        cheap_padding = self.num_rows > 0 and (self.pad_rows <= _PADDED_OUTER_MAX_ROWS or
+                                               self.num_groups * self.pad_rows <= _PADDED_MAX_GROWTH * self.num_rows)
+        self.matmul_kernel = fallback if kernel in (None, "padded") else kernel
+        self.outer_kernel = "padded" if cheap_padding and kernel in (None, "padded") else (kernel or fallback)
+        if self.num_rows == 0 and self.outer_kernel == "padded":   # forced, but nothing to pad
+            self.outer_kernel = fallback
         self._slot_M = None
 
     def slot_M(self) -> torch.Tensor:
@@ -98,17 +99,10 @@ class GroupLayout:
         padded = a_MI.new_zeros(self.num_groups * self.pad_rows, a_MI.shape[1])
         return padded.index_copy_(0, self.slot_M(), a_MI).view(self.num_groups, self.pad_rows, -1)
 
-    def unpad(self, a_EPO: torch.Tensor) -> torch.Tensor:
-        return a_EPO.reshape(-1, a_EPO.shape[2]).index_select(0, self.slot_M())
 
-
-def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayout,
-                      kernel: str | None = None) -> torch.Tensor:
+def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ b[e]: [M, O]."""
-    kernel = kernel or layout.matmul_kernel
-    if kernel == "padded":
-        return layout.unpad(torch.bmm(layout.pad(a_MI), b_EIO))
-    if kernel == "grouped":
+    if layout.matmul_kernel == "grouped":
         return F.grouped_mm(a_MI, b_EIO, offs=layout.offsets)
     out_MO = a_MI.new_empty(a_MI.shape[0], b_EIO.shape[2])
     start = 0
@@ -119,13 +113,11 @@ def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayo
     return out_MO
 
 
-def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout,
-                     kernel: str | None = None) -> torch.Tensor:
+def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
     """out[e] = a[rows of e].T @ b[rows of e]: [E, I, O], exact zeros for an expert with no rows."""
-    kernel = kernel or layout.outer_kernel
-    if kernel == "padded":
+    if layout.outer_kernel == "padded":
         return torch.bmm(layout.pad(a_MI).transpose(1, 2), layout.pad(b_MO))
-    if kernel == "grouped":
+    if layout.outer_kernel == "grouped":
         return F.grouped_mm(a_MI.t(), b_MO, offs=layout.offsets)
     out_EIO = a_MI.new_empty(layout.num_groups, a_MI.shape[1], b_MO.shape[1])
     start = 0
@@ -136,6 +128,12 @@ def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout
         else:
             out_EIO[e].zero_()
     return out_EIO
+
+
+def row_dot(a_MI: torch.Tensor, b_MI: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
+    """sum(a * b, dim=1) in chunks: no [M, I] temporary."""
+    return torch.cat([(a * b).sum(1) for a, b in zip(a_MI.split(rows_per_chunk), b_MI.split(rows_per_chunk))]) \
+        if a_MI.shape[0] else a_MI.new_zeros(0)
 
 
 class _GroupedMatmul(torch.autograd.Function):
@@ -166,74 +164,69 @@ def grouped_matmul(x_MI: torch.Tensor, w_EIO: torch.Tensor, tokens_per_expert: l
 
 
 class _ExpertFFN(torch.autograd.Function):
-    """y[rows of e] = relu(x[rows of e] @ w_in[e]) @ w_out[e] * scale for every local expert e.
+    """Pair m (of expert e, reading row r = row_of_pair[m] of `rows`, with gate g_m):
+        y_m = relu(rows[r] @ w_in[e]) @ w_out[e] * scale * g_m
+    returned per pair ([M, D]) without `row_of_pair`, or summed per row ([R, D]) with it.
 
-    When the row products are padded, forward and backward each pad their inputs once and stay in the padded
-    [E, P, ...] batch throughout; the hidden layer is saved unpadded, so the padding never outlives a pass."""
+    Gating and summing inside the function keeps memory near a dense FFN's: the pairs' input rows are gathered
+    and their outputs scattered here, so neither is saved, and the gate gradient comes from the backward's own
+    product, dL/dg_m = scale * <dL/dhidden_m / (scale g_m), hidden_m> = scale * <(dL/dy_m) @ w_out[e].T, hidden_m>,
+    so y is not saved either. Saved: the rows, the hidden layer (none with recompute), indices and gates.
+    """
 
     @staticmethod
-    def forward(ctx, x_MD, w_in_EDH, w_out_EHD, counts: list[int], scale: float, recompute: bool,
-                kernel: str | None):
-        layout = GroupLayout(counts, x_MD, kernel)
-        if layout.matmul_kernel == "padded":
-            hidden_EPH = torch.bmm(layout.pad(x_MD), w_in_EDH).relu_()
-            y_MD = layout.unpad(torch.bmm(hidden_EPH, w_out_EHD)).mul_(scale)
-            hidden_MH = None if recompute else layout.unpad(hidden_EPH)
-        else:
-            hidden_MH = rows_times_expert(x_MD, w_in_EDH, layout).relu_()
-            y_MD = rows_times_expert(hidden_MH, w_out_EHD, layout).mul_(scale)
-        ctx.save_for_backward(x_MD, w_in_EDH, w_out_EHD, None if recompute else hidden_MH)
+    def forward(ctx, rows_RD, w_in_EDH, w_out_EHD, counts: list[int], row_of_pair_M, gate_M, scale: float,
+                recompute: bool, kernel: str | None):
+        layout = GroupLayout(counts, rows_RD, kernel)
+        x_MD = rows_RD if row_of_pair_M is None else rows_RD.index_select(0, row_of_pair_M)
+        hidden_MH = rows_times_expert(x_MD, w_in_EDH, layout).relu_()
+        del x_MD
+        y_MD = rows_times_expert(hidden_MH, w_out_EHD, layout)
+        y_MD.mul_(scale if gate_M is None else gate_M.to(y_MD.dtype)[:, None] * scale)
+        ctx.save_for_backward(rows_RD, w_in_EDH, w_out_EHD, row_of_pair_M, gate_M,
+                              None if recompute else hidden_MH)
         ctx.layout, ctx.scale = layout, scale
-        return y_MD
+        if row_of_pair_M is None:
+            return y_MD
+        return y_MD.new_zeros(rows_RD.shape[0], y_MD.shape[1]).index_add_(0, row_of_pair_M, y_MD)
 
     @staticmethod
-    def backward(ctx, grad_y_MD):
-        x_MD, w_in, w_out, hidden_MH = ctx.saved_tensors
-        layout = ctx.layout
-        grad_y_MD = (grad_y_MD * ctx.scale).contiguous()
-        if layout.matmul_kernel == "padded":
-            grads = _ffn_backward_padded(layout, x_MD, w_in, w_out, hidden_MH, grad_y_MD, ctx.needs_input_grad)
-        else:
-            grads = _ffn_backward_rows(layout, x_MD, w_in, w_out, hidden_MH, grad_y_MD, ctx.needs_input_grad)
-        return (*grads, None, None, None, None)
+    def backward(ctx, grad_out):
+        rows_RD, w_in, w_out, row_of_pair_M, gate_M, hidden_MH = ctx.saved_tensors
+        layout, scale = ctx.layout, ctx.scale
+        need_rows, need_w_in, need_w_out = ctx.needs_input_grad[:3]
+        need_gate = ctx.needs_input_grad[5]
 
+        def pair_inputs():
+            return rows_RD if row_of_pair_M is None else rows_RD.index_select(0, row_of_pair_M)
 
-def _ffn_backward_rows(layout, x_MD, w_in, w_out, hidden_MH, grad_y_MD, needs_input_grad):
-    if hidden_MH is None:   # recompute: the hidden layer was not kept
-        hidden_MH = rows_times_expert(x_MD, w_in, layout).relu_()
-    need_x, need_w_in, need_w_out = needs_input_grad[:3]
-    grad_w_out = per_expert_outer(hidden_MH, grad_y_MD, layout) if need_w_out else None
-    grad_x = grad_w_in = None
-    if need_x or need_w_in:
-        grad_hidden_MH = rows_times_expert(grad_y_MD, w_out.transpose(1, 2), layout)
-        grad_hidden_MH.mul_(hidden_MH > 0)   # ReLU: hidden > 0 exactly where its input was
+        if hidden_MH is None:   # recompute: the hidden layer was not kept
+            hidden_MH = rows_times_expert(pair_inputs(), w_in, layout).relu_()
+        grad_y_MD = grad_out.contiguous() if row_of_pair_M is None else grad_out.index_select(0, row_of_pair_M)
+        coef = scale if gate_M is None else gate_M.to(grad_y_MD.dtype)[:, None] * scale
+        grad_gate = grad_rows = grad_w_in = grad_w_out = None
+        grad_hidden_MH = rows_times_expert(grad_y_MD, w_out.transpose(1, 2), layout)   # per unit of coef
+        if need_gate:
+            grad_gate = row_dot(grad_hidden_MH, hidden_MH).mul_(scale).to(gate_M.dtype)
+        grad_hidden_MH.mul_(coef).mul_(hidden_MH > 0)   # ReLU: hidden > 0 exactly where its input was
+        if need_w_out:
+            grad_w_out = per_expert_outer(hidden_MH, grad_y_MD * coef, layout)
+        del grad_y_MD, hidden_MH
         if need_w_in:
-            grad_w_in = per_expert_outer(x_MD, grad_hidden_MH, layout)
-        if need_x:
-            grad_x = rows_times_expert(grad_hidden_MH, w_in.transpose(1, 2), layout)
-    return grad_x, grad_w_in, grad_w_out
+            grad_w_in = per_expert_outer(pair_inputs(), grad_hidden_MH, layout)
+        if need_rows:
+            grad_x_MD = rows_times_expert(grad_hidden_MH, w_in.transpose(1, 2), layout)
+            del grad_hidden_MH
+            grad_rows = grad_x_MD if row_of_pair_M is None else \
+                grad_x_MD.new_zeros(rows_RD.shape).index_add_(0, row_of_pair_M, grad_x_MD)
+        return grad_rows, grad_w_in, grad_w_out, None, None, grad_gate, None, None, None
 
 
-def _ffn_backward_padded(layout, x_MD, w_in, w_out, hidden_MH, grad_y_MD, needs_input_grad):
-    x_EPD = layout.pad(x_MD)
-    hidden_EPH = torch.bmm(x_EPD, w_in).relu_() if hidden_MH is None else layout.pad(hidden_MH)
-    grad_y_EPD = layout.pad(grad_y_MD)
-    need_x, need_w_in, need_w_out = needs_input_grad[:3]
-    grad_w_out = torch.bmm(hidden_EPH.transpose(1, 2), grad_y_EPD) if need_w_out else None
-    grad_x = grad_w_in = None
-    if need_x or need_w_in:
-        grad_hidden_EPH = torch.bmm(grad_y_EPD, w_out.transpose(1, 2)).mul_(hidden_EPH > 0)
-        if need_w_in:
-            grad_w_in = torch.bmm(x_EPD.transpose(1, 2), grad_hidden_EPH)
-        if need_x:
-            grad_x = layout.unpad(torch.bmm(grad_hidden_EPH, w_in.transpose(1, 2)))
-    return grad_x, grad_w_in, grad_w_out
-
-
-def expert_ffn(x_MD, w_in_EDH, w_out_EHD, tokens_per_expert: list[int], scale: float = 1.0,
-               recompute: bool = False, kernel: str | None = None) -> torch.Tensor:
-    """`kernel` forces one kernel for every product (tests); by default GroupLayout picks per product."""
-    return _ExpertFFN.apply(x_MD, w_in_EDH, w_out_EHD, tokens_per_expert, scale, recompute, kernel)
+def expert_ffn(rows_RD, w_in_EDH, w_out_EHD, tokens_per_expert: list[int], row_of_pair_M=None, gate_M=None,
+               scale: float = 1.0, recompute: bool = False, kernel: str | None = None) -> torch.Tensor:
+    """See _ExpertFFN. `kernel` forces one kernel (tests); by default GroupLayout picks per product."""
+    return _ExpertFFN.apply(rows_RD, w_in_EDH, w_out_EHD, tokens_per_expert, row_of_pair_M, gate_M, scale,
+                            recompute, kernel)
 
 
 class GroupedExperts(nn.Module):
@@ -267,10 +260,14 @@ class GroupedExperts(nn.Module):
                     init = torch.empty(weight.shape[1:]).uniform_(-bound, bound, generator=generator)
                     weight[local_id].copy_(init)
 
-    def forward(self, tokens_MD: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    def forward(self, rows_RD: torch.Tensor, tokens_per_expert: list[int], row_of_pair_M: torch.Tensor | None = None,
+                gate_M: torch.Tensor | None = None) -> torch.Tensor:
+        """Per pair [M, D] for expert-sorted rows; with `row_of_pair_M` and `gate_M`, the gated sum per row
+        [R, D] (see _ExpertFFN)."""
         w_in, w_out = self.w_in, self.w_out
-        device_type = tokens_MD.device.type
+        device_type = rows_RD.device.type
         if torch.is_autocast_enabled(device_type):  # autocast skips custom Functions: cast as it would for a matmul
             dtype = torch.get_autocast_dtype(device_type)
-            tokens_MD, w_in, w_out = tokens_MD.to(dtype), w_in.to(dtype), w_out.to(dtype)
-        return expert_ffn(tokens_MD, w_in, w_out, tokens_per_expert, self.output_scale, self.recompute)
+            rows_RD, w_in, w_out = rows_RD.to(dtype), w_in.to(dtype), w_out.to(dtype)
+        return expert_ffn(rows_RD, w_in, w_out, tokens_per_expert, row_of_pair_M, gate_M, self.output_scale,
+                          self.recompute)

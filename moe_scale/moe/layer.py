@@ -107,11 +107,13 @@ class MoELayer(DeepSpeedMoE):
         route = self.router(x_ND)
         self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach(), dict(route.metrics))
         token_index_P, expert_P, gate_P = route.pairs()
-        tokens_MD, state = self.dispatcher.dispatch(x_ND, token_index_P, expert_P, gate_P)
+        rows_RD, state = self.dispatcher.dispatch_rows(x_ND, token_index_P, expert_P, gate_P)
         if self.dispatcher.mode == "capacity":
             self.stats.metrics["dropped_fraction"] = self._dropped_fraction(state)
-        y_MD = self.experts(tokens_MD, state.tokens_per_expert)
-        return self.dispatcher.combine(y_MD, gate_P, state).to(x_ND.dtype), route.aux_loss
+        # The experts gather each arrived pair's row and return the gate-weighted sum per row.
+        per_row_RD = self.experts(rows_RD, state.tokens_per_expert, state.arrived_row_M,
+                                  self.dispatcher.pair_gates(gate_P, state))
+        return self.dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype), route.aux_loss
 
     def _dropped_fraction(self, state) -> float:
         """Dropped copies / routed copies over the whole data-parallel batch."""

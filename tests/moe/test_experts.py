@@ -35,12 +35,13 @@ def test_grouped_padded_and_loop_kernels_give_the_same_products(counts):
     a = torch.randn(m, 8, generator=gen)
     b = torch.randn(e, 8, 12, generator=gen)
     g = torch.randn(m, 12, generator=gen)
-    layout = GroupLayout(counts, a)
-    loop = rows_times_expert(a, b, layout, "loop")
-    outer_loop = per_expert_outer(a, g, layout, "loop")
-    for kernel in ("grouped", "padded") if m else ("grouped",):
-        torch.testing.assert_close(rows_times_expert(a, b, layout, kernel), loop)
-        torch.testing.assert_close(per_expert_outer(a, g, layout, kernel), outer_loop)
+    loop_layout = GroupLayout(counts, a, "loop")
+    loop = rows_times_expert(a, b, loop_layout)
+    outer_loop = per_expert_outer(a, g, loop_layout)
+    for kernel in ("grouped", "padded"):
+        layout = GroupLayout(counts, a, kernel)
+        torch.testing.assert_close(rows_times_expert(a, b, layout), loop)
+        torch.testing.assert_close(per_expert_outer(a, g, layout), outer_loop)
     start = 0
     for expert, count in enumerate(counts):        # against slices, and exact zeros for an empty expert
         torch.testing.assert_close(loop[start:start + count], a[start:start + count] @ b[expert])
@@ -62,7 +63,7 @@ def test_expert_ffn_matches_per_expert_autograd(counts, dtype, kernel, recompute
     w_in = torch.randn(e, d, h, generator=gen, dtype=dtype, requires_grad=True)
     w_out = torch.randn(e, h, d, generator=gen, dtype=dtype, requires_grad=True)
     grad_t = torch.randn(d, m, generator=gen, dtype=dtype)     # .t(): a non-contiguous upstream gradient
-    y = expert_ffn(x, w_in, w_out, counts, 0.5, recompute, kernel)
+    y = expert_ffn(x, w_in, w_out, counts, scale=0.5, recompute=recompute, kernel=kernel)
     ref = reference_ffn(x, w_in, w_out, counts, 0.5)
     torch.testing.assert_close(y, ref)
     if m == 0:
@@ -104,7 +105,8 @@ def test_expert_ffn_gradcheck_and_single_input_grad():
     w_out = torch.randn(3, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     for recompute in (False, True):
         for kernel in ("loop", "padded"):
-            assert torch.autograd.gradcheck(lambda a, b, c: expert_ffn(a, b, c, counts, 1.5, recompute, kernel),
+            assert torch.autograd.gradcheck(lambda a, b, c: expert_ffn(a, b, c, counts, scale=1.5,
+                                                                       recompute=recompute, kernel=kernel),
                                             (x, w_in, w_out))
     # Only one input needs a gradient: the other branches must be skipped, not crash.
     ref = reference_ffn(x, w_in, w_out, counts, 1.0).sum()
@@ -116,17 +118,17 @@ def test_expert_ffn_gradcheck_and_single_input_grad():
         torch.testing.assert_close(gw, want_w_out)
 
 
-def test_kernel_choice_follows_how_many_rows_padding_adds():
-    """Padded where it adds at most as many rows as there are; for the weight gradients also while every
-    expert has few rows; grouped GEMM (CPU float32) or the loop (float64) otherwise."""
+def test_kernel_choice_pads_weight_gradients_where_padding_is_cheap():
+    """Weight gradients: padded while every expert has few rows or padding at most doubles the rows; grouped
+    GEMM (CPU float32) or the loop (float64) otherwise. Row products never pad."""
     f32, f64 = torch.empty(0), torch.empty(0, dtype=torch.float64)
     even = GroupLayout([40, 40, 40, 40], f32)                       # 160 padded rows for 160 rows
-    assert (even.matmul_kernel, even.outer_kernel) == ("padded", "padded")
-    sparse = GroupLayout([0, 3, 0, 0, 1, 0, 0, 0], f32)             # 24 padded rows for 4 rows, at most 3 each
+    assert (even.matmul_kernel, even.outer_kernel) == ("grouped", "padded")
+    sparse = GroupLayout([0, 3, 0, 0, 1, 0, 0, 0], f32)             # 24 padded rows for 4, at most 3 each
     assert (sparse.matmul_kernel, sparse.outer_kernel) == ("grouped", "padded")
     skewed = GroupLayout([100] + [1] * 99, f32)                     # 10,000 padded rows for 199 rows
     assert (skewed.matmul_kernel, skewed.outer_kernel) == ("grouped", "grouped")
-    assert GroupLayout([100] + [1] * 99, f64).outer_kernel == "loop"
+    assert (GroupLayout([100] + [1] * 99, f64).outer_kernel, GroupLayout([3, 1], f64).outer_kernel) == ("loop", "padded")
     empty = GroupLayout([0, 0], f32, kernel="padded")               # nothing to pad: falls back
     assert empty.matmul_kernel == empty.outer_kernel == "grouped"
     with pytest.raises(ValueError, match="kernel must be one of"):
@@ -135,17 +137,65 @@ def test_kernel_choice_follows_how_many_rows_padding_adds():
 
 def test_padded_layout_puts_each_row_in_its_expert_slot():
     layout = GroupLayout([2, 0, 3], torch.empty(0))
-    rows = torch.arange(5.0)[:, None]
-    padded = layout.pad(rows)
+    padded = layout.pad(torch.arange(5.0)[:, None])
     assert padded.shape == (3, 3, 1)
     assert padded[:, :, 0].tolist() == [[0, 1, 0], [0, 0, 0], [2, 3, 4]]
-    torch.testing.assert_close(layout.unpad(padded), rows)
+
+
+def reference_gated(rows, w_in, w_out, counts, row_of_pair, gate, scale):
+    """out[r] = sum over pairs m reading row r of gate[m] * expert(m)(rows[r]) * scale, plain autograd."""
+    y = reference_ffn(rows[row_of_pair], w_in, w_out, counts, scale) * gate[:, None]
+    return torch.zeros_like(rows).index_add(0, row_of_pair, y)
+
+
+GATED = {  # counts per expert, and the row each pair reads (pairs sorted by expert)
+    "two_pairs_share_rows": ([3, 2, 2], [0, 2, 3, 0, 1, 3, 2]),
+    "row_nobody_reads": ([2, 0, 2], [0, 1, 3, 1]),
+    "one_expert_gets_all": ([0, 4, 0], [3, 2, 1, 0]),
+}
+
+
+@pytest.mark.parametrize("counts, row_of_pair", GATED.values(), ids=GATED.keys())
+@pytest.mark.parametrize("kernel", ["loop", "padded"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_gated_row_sums_match_reference_in_value_and_every_gradient(counts, row_of_pair, kernel, recompute):
+    """The layer's form: pairs gather their rows, and gate-weighted outputs are summed per row; the gate's
+    gradient comes from the backward's own product. float64 gradcheck plus a reference comparison."""
+    gen = torch.Generator().manual_seed(sum(counts) + len(row_of_pair))
+    d, h, e = 3, 5, len(counts)
+    rows = torch.randn(4, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    w_in = torch.randn(e, d, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    w_out = torch.randn(e, h, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    gate = torch.rand(len(row_of_pair), generator=gen, dtype=torch.float64).add_(0.1).requires_grad_(True)
+    index = torch.tensor(row_of_pair)
+
+    def gated(r, a, b, g):
+        return expert_ffn(r, a, b, counts, index, g, scale=0.7, recompute=recompute, kernel=kernel)
+
+    torch.testing.assert_close(gated(rows, w_in, w_out, gate),
+                               reference_gated(rows, w_in, w_out, counts, index, gate, 0.7))
+    assert torch.autograd.gradcheck(gated, (rows, w_in, w_out, gate))
+
+
+def test_gated_form_saves_no_per_pair_copy_of_inputs_or_outputs():
+    """Memory: the gated form saves the rows, the hidden layer, indices and gates; no [M, D] tensor (neither
+    the gathered inputs nor the outputs), where per-pair dispatch + combine would save two."""
+    counts, d, h = [30, 34], 8, 16
+    rows = torch.randn(40, d, requires_grad=True)
+    row_of_pair = torch.randint(0, 40, (64,))
+    gate = torch.rand(64, requires_grad=True)
+    experts = GroupedExperts(2, d, h)
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(tuple(t.shape)) or t, lambda t: t):
+        out = experts(rows, counts, row_of_pair, gate)
+    assert out.shape == (40, d)
+    assert (64, d) not in sizes and (40, d) in sizes and (64, h) in sizes
 
 
 def test_flop_counter_sees_the_grouped_gemm():
     """FlopCounterMode knows no formula for aten::_grouped_mm; experts.py registers one. Forward + backward of
-    the FFN is 3 x 2 matmuls of M x D x H multiply-adds (2 FLOPs each). (The padded kernel's bmm is counted
-    by torch, padding included.)"""
+    the FFN is 3 x 2 matmuls of M x D x H multiply-adds (2 FLOPs each). (The padded kernel's bmm would be counted
+    by torch with its padding.)"""
     from torch.utils.flop_counter import FlopCounterMode
 
     counts, d, h = [5, 0, 7, 4], 8, 24
