@@ -43,10 +43,9 @@ def _grouped_mm_available(t: torch.Tensor) -> bool:
 
 
 # The padded kernel multiplies zeros in the padding: free while the weight-gradient product stays bound by
-# writing the gradient (up to about 2 * peak FLOP/s / bandwidth ~ 25 rows per expert), or while the padding at
-# most doubles the rows.
+# writing the gradient, up to about 2 * peak FLOP/s / bandwidth ~ 25 rows per expert here. It pads a chunk of
+# experts at a time, so its padded copies never exceed a quarter of the rows.
 _PADDED_OUTER_MAX_ROWS = 32
-_PADDED_MAX_GROWTH = 2
 
 KERNELS = ("loop", "grouped", "padded")
 
@@ -57,14 +56,14 @@ class GroupLayout:
     Kernels:
       loop     one torch.mm per expert (the reference; the fallback where grouped GEMM is not available)
       grouped  torch's grouped GEMM over the row offsets (CPU float32/bfloat16/float16)
-      padded   (weight gradients only) rows scattered into a zero-padded [E, P, ...] batch, P = the largest
-               count, and one torch.bmm
+      padded   (weight gradients only) rows scattered into zero-padded [experts, P, ...] chunks, P = the
+               largest count, and one torch.bmm per chunk
 
-    Measured here (2048 tokens x k, D=256, H=512, 2 threads): a weight gradient x[rows of e].T @ g has only
-    M/E rows of reduction, and one bmm over the padded batch writes it 1.3-1.9x faster than the grouped GEMM
-    at every E, so `outer_kernel` is padded unless one expert holds far more rows than the rest. The row
-    products (forward, input gradient) gain at most a few percent from padding, less than the padded copies
-    cost in time and memory, so they stay grouped.
+    Measured here (2048 tokens x k, D=256, H=512, 2 threads): a weight gradient x[rows of e].T @ g with few
+    rows per expert is a rank-few update that MKL's GEMM writes slowly; bmm over the padded batch writes it
+    1.5-1.9x faster at E = 256..4096, so `outer_kernel` is padded while no expert has more than
+    _PADDED_OUTER_MAX_ROWS rows. The row products (forward, input gradient) gain at most a few percent from
+    padding, less than the padded copies cost in time and memory, so they stay grouped.
     """
 
     def __init__(self, counts: list[int], like: torch.Tensor, kernel: str | None = None):
@@ -76,28 +75,37 @@ class GroupLayout:
         self.num_rows, self.num_groups = sum(counts), len(counts)
         self.pad_rows = max(counts, default=0)
         fallback = "grouped" if _grouped_mm_available(like) else "loop"
-        cheap_padding = self.num_rows > 0 and (self.pad_rows <= _PADDED_OUTER_MAX_ROWS or
-                                               self.num_groups * self.pad_rows <= _PADDED_MAX_GROWTH * self.num_rows)
+        short_groups = 0 < self.pad_rows <= _PADDED_OUTER_MAX_ROWS
         self.matmul_kernel = fallback if kernel in (None, "padded") else kernel
-        self.outer_kernel = "padded" if cheap_padding and kernel in (None, "padded") else (kernel or fallback)
+        self.outer_kernel = kernel or ("padded" if short_groups else fallback)
         if self.num_rows == 0 and self.outer_kernel == "padded":   # forced, but nothing to pad
             self.outer_kernel = fallback
-        self._slot_M = None
 
-    def slot_M(self) -> torch.Tensor:
-        """Row m, the j-th row of expert e, sits at e * P + j of the padded batch."""
-        if self._slot_M is None:
-            device = self.offsets.device
-            expert_M = torch.repeat_interleave(torch.arange(self.num_groups, device=device), self._counts_E)
-            first_row_E = self.offsets.long() - self._counts_E
-            self._slot_M = (expert_M * self.pad_rows + torch.arange(self.num_rows, device=device)
-                            - first_row_E.index_select(0, expert_M))
-        return self._slot_M
+    def padded_outer(self, a_MI: torch.Tensor, b_MO: torch.Tensor) -> torch.Tensor:
+        """out[e] = a[rows of e].T @ b[rows of e] by bmm over zero-padded [experts, P, ...] chunks."""
+        out_EIO = a_MI.new_empty(self.num_groups, a_MI.shape[1], b_MO.shape[1])
+        P = self.pad_rows
+        experts_per_chunk = max(1, self.num_rows // (4 * P))
+        ends = self.offsets.tolist()
+        for first in range(0, self.num_groups, experts_per_chunk):
+            last = min(first + experts_per_chunk, self.num_groups)
+            row_start = ends[first - 1] if first else 0
+            rows = slice(row_start, ends[last - 1])
+            slot_C = self._slots(first, last) - first * P
+            a_CPI = a_MI.new_zeros((last - first) * P, a_MI.shape[1]).index_copy_(0, slot_C, a_MI[rows])
+            b_CPO = b_MO.new_zeros((last - first) * P, b_MO.shape[1]).index_copy_(0, slot_C, b_MO[rows])
+            torch.bmm(a_CPI.view(last - first, P, -1).transpose(1, 2), b_CPO.view(last - first, P, -1),
+                      out=out_EIO[first:last])
+        return out_EIO
 
-    def pad(self, a_MI: torch.Tensor) -> torch.Tensor:
-        """[M, I] -> [E, P, I], zeros where an expert has fewer than P rows."""
-        padded = a_MI.new_zeros(self.num_groups * self.pad_rows, a_MI.shape[1])
-        return padded.index_copy_(0, self.slot_M(), a_MI).view(self.num_groups, self.pad_rows, -1)
+    def _slots(self, first: int, last: int) -> torch.Tensor:
+        """For the rows of experts first..last-1: row j of expert e goes to slot e * P + j."""
+        counts_C = self._counts_E[first:last]
+        expert_C = torch.repeat_interleave(torch.arange(first, last, device=counts_C.device), counts_C)
+        first_row_C = self.offsets.long()[first:last] - counts_C
+        rank_in_expert = torch.arange(expert_C.shape[0], device=counts_C.device) - \
+            (first_row_C - first_row_C[:1]).repeat_interleave(counts_C)
+        return expert_C * self.pad_rows + rank_in_expert
 
 
 def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
@@ -116,7 +124,7 @@ def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayo
 def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
     """out[e] = a[rows of e].T @ b[rows of e]: [E, I, O], exact zeros for an expert with no rows."""
     if layout.outer_kernel == "padded":
-        return torch.bmm(layout.pad(a_MI).transpose(1, 2), layout.pad(b_MO))
+        return layout.padded_outer(a_MI, b_MO)
     if layout.outer_kernel == "grouped":
         return F.grouped_mm(a_MI.t(), b_MO, offs=layout.offsets)
     out_EIO = a_MI.new_empty(layout.num_groups, a_MI.shape[1], b_MO.shape[1])
@@ -130,7 +138,7 @@ def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout
     return out_EIO
 
 
-def row_dot(a_MI: torch.Tensor, b_MI: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
+def row_dot(a_MI: torch.Tensor, b_MI: torch.Tensor, rows_per_chunk: int = 256) -> torch.Tensor:
     """sum(a * b, dim=1) in chunks: no [M, I] temporary."""
     return torch.cat([(a * b).sum(1) for a, b in zip(a_MI.split(rows_per_chunk), b_MI.split(rows_per_chunk))]) \
         if a_MI.shape[0] else a_MI.new_zeros(0)
@@ -206,12 +214,16 @@ class _ExpertFFN(torch.autograd.Function):
         coef = scale if gate_M is None else gate_M.to(grad_y_MD.dtype)[:, None] * scale
         grad_gate = grad_rows = grad_w_in = grad_w_out = None
         grad_hidden_MH = rows_times_expert(grad_y_MD, w_out.transpose(1, 2), layout)   # per unit of coef
+        if not need_w_out:
+            del grad_y_MD
         if need_gate:
             grad_gate = row_dot(grad_hidden_MH, hidden_MH).mul_(scale).to(gate_M.dtype)
-        grad_hidden_MH.mul_(coef).mul_(hidden_MH > 0)   # ReLU: hidden > 0 exactly where its input was
-        if need_w_out:
-            grad_w_out = per_expert_outer(hidden_MH, grad_y_MD * coef, layout)
-        del grad_y_MD, hidden_MH
+        if need_w_out:   # the gathered gradient is ours to scale in place; the incoming one is not
+            grad_y_MD = grad_y_MD.mul_(coef) if row_of_pair_M is not None else grad_y_MD * coef
+            grad_w_out = per_expert_outer(hidden_MH, grad_y_MD, layout)
+            del grad_y_MD
+        grad_hidden_MH.mul_(coef).masked_fill_(hidden_MH <= 0, 0)   # ReLU: hidden > 0 exactly where its input was
+        del hidden_MH
         if need_w_in:
             grad_w_in = per_expert_outer(pair_inputs(), grad_hidden_MH, layout)
         if need_rows:

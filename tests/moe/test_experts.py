@@ -118,28 +118,31 @@ def test_expert_ffn_gradcheck_and_single_input_grad():
         torch.testing.assert_close(gw, want_w_out)
 
 
-def test_kernel_choice_pads_weight_gradients_where_padding_is_cheap():
-    """Weight gradients: padded while every expert has few rows or padding at most doubles the rows; grouped
-    GEMM (CPU float32) or the loop (float64) otherwise. Row products never pad."""
+def test_kernel_choice_pads_weight_gradients_only_while_every_expert_has_few_rows():
+    """Weight gradients: padded while no expert has more than 32 rows; grouped GEMM (CPU float32) or the loop
+    (float64) otherwise. Row products never pad."""
     f32, f64 = torch.empty(0), torch.empty(0, dtype=torch.float64)
-    even = GroupLayout([40, 40, 40, 40], f32)                       # 160 padded rows for 160 rows
-    assert (even.matmul_kernel, even.outer_kernel) == ("grouped", "padded")
-    sparse = GroupLayout([0, 3, 0, 0, 1, 0, 0, 0], f32)             # 24 padded rows for 4, at most 3 each
+    sparse = GroupLayout([0, 3, 0, 0, 1, 0, 0, 0], f32)
     assert (sparse.matmul_kernel, sparse.outer_kernel) == ("grouped", "padded")
-    skewed = GroupLayout([100] + [1] * 99, f32)                     # 10,000 padded rows for 199 rows
-    assert (skewed.matmul_kernel, skewed.outer_kernel) == ("grouped", "grouped")
-    assert (GroupLayout([100] + [1] * 99, f64).outer_kernel, GroupLayout([3, 1], f64).outer_kernel) == ("loop", "padded")
-    empty = GroupLayout([0, 0], f32, kernel="padded")               # nothing to pad: falls back
+    assert GroupLayout([32] * 4, f32).outer_kernel == "padded"
+    assert GroupLayout([33, 1, 1], f32).outer_kernel == "grouped"       # one long group: padding would dominate
+    assert (GroupLayout([33, 1], f64).outer_kernel, GroupLayout([3, 1], f64).matmul_kernel) == ("loop", "loop")
+    empty = GroupLayout([0, 0], f32, kernel="padded")                   # nothing to pad: falls back
     assert empty.matmul_kernel == empty.outer_kernel == "grouped"
     with pytest.raises(ValueError, match="kernel must be one of"):
         GroupLayout([1], f32, kernel="fast")
 
 
-def test_padded_layout_puts_each_row_in_its_expert_slot():
-    layout = GroupLayout([2, 0, 3], torch.empty(0))
-    padded = layout.pad(torch.arange(5.0)[:, None])
-    assert padded.shape == (3, 3, 1)
-    assert padded[:, :, 0].tolist() == [[0, 1, 0], [0, 0, 0], [2, 3, 4]]
+@pytest.mark.parametrize("num_experts", [7, 50, 300])
+def test_padded_weight_gradient_matches_loop_across_expert_chunks(num_experts):
+    """Many experts: the padded kernel works a chunk of experts at a time; chunk edges must not lose rows."""
+    gen = torch.Generator().manual_seed(num_experts)
+    counts = torch.randint(0, 5, (num_experts,), generator=gen).tolist()
+    a = torch.randn(sum(counts), 6, generator=gen, dtype=torch.float64)
+    g = torch.randn(sum(counts), 5, generator=gen, dtype=torch.float64)
+    padded = GroupLayout(counts, a, "padded")
+    assert padded.num_rows // (4 * padded.pad_rows) < num_experts    # more than one chunk
+    torch.testing.assert_close(per_expert_outer(a, g, padded), per_expert_outer(a, g, GroupLayout(counts, a, "loop")))
 
 
 def reference_gated(rows, w_in, w_out, counts, row_of_pair, gate, scale):
