@@ -6,7 +6,7 @@ H expert hidden dim, E experts. Rows per expert are drawn from a uniform multino
 
 Implementations, all timed in the same run, interleaved repeat by repeat so machine noise hits them alike:
   grouped      moe_scale's GroupedExperts (custom grouped-matmul autograd function).
-  sliced_loop  the naive reference: a Python loop of relu(x[a:b] @ w_in[e]) @ w_out[e] over nn.Parameter
+  sliced_loop  the naive reference: a Python loop of relu(x[a:b] @ w_in[e].T) @ w_out[e] over nn.Parameter
                stacks. Autograd builds a full-size [E, D, H] gradient per expert slice: O(E^2). Skipped
                above --max-naive-experts (a JSON line with "skipped" says so).
   dense        one D -> H -> D ReLU MLP over all R rows: the same active FLOPs as the experts.
@@ -70,12 +70,12 @@ def rows_per_expert(num_rows: int, num_experts: int, seed: int) -> list[int]:
     return torch.bincount(draws, minlength=num_experts).tolist()
 
 
-def sliced_loop_forward(x_RD, w_in_EDH, w_out_EHD, counts_E, scale):
+def sliced_loop_forward(x_RD, w_in_EHD, w_out_EHD, counts_E, scale):
     """The O(E^2) trap: w[e] on a Parameter stack inside a Python loop."""
     outs, start = [], 0
     for e, count in enumerate(counts_E):
         if count:
-            outs.append(torch.relu(x_RD[start:start + count] @ w_in_EDH[e]) @ w_out_EHD[e])
+            outs.append(torch.relu(x_RD[start:start + count] @ w_in_EHD[e].t()) @ w_out_EHD[e])
             start += count
     return torch.cat(outs) * scale
 

@@ -173,7 +173,7 @@ def grouped_matmul(x_MI: torch.Tensor, w_EIO: torch.Tensor, tokens_per_expert: l
 
 class _ExpertFFN(torch.autograd.Function):
     """Pair m (of expert e, reading row r = row_of_pair[m] of `rows`, with gate g_m):
-        y_m = relu(rows[r] @ w_in[e]) @ w_out[e] * scale * g_m
+        y_m = relu(rows[r] @ w_in[e].T) @ w_out[e] * scale * g_m
     returned per pair ([M, D]) without `row_of_pair`, or summed per row ([R, D]) with it.
 
     Gating and summing inside the function keeps memory near a dense FFN's: the pairs' input rows are gathered
@@ -183,15 +183,15 @@ class _ExpertFFN(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows_RD, w_in_EDH, w_out_EHD, counts: list[int], row_of_pair_M, gate_M, scale: float,
+    def forward(ctx, rows_RD, w_in_EHD, w_out_EHD, counts: list[int], row_of_pair_M, gate_M, scale: float,
                 recompute: bool, kernel: str | None):
         layout = GroupLayout(counts, rows_RD, kernel)
         x_MD = rows_RD if row_of_pair_M is None else rows_RD.index_select(0, row_of_pair_M)
-        hidden_MH = rows_times_expert(x_MD, w_in_EDH, layout).relu_()
+        hidden_MH = rows_times_expert(x_MD, w_in_EHD.transpose(1, 2), layout).relu_()
         del x_MD
         y_MD = rows_times_expert(hidden_MH, w_out_EHD, layout)
         y_MD.mul_(scale if gate_M is None else gate_M.to(y_MD.dtype)[:, None] * scale)
-        ctx.save_for_backward(rows_RD, w_in_EDH, w_out_EHD, row_of_pair_M, gate_M,
+        ctx.save_for_backward(rows_RD, w_in_EHD, w_out_EHD, row_of_pair_M, gate_M,
                               None if recompute else hidden_MH)
         ctx.layout, ctx.scale = layout, scale
         if row_of_pair_M is None:
@@ -209,7 +209,7 @@ class _ExpertFFN(torch.autograd.Function):
             return rows_RD if row_of_pair_M is None else rows_RD.index_select(0, row_of_pair_M)
 
         if hidden_MH is None:   # recompute: the hidden layer was not kept
-            hidden_MH = rows_times_expert(pair_inputs(), w_in, layout).relu_()
+            hidden_MH = rows_times_expert(pair_inputs(), w_in.transpose(1, 2), layout).relu_()
         grad_y_MD = grad_out.contiguous() if row_of_pair_M is None else grad_out.index_select(0, row_of_pair_M)
         coef = scale if gate_M is None else gate_M.to(grad_y_MD.dtype)[:, None] * scale
         grad_gate = grad_rows = grad_w_in = grad_w_out = None
@@ -222,22 +222,23 @@ class _ExpertFFN(torch.autograd.Function):
             grad_y_MD = grad_y_MD.mul_(coef) if row_of_pair_M is not None else grad_y_MD * coef
             grad_w_out = per_expert_outer(hidden_MH, grad_y_MD, layout)
             del grad_y_MD
-        grad_hidden_MH.mul_(coef).masked_fill_(hidden_MH <= 0, 0)   # ReLU: hidden > 0 exactly where its input was
+        # ReLU: hidden > 0 exactly where its input was. threshold_backward in place: no [M, H] mask temporary.
+        torch.ops.aten.threshold_backward.grad_input(grad_hidden_MH.mul_(coef), hidden_MH, 0, grad_input=grad_hidden_MH)
         del hidden_MH
         if need_w_in:
-            grad_w_in = per_expert_outer(pair_inputs(), grad_hidden_MH, layout)
+            grad_w_in = per_expert_outer(grad_hidden_MH, pair_inputs(), layout)
         if need_rows:
-            grad_x_MD = rows_times_expert(grad_hidden_MH, w_in.transpose(1, 2), layout)
+            grad_x_MD = rows_times_expert(grad_hidden_MH, w_in, layout)
             del grad_hidden_MH
             grad_rows = grad_x_MD if row_of_pair_M is None else \
                 grad_x_MD.new_zeros(rows_RD.shape).index_add_(0, row_of_pair_M, grad_x_MD)
         return grad_rows, grad_w_in, grad_w_out, None, None, grad_gate, None, None, None
 
 
-def expert_ffn(rows_RD, w_in_EDH, w_out_EHD, tokens_per_expert: list[int], row_of_pair_M=None, gate_M=None,
+def expert_ffn(rows_RD, w_in_EHD, w_out_EHD, tokens_per_expert: list[int], row_of_pair_M=None, gate_M=None,
                scale: float = 1.0, recompute: bool = False, kernel: str | None = None) -> torch.Tensor:
     """See _ExpertFFN. `kernel` forces one kernel (tests); by default GroupLayout picks per product."""
-    return _ExpertFFN.apply(rows_RD, w_in_EDH, w_out_EHD, tokens_per_expert, row_of_pair_M, gate_M, scale,
+    return _ExpertFFN.apply(rows_RD, w_in_EHD, w_out_EHD, tokens_per_expert, row_of_pair_M, gate_M, scale,
                             recompute, kernel)
 
 
@@ -248,6 +249,10 @@ class GroupedExperts(nn.Module):
     Weights are Glorot-uniform per expert matrix, as t2t's default initializer, drawn from a generator
     seeded by (seed, global expert id): an expert starts the same whichever rank holds it, so runs with
     different --ep-size start from the same model, and the global RNG is left untouched.
+
+    w_in is stored [L, H, D], as nn.Linear stores (out, in): the forward's x @ w_in[e].T and the backward's
+    g @ w_in[e] then both take MKL's faster operand layouts for these shapes (measured 1.7x faster forward at
+    E=1024 than w_in [L, D, H]). It is drawn as [D, H] and transposed, so the initial model is unchanged.
     """
 
     def __init__(self, num_local_experts: int, d_model: int, d_hidden: int, first_global_expert: int = 0,
@@ -256,7 +261,7 @@ class GroupedExperts(nn.Module):
         self.recompute = recompute
         self.num_local_experts, self.d_model, self.d_hidden = num_local_experts, d_model, d_hidden
         self.first_global_expert, self.seed = first_global_expert, seed
-        self.w_in = nn.Parameter(torch.empty(num_local_experts, d_model, d_hidden))
+        self.w_in = nn.Parameter(torch.empty(num_local_experts, d_hidden, d_model))   # nn.Linear's (out, in)
         self.w_out = nn.Parameter(torch.empty(num_local_experts, d_hidden, d_model))
         self.output_scale = math.sqrt(d_model / d_hidden)
         self.reset_parameters()
@@ -268,9 +273,9 @@ class GroupedExperts(nn.Module):
         with torch.no_grad():
             for local_id in range(self.num_local_experts):
                 generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.first_global_expert + local_id)
-                for weight in (self.w_in, self.w_out):
-                    init = torch.empty(weight.shape[1:]).uniform_(-bound, bound, generator=generator)
-                    weight[local_id].copy_(init)
+                w_in_DH = torch.empty(self.d_model, self.d_hidden).uniform_(-bound, bound, generator=generator)
+                self.w_in[local_id].copy_(w_in_DH.t())
+                self.w_out[local_id].uniform_(-bound, bound, generator=generator)
 
     def forward(self, rows_RD: torch.Tensor, tokens_per_expert: list[int], row_of_pair_M: torch.Tensor | None = None,
                 gate_M: torch.Tensor | None = None) -> torch.Tensor:

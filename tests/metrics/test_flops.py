@@ -17,7 +17,6 @@ from moe_scale.moe import experts
 @pytest.fixture(autouse=True)
 def unpadded_expert_kernels(monkeypatch):
     """FlopCounterMode counts the padded kernel's zero rows too; the analytic count is of the real rows."""
-    monkeypatch.setattr(experts, "_PADDED_MAX_GROWTH", 0)
     monkeypatch.setattr(experts, "_PADDED_OUTER_MAX_ROWS", 0)
 
 B, T, V = 4, 8, 97

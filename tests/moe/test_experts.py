@@ -22,9 +22,9 @@ COUNTS = {
 
 
 def reference_ffn(x, w_in, w_out, counts, scale):
-    """relu(x[rows of e] @ w_in[e]) @ w_out[e] * scale with plain autograd, expert by expert."""
+    """relu(x[rows of e] @ w_in[e].T) @ w_out[e] * scale with plain autograd, expert by expert."""
     bounds = [0] + torch.tensor(counts).cumsum(0).tolist()
-    pieces = [torch.relu(x[a:b] @ w_in[e]) @ w_out[e] * scale for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    pieces = [torch.relu(x[a:b] @ w_in[e].t()) @ w_out[e] * scale for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
     return torch.cat(pieces) if pieces else x.new_zeros(0, w_out.shape[2])
 
 
@@ -60,7 +60,7 @@ def test_expert_ffn_matches_per_expert_autograd(counts, dtype, kernel, recompute
     gen = torch.Generator().manual_seed(len(counts) * 7 + sum(counts))
     m, e, d, h = sum(counts), len(counts), 8, 12
     x = torch.randn(m, d, generator=gen, dtype=dtype, requires_grad=True)
-    w_in = torch.randn(e, d, h, generator=gen, dtype=dtype, requires_grad=True)
+    w_in = torch.randn(e, h, d, generator=gen, dtype=dtype, requires_grad=True)
     w_out = torch.randn(e, h, d, generator=gen, dtype=dtype, requires_grad=True)
     grad_t = torch.randn(d, m, generator=gen, dtype=dtype)     # .t(): a non-contiguous upstream gradient
     y = expert_ffn(x, w_in, w_out, counts, scale=0.5, recompute=recompute, kernel=kernel)
@@ -101,7 +101,7 @@ def test_expert_ffn_gradcheck_and_single_input_grad():
     counts = [2, 0, 3]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
-    w_in = torch.randn(3, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    w_in = torch.randn(3, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     w_out = torch.randn(3, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     for recompute in (False, True):
         for kernel in ("loop", "padded"):
@@ -167,7 +167,7 @@ def test_gated_row_sums_match_reference_in_value_and_every_gradient(counts, row_
     gen = torch.Generator().manual_seed(sum(counts) + len(row_of_pair))
     d, h, e = 3, 5, len(counts)
     rows = torch.randn(4, d, generator=gen, dtype=torch.float64, requires_grad=True)
-    w_in = torch.randn(e, d, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    w_in = torch.randn(e, h, d, generator=gen, dtype=torch.float64, requires_grad=True)
     w_out = torch.randn(e, h, d, generator=gen, dtype=torch.float64, requires_grad=True)
     gate = torch.rand(len(row_of_pair), generator=gen, dtype=torch.float64).add_(0.1).requires_grad_(True)
     index = torch.tensor(row_of_pair)
@@ -203,7 +203,7 @@ def test_flop_counter_sees_the_grouped_gemm():
 
     counts, d, h = [5, 0, 7, 4], 8, 24
     x = torch.randn(sum(counts), d, requires_grad=True)
-    w_in = torch.randn(4, d, h, requires_grad=True)
+    w_in = torch.randn(4, h, d, requires_grad=True)
     w_out = torch.randn(4, h, d, requires_grad=True)
     with FlopCounterMode(display=False) as counter:
         expert_ffn(x, w_in, w_out, counts, kernel="grouped").sum().backward()
@@ -226,11 +226,11 @@ def test_recompute_keeps_no_hidden_activations():
 
 
 def reference_experts(experts, x_MD, counts):
-    """relu(x @ w_in[e]) @ w_out[e] * sqrt(D/H), expert by expert."""
+    """relu(x @ w_in[e].T) @ w_out[e] * sqrt(D/H), expert by expert."""
     out, start = [], 0
     for e, count in enumerate(counts):
         rows = x_MD[start:start + count]
-        out.append(torch.relu(rows @ experts.w_in[e]) @ experts.w_out[e] * math.sqrt(experts.d_model / experts.d_hidden))
+        out.append(torch.relu(rows @ experts.w_in[e].t()) @ experts.w_out[e] * math.sqrt(experts.d_model / experts.d_hidden))
         start += count
     return torch.cat(out)
 
@@ -255,7 +255,7 @@ def test_grouped_experts_forward_backward_match_reference(counts):
 
 def test_grouped_experts_output_scale_and_shapes():
     experts = GroupedExperts(4, 16, 32)
-    assert experts.w_in.shape == (4, 16, 32) and experts.w_out.shape == (4, 32, 16)
+    assert experts.w_in.shape == (4, 32, 16) and experts.w_out.shape == (4, 32, 16)   # w_in as nn.Linear: (out, in)
     assert experts.output_scale == pytest.approx(math.sqrt(16 / 32))
     bound = math.sqrt(6.0 / (16 + 32))                      # Glorot uniform per expert matrix
     for w in (experts.w_in, experts.w_out):

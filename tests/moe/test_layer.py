@@ -47,7 +47,7 @@ def dense_reference(layer, x):
     gates = torch.softmax(top, dim=1)
     w_in, w_out = layer.experts.w_in, layer.experts.w_out
     y = torch.stack([
-        sum(gates[n, j] * (torch.relu(x[n] @ w_in[experts[n, j]]) @ w_out[experts[n, j]]) for j in range(K))
+        sum(gates[n, j] * (torch.relu(x[n] @ w_in[experts[n, j]].t()) @ w_out[experts[n, j]]) for j in range(K))
         for n in range(x.shape[0])]) * math.sqrt(D / H)
     importance = torch.zeros(E, dtype=x.dtype).index_add(0, experts.reshape(-1), gates.reshape(-1))
     load = torch.bincount(experts.reshape(-1), minlength=E).to(x.dtype)
@@ -147,7 +147,7 @@ def test_state_dict_round_trip_into_fresh_layer():
     assert not result.missing_keys and not result.unexpected_keys
     for (name, a), (_, b) in zip(src.named_parameters(), dst.named_parameters()):
         assert torch.equal(a, b), name
-    assert dst["moe"].experts.w_in.is_leaf and dst["moe"].experts.w_in.shape == (4, D, H)
+    assert dst["moe"].experts.w_in.is_leaf and dst["moe"].experts.w_in.shape == (4, H, D)
     assert set(dst.state_dict()) == set(sd)
     for k in sd:
         assert torch.equal(dst.state_dict()[k], sd[k]), k
