@@ -91,21 +91,21 @@ class GroupLayout:
             last = min(first + experts_per_chunk, self.num_groups)
             row_start = ends[first - 1] if first else 0
             rows = slice(row_start, ends[last - 1])
-            slot_C = self._slots(first, last) - first * P
+            slot_C = self._chunk_slots(first, last)
             a_CPI = a_MI.new_zeros((last - first) * P, a_MI.shape[1]).index_copy_(0, slot_C, a_MI[rows])
             b_CPO = b_MO.new_zeros((last - first) * P, b_MO.shape[1]).index_copy_(0, slot_C, b_MO[rows])
             torch.bmm(a_CPI.view(last - first, P, -1).transpose(1, 2), b_CPO.view(last - first, P, -1),
                       out=out_EIO[first:last])
         return out_EIO
 
-    def _slots(self, first: int, last: int) -> torch.Tensor:
-        """For the rows of experts first..last-1: row j of expert e goes to slot e * P + j."""
+    def _chunk_slots(self, first: int, last: int) -> torch.Tensor:
+        """The rows of experts first..last-1, in order: row j of expert e goes to slot (e - first) * P + j."""
         counts_C = self._counts_E[first:last]
-        expert_C = torch.repeat_interleave(torch.arange(first, last, device=counts_C.device), counts_C)
-        first_row_C = self.offsets.long()[first:last] - counts_C
-        rank_in_expert = torch.arange(expert_C.shape[0], device=counts_C.device) - \
-            (first_row_C - first_row_C[:1]).repeat_interleave(counts_C)
-        return expert_C * self.pad_rows + rank_in_expert
+        local_expert = torch.repeat_interleave(torch.arange(last - first, device=counts_C.device), counts_C)
+        first_row_C = counts_C.cumsum(0) - counts_C
+        rank_in_expert = torch.arange(local_expert.shape[0], device=counts_C.device) - \
+            first_row_C.repeat_interleave(counts_C)
+        return local_expert * self.pad_rows + rank_in_expert
 
 
 def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
@@ -177,9 +177,10 @@ class _ExpertFFN(torch.autograd.Function):
     returned per pair ([M, D]) without `row_of_pair`, or summed per row ([R, D]) with it.
 
     Gating and summing inside the function keeps memory near a dense FFN's: the pairs' input rows are gathered
-    and their outputs scattered here, so neither is saved, and the gate gradient comes from the backward's own
-    product, dL/dg_m = scale * <dL/dhidden_m / (scale g_m), hidden_m> = scale * <(dL/dy_m) @ w_out[e].T, hidden_m>,
-    so y is not saved either. Saved: the rows, the hidden layer (none with recompute), indices and gates.
+    and their outputs scattered here, so neither is saved. Nor is y: with G_m = dL/d(output row of pair m),
+    dL/dg_m = scale * <G_m, hidden_m @ w_out[e]> = scale * <G_m @ w_out[e].T, hidden_m>, and G_m @ w_out[e].T
+    is a product the backward computes anyway. Saved: the rows, the hidden layer (none with recompute),
+    indices and gates.
     """
 
     @staticmethod

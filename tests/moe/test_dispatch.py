@@ -221,6 +221,31 @@ def test_capacity_ties_keep_the_lower_pair_index_and_dropless_drops_nothing():
     assert state.dropped_pairs == 0 and state.tokens_per_expert == [5, 0, 0, 0]
 
 
+def test_one_rank_row_level_dispatch_moves_nothing_unless_a_token_is_dropped():
+    """dispatch_rows / pair_gates / combine_rows, the layer's path: with one rank and every token routed the
+    rows are the tokens themselves (no copy) and the per-row sums are the output; when capacity drops every
+    copy of a token, the rows are the surviving tokens and the dropped token's output is zero."""
+    experts = torch.tensor([0, 1, 1, 0, 1, 0])                # tokens 0..2, two experts each
+    tokens = torch.tensor([0, 0, 1, 1, 2, 2])
+    gates = torch.tensor([0.6, 0.1, 0.2, 0.9, 0.3, 0.7])
+    x = torch.randn(3, D)
+    dispatcher = AllToAllDispatcher(2, 2)
+    rows, state = dispatcher.dispatch_rows(x, tokens, experts, gates)
+    assert rows is x and state.rows_are_tokens
+    assert state.arrived_row_M.tolist() == [0, 1, 2, 0, 1, 2]  # expert 0's pairs, then expert 1's
+    assert dispatcher.pair_gates(gates, state).tolist() == pytest.approx([0.6, 0.9, 0.7, 0.1, 0.2, 0.3])
+    per_row = torch.randn(3, D)
+    assert dispatcher.combine_rows(per_row, state) is per_row
+
+    capacity = AllToAllDispatcher(2, 2, mode="capacity", capacity_factor=1 / 3)   # one copy per expert:
+    # expert 0 keeps token 1 (gate .9), expert 1 keeps token 2 (gate .3)
+    rows, state = capacity.dispatch_rows(x, tokens, experts, gates)
+    assert not state.rows_are_tokens and state.unique_token_U.tolist() == [1, 2]  # token 0 lost both copies
+    torch.testing.assert_close(rows, x[1:])
+    out = capacity.combine_rows(torch.ones(2, D), state)
+    assert out[0].abs().sum() == 0 and torch.equal(out[1:], torch.ones(2, D))
+
+
 def test_bad_dispatch_settings_are_refused():
     with pytest.raises(ValueError, match="capacity_factor must be positive"):
         AllToAllDispatcher(4, 4, mode="capacity", capacity_factor=0.0)
