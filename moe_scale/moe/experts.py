@@ -9,9 +9,10 @@ writes each expert's gradient straight into one [E, ...] buffer, and experts wit
 fill. The whole FFN is one function, so `recompute` (Shazeer et al. App. D) simply saves the inputs instead
 of the hidden activations and redoes the first matmul in the backward.
 
-Each per-expert product runs as one call for all experts: a zero-padded batched GEMM where few rows are
-padded, torch's grouped GEMM (`F.grouped_mm`, CPU float32/bfloat16/float16) otherwise, and a loop over experts
-where neither applies; `GroupLayout` picks per product, and tests check all three give the same result.
+Each per-expert product runs as one call for all experts: torch's grouped GEMM (`F.grouped_mm`, CPU
+float32/bfloat16/float16), or for weight gradients with few rows per expert a batched GEMM over zero-padded
+expert chunks, and a loop over experts where neither applies; `GroupLayout` picks per product, and tests
+check all three give the same result.
 """
 
 from __future__ import annotations
