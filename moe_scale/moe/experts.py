@@ -207,7 +207,7 @@ class _ExpertFFN(torch.autograd.Function):
         need_rows, need_w_in, need_w_out = ctx.needs_input_grad[:3]
         need_gate = ctx.needs_input_grad[5]
 
-        def pair_inputs():
+        def pair_inputs():   # gathered where needed, not held across the backward: [M, D] saved at the peak
             return rows_RD if row_of_pair_M is None else rows_RD.index_select(0, row_of_pair_M)
 
         if hidden_MH is None:   # recompute: the hidden layer was not kept

@@ -174,6 +174,17 @@ def _setup(layer, mode, rank, world):
         layer.router.noise_sampler = GlobalTokenNoise(seed=7, layer_index=0, rank=rank, world_size=world)
 
 
+def _single_process_reference(mode, router=None):
+    """The whole batch through one process's layer, forward and backward: (layer, x, y, aux)."""
+    single = make_layer(ep_size=1, seed=3, router=router)
+    _setup(single, mode, 0, 1)
+    x, upstream = make_batch()
+    x.requires_grad_(True)
+    y, aux = single(x)
+    ((y * upstream).sum() + aux).backward()
+    return single, x, y, aux
+
+
 def _two_rank_worker(rank, world, mode):
     layer = make_layer(ep_size=world, ep_rank=rank, seed=3)
     layer.set_deepspeed_parallelism()
@@ -200,13 +211,7 @@ def _wrong_rank_worker(rank, world):
 @pytest.mark.parametrize("mode", ["eval", "train_noisy"])
 def test_two_expert_parallel_ranks_equal_one_process(mode):
     results = run_ranks(_two_rank_worker, world_size=2, args=(mode,), deepspeed=True, timeout=60)
-
-    single = make_layer(ep_size=1, seed=3)
-    _setup(single, mode, 0, 1)
-    x, upstream = make_batch()
-    x.requires_grad_(True)
-    y, aux = single(x)
-    ((y * upstream).sum() + aux).backward()
+    single, x, y, aux = _single_process_reference(mode)
 
     n, local = x.shape[0] // 2, E // 2
     for rank, res in enumerate(results):
@@ -269,12 +274,7 @@ def _four_rank_worker(rank, world, gate, all_to_all):
 @pytest.mark.parametrize("gate,all_to_all", [("noisy_topk", "flat"), ("hierarchical", "hierarchical")])
 def test_four_expert_parallel_ranks_equal_one_process(gate, all_to_all):
     results = run_ranks(_four_rank_worker, world_size=4, args=(gate, all_to_all), deepspeed=True, timeout=90)
-    single = make_layer(ep_size=1, seed=3, router=_router(gate))
-    _setup(single, "train_noisy", 0, 1)
-    x, upstream = make_batch()
-    x.requires_grad_(True)
-    y, aux = single(x)
-    ((y * upstream).sum() + aux).backward()
+    single, x, y, aux = _single_process_reference("train_noisy", _router(gate))
     n, local = x.shape[0] // 4, E // 4
     for rank, res in enumerate(results):
         assert res["exchange"] == ("HierarchicalExchange" if all_to_all == "hierarchical" else "FlatExchange")
