@@ -49,6 +49,9 @@ class ModelConfig:
     capacity_factor: float = _f(1.0, "capacity dispatch: expert capacity = ceil(factor x tokens x k / experts)")
     expert_recompute: bool = _f(False, "recompute the experts' hidden activations in the backward pass instead "
                                        "of storing them (Shazeer et al. App. D)")
+    expert_grad_reuse: bool = _f(True, "CPU: write the expert weights' gradients into the memory of the last "
+                                       "ones, not onto fresh pages the kernel must zero first (faster; that "
+                                       "memory, one gradient per expert weight, stays allocated between steps)")
     layout: str = _f("lstm-moe-lstm", "layer stack between embedding and softmax: App. C.1's model, or a computationally "
                                       "matched baseline: a dense FFN instead of the MoE (MoE-1-Deep), four LSTMs "
                                       "(4xLSTM-512), or one LSTM (LSTM-2048-512)",

@@ -45,7 +45,7 @@ class LSTMMoELM(nn.Module):
             self.moe = MoELayer(d, config.expert_hidden, config.num_experts, config.top_k, ep_size=ep_size,
                                 ep_rank=ep_rank, seed=seed, router=build_router(config),
                                 recompute=config.expert_recompute, dispatch_mode=config.dispatch,
-                                capacity_factor=config.capacity_factor)
+                                capacity_factor=config.capacity_factor, reuse_grad_buffers=config.expert_grad_reuse)
         elif config.layout == "lstm-ffn-lstm":
             self.ffn = DenseFFN(d, config.expert_hidden, config.ffn_layers)
         elif config.layout == "4xlstm":

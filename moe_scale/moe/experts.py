@@ -9,10 +9,10 @@ writes each expert's gradient straight into one [E, ...] buffer, and experts wit
 fill. The whole FFN is one function, so `recompute` (Shazeer et al. App. D) simply saves the inputs instead
 of the hidden activations and redoes the first matmul in the backward.
 
-Each per-expert product runs as one call for all experts: torch's grouped GEMM (`F.grouped_mm`, CPU
-float32/bfloat16/float16), or for weight gradients with few rows per expert a batched GEMM over zero-padded
-expert chunks, and a loop over experts where neither applies; `GroupLayout` picks per product, and tests
-check all three give the same result.
+Each per-expert product runs as one call for all experts: with few rows per expert on CPU float32, our own
+kernels (cpu_kernels.c); otherwise torch's grouped GEMM (`F.grouped_mm`, CPU float32/bfloat16/float16), or
+for weight gradients with few rows per expert a batched GEMM over zero-padded expert chunks, and a loop over
+experts where none applies. `GroupLayout` picks per product, and tests check all give the same result.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moe_scale.moe import cpu_kernels
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -47,8 +49,11 @@ def _grouped_mm_available(t: torch.Tensor) -> bool:
 # writing the gradient, up to about 2 * peak FLOP/s / bandwidth ~ 25 rows per expert here. It pads a chunk of
 # experts at a time, so its padded copies never exceed a quarter of the rows.
 _PADDED_OUTER_MAX_ROWS = 32
+# Our kernels against torch's grouped GEMM (2048 tokens x k, D=256, H=512, 2 threads): 1.3-1.6x faster row
+# products and 1.0-1.5x faster weight gradients at 4-16 rows per expert, on par at 32, slower at 64+.
+_NATIVE_MAX_MEAN_ROWS = 32
 
-KERNELS = ("loop", "grouped", "padded")
+KERNELS = ("loop", "grouped", "padded", "native")
 
 
 class GroupLayout:
@@ -59,6 +64,10 @@ class GroupLayout:
       grouped  torch's grouped GEMM over the row offsets (CPU float32/bfloat16/float16)
       padded   (weight gradients only) rows scattered into zero-padded [experts, P, ...] chunks, P = the
                largest count, and one torch.bmm per chunk
+      native   cpu_kernels.c (CPU float32): each expert's weights streamed once, its few rows in cache
+
+    With at most _NATIVE_MAX_MEAN_ROWS rows per expert on average, every product takes the native kernels
+    where they are available (they are fastest there; see cpu_kernels.c). Otherwise:
 
     Measured here (2048 tokens x k, D=256, H=512, 2 threads): a weight gradient x[rows of e].T @ g with few
     rows per expert is a rank-few update that MKL's GEMM writes slowly; bmm over the padded batch writes it
@@ -75,6 +84,14 @@ class GroupLayout:
         self.offsets = self._counts_E.cumsum(0, dtype=torch.int32)
         self.num_rows, self.num_groups = sum(counts), len(counts)
         self.pad_rows = max(counts, default=0)
+        if kernel == "native" and not cpu_kernels.available(like):
+            raise ValueError(f"kernel 'native' takes CPU float32 tensors and a built library; got "
+                             f"{like.device.type} {like.dtype}")
+        if kernel is None and 0 < self.num_rows <= _NATIVE_MAX_MEAN_ROWS * self.num_groups \
+                and cpu_kernels.available(like):
+            kernel = "native"
+        if kernel == "native":
+            self.offsets_E1 = torch.cat([self._counts_E.new_zeros(1), self._counts_E.cumsum(0)])
         fallback = "grouped" if _grouped_mm_available(like) else "loop"
         short_groups = 0 < self.pad_rows <= _PADDED_OUTER_MAX_ROWS
         self.matmul_kernel = fallback if kernel in (None, "padded") else kernel
@@ -111,6 +128,10 @@ class GroupLayout:
 
 def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ b[e]: [M, O]."""
+    if layout.matmul_kernel == "native":   # b is a weight [E, I, O] or a weight's transpose
+        if b_EIO.transpose(1, 2).is_contiguous():
+            return cpu_kernels.rows_times_wt(a_MI, b_EIO.transpose(1, 2), layout.offsets_E1)
+        return cpu_kernels.rows_times_w(a_MI, b_EIO, layout.offsets_E1)
     if layout.matmul_kernel == "grouped":
         return F.grouped_mm(a_MI, b_EIO, offs=layout.offsets)
     out_MO = a_MI.new_empty(a_MI.shape[0], b_EIO.shape[2])
@@ -122,8 +143,12 @@ def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayo
     return out_MO
 
 
-def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
-    """out[e] = a[rows of e].T @ b[rows of e]: [E, I, O], exact zeros for an expert with no rows."""
+def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout,
+                     out_EIO: torch.Tensor | None = None) -> torch.Tensor:
+    """out[e] = a[rows of e].T @ b[rows of e]: [E, I, O], exact zeros for an expert with no rows. `out_EIO`
+    (native kernel only) is written over."""
+    if layout.outer_kernel == "native":
+        return cpu_kernels.rows_outer(a_MI, b_MO, layout.offsets_E1, out_EIO)
     if layout.outer_kernel == "padded":
         return layout.padded_outer(a_MI, b_MO)
     if layout.outer_kernel == "grouped":
@@ -172,6 +197,45 @@ def grouped_matmul(x_MI: torch.Tensor, w_EIO: torch.Tensor, tokens_per_expert: l
     return _GroupedMatmul.apply(x_MI, w_EIO, tokens_per_expert, kernel)
 
 
+class GradientBuffers:
+    """Lets each expert weight's gradient be written into the memory of its previous one, on CPU.
+
+    torch's CPU allocator hands large blocks back to the system when they are freed, so every step's
+    [E, H, D] gradients land on fresh pages, which the kernel zero-fills before the first write: measured
+    here, 512 MiB of gradient took 60-75 ms on fresh pages and 40 ms on pages already mapped (about a quarter
+    of the layer's step at E=1024). So the experts keep the storage of the last gradient of each weight and
+    hand autograd a new view of it, which AccumulateGrad adopts as `.grad` without a copy. Only while nothing
+    else holds that storage (the `.grad` was cleared, or DeepSpeed moved it into its own buffers): otherwise
+    a fresh buffer is taken, so a gradient still in use is never written over.
+
+    Cost: between steps, one gradient-sized buffer per expert weight stays allocated (what a GPU's caching
+    allocator keeps as well). `GroupedExperts(reuse_grad_buffers=False)` / `--no-expert-grad-reuse` turns it off.
+    """
+
+    def __init__(self):
+        self._kept: dict[str, tuple[torch.Tensor, int]] = {}   # name -> (buffer, storage users when free)
+
+    def take(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped, typed and placed like `like`, to be written over: the kept buffer when free."""
+        kept = self._kept.get(name)
+        if kept is not None and self._is_free(*kept) and kept[0].shape == like.shape \
+                and kept[0].dtype == like.dtype and kept[0].device == like.device:
+            return kept[0].view(like.shape)
+        buffer = torch.empty_like(like, memory_format=torch.contiguous_format)
+        self._kept[name] = (buffer, _storage_users(buffer))
+        return buffer.view(like.shape)   # a view: a tensor of its own, which AccumulateGrad may adopt
+
+    @staticmethod
+    def _is_free(buffer: torch.Tensor, users_when_free: int) -> bool:
+        return users_when_free > 0 and _storage_users(buffer) == users_when_free
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """Tensors sharing t's storage (counted by torch; 0 where this torch cannot tell: never reused)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count(t.untyped_storage()._cdata) if count is not None else 0
+
+
 class _ExpertFFN(torch.autograd.Function):
     """Pair m (of expert e, reading row r = row_of_pair[m] of `rows`, with gate g_m):
         y_m = relu(rows[r] @ w_in[e].T) @ w_out[e] * scale * g_m
@@ -186,7 +250,7 @@ class _ExpertFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows_RD, w_in_EHD, w_out_EHD, counts: list[int], row_of_pair_M, gate_M, scale: float,
-                recompute: bool, kernel: str | None):
+                recompute: bool, kernel: str | None, grad_buffers: GradientBuffers | None):
         layout = GroupLayout(counts, rows_RD, kernel)
         x_MD = rows_RD if row_of_pair_M is None else rows_RD.index_select(0, row_of_pair_M)
         hidden_MH = rows_times_expert(x_MD, w_in_EHD.transpose(1, 2), layout).relu_()
@@ -196,6 +260,8 @@ class _ExpertFFN(torch.autograd.Function):
         ctx.save_for_backward(rows_RD, w_in_EHD, w_out_EHD, row_of_pair_M, gate_M,
                               None if recompute else hidden_MH)
         ctx.layout, ctx.scale = layout, scale
+        # Only the native kernel writes into a given buffer; it runs where fresh pages cost the most.
+        ctx.grad_buffers = grad_buffers if layout.outer_kernel == "native" else None
         if row_of_pair_M is None:
             return y_MD
         return y_MD.new_zeros(rows_RD.shape[0], y_MD.shape[1]).index_add_(0, row_of_pair_M, y_MD)
@@ -222,26 +288,32 @@ class _ExpertFFN(torch.autograd.Function):
             grad_gate = row_dot(grad_hidden_MH, hidden_MH).mul_(scale).to(gate_M.dtype)
         if need_w_out:   # the gathered gradient is ours to scale in place; the incoming one is not
             grad_y_MD = grad_y_MD.mul_(coef) if row_of_pair_M is not None else grad_y_MD * coef
-            grad_w_out = per_expert_outer(hidden_MH, grad_y_MD, layout)
+            grad_w_out = per_expert_outer(hidden_MH, grad_y_MD, layout, _buffer(ctx, "w_out", w_out))
             del grad_y_MD
         # ReLU: hidden > 0 exactly where its input was. threshold_backward in place: no [M, H] mask temporary.
         torch.ops.aten.threshold_backward.grad_input(grad_hidden_MH.mul_(coef), hidden_MH, 0, grad_input=grad_hidden_MH)
         del hidden_MH
         if need_w_in:
-            grad_w_in = per_expert_outer(grad_hidden_MH, pair_inputs(), layout)
+            grad_w_in = per_expert_outer(grad_hidden_MH, pair_inputs(), layout, _buffer(ctx, "w_in", w_in))
         if need_rows:
             grad_x_MD = rows_times_expert(grad_hidden_MH, w_in, layout)
             del grad_hidden_MH
             grad_rows = grad_x_MD if row_of_pair_M is None else \
                 grad_x_MD.new_zeros(rows_RD.shape).index_add_(0, row_of_pair_M, grad_x_MD)
-        return grad_rows, grad_w_in, grad_w_out, None, None, grad_gate, None, None, None
+        return grad_rows, grad_w_in, grad_w_out, None, None, grad_gate, None, None, None, None
+
+
+def _buffer(ctx, name: str, weight: torch.Tensor) -> torch.Tensor | None:
+    return None if ctx.grad_buffers is None else ctx.grad_buffers.take(name, weight)
 
 
 def expert_ffn(rows_RD, w_in_EHD, w_out_EHD, tokens_per_expert: list[int], row_of_pair_M=None, gate_M=None,
-               scale: float = 1.0, recompute: bool = False, kernel: str | None = None) -> torch.Tensor:
-    """See _ExpertFFN. `kernel` forces one kernel (tests); by default GroupLayout picks per product."""
+               scale: float = 1.0, recompute: bool = False, kernel: str | None = None,
+               grad_buffers: GradientBuffers | None = None) -> torch.Tensor:
+    """See _ExpertFFN. `kernel` forces one kernel (tests); by default GroupLayout picks per product.
+    `grad_buffers`: where the weight gradients may be written (see GradientBuffers)."""
     return _ExpertFFN.apply(rows_RD, w_in_EHD, w_out_EHD, tokens_per_expert, row_of_pair_M, gate_M, scale,
-                            recompute, kernel)
+                            recompute, kernel, grad_buffers)
 
 
 class GroupedExperts(nn.Module):
@@ -258,9 +330,10 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, d_model: int, d_hidden: int, first_global_expert: int = 0,
-                 seed: int = 0, recompute: bool = False):
+                 seed: int = 0, recompute: bool = False, reuse_grad_buffers: bool = True):
         super().__init__()
         self.recompute = recompute
+        self.grad_buffers = GradientBuffers() if reuse_grad_buffers else None
         self.num_local_experts, self.d_model, self.d_hidden = num_local_experts, d_model, d_hidden
         self.first_global_expert, self.seed = first_global_expert, seed
         self.w_in = nn.Parameter(torch.empty(num_local_experts, d_hidden, d_model))   # nn.Linear's (out, in)
@@ -288,5 +361,6 @@ class GroupedExperts(nn.Module):
         if torch.is_autocast_enabled(device_type):  # autocast skips custom Functions: cast as it would for a matmul
             dtype = torch.get_autocast_dtype(device_type)
             rows_RD, w_in, w_out = rows_RD.to(dtype), w_in.to(dtype), w_out.to(dtype)
+        grad_buffers = self.grad_buffers if w_in is self.w_in else None   # autocast: the casts' gradients
         return expert_ffn(rows_RD, w_in, w_out, tokens_per_expert, row_of_pair_M, gate_M, self.output_scale,
-                          self.recompute)
+                          self.recompute, grad_buffers=grad_buffers)

@@ -54,7 +54,7 @@ class MoELayer(DeepSpeedMoE):
                  ep_rank: int = 0, w_importance: float = 0.1, w_load: float = 0.1, noisy_gating: bool = True,
                  seed: int = 0, router: nn.Module | None = None, recompute: bool = False,
                  dispatch_mode: str = "dropless", capacity_factor: float = 1.0, all_to_all: str = "flat",
-                 node_size: int = 0):
+                 node_size: int = 0, reuse_grad_buffers: bool = True):
         nn.Module.__init__(self)  # DeepSpeed's MoE.__init__ would build its own gate and experts
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
@@ -66,7 +66,7 @@ class MoELayer(DeepSpeedMoE):
             d_model, num_experts, k, w_importance=w_importance, w_load=w_load, noisy=noisy_gating)
         self.experts = GroupedExperts(self.num_local_experts, d_model, d_hidden,
                                       first_global_expert=ep_rank * self.num_local_experts, seed=seed,
-                                      recompute=recompute)
+                                      recompute=recompute, reuse_grad_buffers=reuse_grad_buffers)
         for param in self.experts.parameters():
             param.allreduce = False
             param.group_name = self.expert_group_name

@@ -1,5 +1,6 @@
-"""GroupedExperts and its fused FFN autograd function, against per-expert slice references; the grouped-GEMM
-and padded-bmm kernels against the loop kernel; the kernel choice; recompute on/off."""
+"""GroupedExperts and its fused FFN autograd function, against per-expert slice references; the grouped-GEMM,
+padded-bmm and native kernels against the loop kernel; the kernel choice; recompute on/off. (The native
+kernels' own edge cases: tests/moe/test_cpu_kernels.py.)"""
 
 import math
 import os
@@ -38,9 +39,12 @@ def test_grouped_padded_and_loop_kernels_give_the_same_products(counts):
     loop_layout = GroupLayout(counts, a, "loop")
     loop = rows_times_expert(a, b, loop_layout)
     outer_loop = per_expert_outer(a, g, loop_layout)
-    for kernel in ("grouped", "padded"):
+    b_t = torch.randn(e, 12, 8, generator=gen).transpose(1, 2)   # a weight's transpose (native's other kernel)
+    loop_t = rows_times_expert(a, b_t, loop_layout)
+    for kernel in ("grouped", "padded", "native"):
         layout = GroupLayout(counts, a, kernel)
         torch.testing.assert_close(rows_times_expert(a, b, layout), loop)
+        torch.testing.assert_close(rows_times_expert(a, b_t, layout), loop_t)
         torch.testing.assert_close(per_expert_outer(a, g, layout), outer_loop)
     start = 0
     for expert, count in enumerate(counts):        # against slices, and exact zeros for an empty expert
@@ -53,8 +57,9 @@ def test_grouped_padded_and_loop_kernels_give_the_same_products(counts):
 
 @pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
 @pytest.mark.parametrize("dtype, kernel", [(torch.float64, "loop"), (torch.float32, "grouped"),
-                                           (torch.float64, "padded"), (torch.float32, None)],
-                         ids=["loop_f64", "grouped_f32", "padded_f64", "chosen_f32"])
+                                           (torch.float64, "padded"), (torch.float32, "native"),
+                                           (torch.float32, None)],
+                         ids=["loop_f64", "grouped_f32", "padded_f64", "native_f32", "chosen_f32"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 def test_expert_ffn_matches_per_expert_autograd(counts, dtype, kernel, recompute):
     gen = torch.Generator().manual_seed(len(counts) * 7 + sum(counts))
@@ -79,7 +84,8 @@ def test_expert_ffn_matches_per_expert_autograd(counts, dtype, kernel, recompute
 
 @pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
 @pytest.mark.parametrize("dtype, kernel", [(torch.float64, "loop"), (torch.float32, "grouped"),
-                                           (torch.float64, "padded")], ids=["loop_f64", "grouped_f32", "padded_f64"])
+                                           (torch.float64, "padded"), (torch.float32, "native")],
+                         ids=["loop_f64", "grouped_f32", "padded_f64", "native_f32"])
 def test_grouped_matmul_matches_per_expert_slices(counts, dtype, kernel):
     gen = torch.Generator().manual_seed(len(counts) * 3 + sum(counts))
     m, e = sum(counts), len(counts)
@@ -118,19 +124,27 @@ def test_expert_ffn_gradcheck_and_single_input_grad():
         torch.testing.assert_close(gw, want_w_out)
 
 
-def test_kernel_choice_pads_weight_gradients_only_while_every_expert_has_few_rows():
-    """Weight gradients: padded while no expert has more than 32 rows; grouped GEMM (CPU float32) or the loop
-    (float64) otherwise. Row products never pad."""
-    f32, f64 = torch.empty(0), torch.empty(0, dtype=torch.float64)
+def test_kernel_choice_native_for_few_rows_per_expert_else_pads_weight_gradients_of_short_groups():
+    """CPU float32 with at most 32 rows per expert on average: native kernels for every product. Otherwise
+    weight gradients pad while no expert has more than 32 rows, and take grouped GEMM (CPU float32) or the
+    loop (float64) beyond; row products never pad."""
+    f32, f64, bf16 = torch.empty(0), torch.empty(0, dtype=torch.float64), torch.empty(0, dtype=torch.bfloat16)
     sparse = GroupLayout([0, 3, 0, 0, 1, 0, 0, 0], f32)
-    assert (sparse.matmul_kernel, sparse.outer_kernel) == ("grouped", "padded")
-    assert GroupLayout([32] * 4, f32).outer_kernel == "padded"
-    assert GroupLayout([33, 1, 1], f32).outer_kernel == "grouped"       # one long group: padding would dominate
+    assert (sparse.matmul_kernel, sparse.outer_kernel) == ("native", "native")
+    assert GroupLayout([32] * 4, f32).outer_kernel == "native"
+    assert GroupLayout([33] * 4, f32).outer_kernel == "grouped"         # many rows each: MKL's GEMM is faster
+    assert (GroupLayout([3, 1], bf16).matmul_kernel, GroupLayout([3, 1], bf16).outer_kernel) == ("grouped", "padded")
+    assert GroupLayout([33, 1, 1], bf16).outer_kernel == "grouped"      # one long group: padding would dominate
     assert (GroupLayout([33, 1], f64).outer_kernel, GroupLayout([3, 1], f64).matmul_kernel) == ("loop", "loop")
+    assert GroupLayout([3, 1], f64).outer_kernel == "padded"
+    empty = GroupLayout([0, 0], f32)                                    # nothing to run: torch's kernels
+    assert empty.matmul_kernel == empty.outer_kernel == "grouped"
     empty = GroupLayout([0, 0], f32, kernel="padded")                   # nothing to pad: falls back
     assert empty.matmul_kernel == empty.outer_kernel == "grouped"
     with pytest.raises(ValueError, match="kernel must be one of"):
         GroupLayout([1], f32, kernel="fast")
+    with pytest.raises(ValueError, match="kernel 'native' takes CPU float32"):
+        GroupLayout([1], f64, kernel="native")
 
 
 @pytest.mark.parametrize("num_experts", [7, 50, 300])
@@ -178,6 +192,24 @@ def test_gated_row_sums_match_reference_in_value_and_every_gradient(counts, row_
     torch.testing.assert_close(gated(rows, w_in, w_out, gate),
                                reference_gated(rows, w_in, w_out, counts, index, gate, 0.7))
     assert torch.autograd.gradcheck(gated, (rows, w_in, w_out, gate))
+
+
+@pytest.mark.parametrize("counts, row_of_pair", GATED.values(), ids=GATED.keys())
+def test_gated_row_sums_native_float32_match_reference(counts, row_of_pair):
+    """The native kernels take float32 only (no gradcheck): value and every gradient against the reference."""
+    gen = torch.Generator().manual_seed(len(row_of_pair))
+    d, h, e = 20, 36, len(counts)
+    leaves = [torch.randn(4, d, generator=gen), torch.randn(e, h, d, generator=gen),
+              torch.randn(e, h, d, generator=gen), torch.rand(len(row_of_pair), generator=gen) + 0.1]
+    index, grad = torch.tensor(row_of_pair), torch.randn(4, d, generator=gen)
+    outs = []
+    for run in (lambda r, a, b, g: expert_ffn(r, a, b, counts, index, g, scale=0.7, kernel="native"),
+                lambda r, a, b, g: reference_gated(r, a, b, counts, index, g, 0.7)):
+        inputs = [t.clone().requires_grad_(True) for t in leaves]
+        out = run(*inputs)
+        outs.append((out, *torch.autograd.grad(out, inputs, grad)))
+    for got, want in zip(*outs):   # float32 sums in different orders: the gate gradient sums 720 products
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_gated_form_saves_no_per_pair_copy_of_inputs_or_outputs():
@@ -301,3 +333,58 @@ def test_grouped_experts_under_autocast_match_bf16_reference():
     torch.testing.assert_close(y, ref)
     y.float().sum().backward()
     assert experts.w_in.grad.dtype == torch.float32 and torch.count_nonzero(experts.w_in.grad[0]) > 0
+
+
+def _experts_and_batch(reuse: bool, seed: int = 4):
+    """Few rows per expert in float32: the native kernels, where gradient buffers are reused."""
+    counts = [2, 0, 3, 1, 4, 0, 2, 1]
+    experts = GroupedExperts(len(counts), 32, 48, seed=seed, reuse_grad_buffers=reuse)
+    x = torch.randn(sum(counts), 32, generator=torch.Generator().manual_seed(seed))
+    return experts, x, counts
+
+
+def _weight_grads(experts, x, counts, scale: float = 1.0):
+    (experts(x, counts) * scale).sum().backward()
+    return experts.w_in.grad, experts.w_out.grad
+
+
+def test_cleared_gradients_are_rewritten_in_the_same_memory_with_the_right_values():
+    experts, x, counts = _experts_and_batch(reuse=True)
+    reference, _, _ = _experts_and_batch(reuse=False)
+    first = _weight_grads(experts, x, counts)
+    pointers = [g.data_ptr() for g in first]
+    want = [g.clone() for g in first]
+    experts.zero_grad(set_to_none=True)
+    del first
+    second = _weight_grads(experts, x, counts, scale=3.0)
+    assert [g.data_ptr() for g in second] == pointers                  # adopted as .grad, no copy
+    for got, single in zip(second, want):
+        torch.testing.assert_close(got, 3.0 * single)
+    for got, ref in zip(second, _weight_grads(reference, x, counts, scale=3.0)):
+        torch.testing.assert_close(got, ref)
+
+
+def test_a_gradient_still_held_is_never_written_over():
+    """Kept .grad (accumulation across backwards) and a gradient the caller took away must both survive."""
+    experts, x, counts = _experts_and_batch(reuse=True)
+    once = [g.clone() for g in _weight_grads(experts, x, counts)]
+    accumulated = _weight_grads(experts, x, counts, scale=2.0)         # .grad not cleared: 1x + 2x
+    for got, single in zip(accumulated, once):
+        torch.testing.assert_close(got, 3.0 * single)
+    taken = experts.w_in.grad
+    experts.zero_grad(set_to_none=True)
+    _weight_grads(experts, x, counts, scale=-5.0)
+    torch.testing.assert_close(taken, 3.0 * once[0])                   # still the caller's values
+    assert experts.w_in.grad.data_ptr() != taken.data_ptr()
+    torch.testing.assert_close(experts.w_in.grad, -5.0 * once[0])
+
+
+def test_two_calls_in_one_graph_sum_their_gradients():
+    experts, x, counts = _experts_and_batch(reuse=True)
+    reference, _, _ = _experts_and_batch(reuse=False)
+    for module in (experts, reference):
+        for _ in range(2):   # a second step: the kept buffers are free and get taken by the first call
+            module.zero_grad(set_to_none=True)
+            (module(x, counts).sum() + 2.0 * module(x * 0.5, counts).sum()).backward()
+    torch.testing.assert_close(experts.w_in.grad, reference.w_in.grad)
+    torch.testing.assert_close(experts.w_out.grad, reference.w_out.grad)

@@ -1,0 +1,129 @@
+"""Native CPU kernels for per-expert products with few rows per expert (cpu_kernels.c), built on first use.
+
+Legend: M rows sorted by expert, W [E, N, K] stacked expert matrices, `offsets_E1` [E + 1] int64 row
+offsets (expert e owns rows offsets[e]:offsets[e + 1]).
+
+The library is compiled with the C compiler ($CC, else cc) into $MOE_SCALE_CACHE/kernels (default
+~/.cache/moe_scale/kernels), once per source text, flags and CPU model (it is built for this CPU, -march=native),
+as DeepSpeed builds its own CPU ops on first use. Without a compiler, or with MOE_SCALE_NATIVE_KERNELS=0,
+`available()` is False and the experts run on torch's GEMMs; a failed build says why in one warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from moe_scale.data.embedded import cache_root
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: a library cached in a shared home must not run on another CPU model."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = {line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))}
+    except OSError:
+        lines = set()
+    return platform.machine() + platform.processor() + "".join(sorted(lines))
+
+
+def _build(compiler: str, target: Path) -> str | None:
+    """Compiles into `target` (atomically: ranks building at once each install a whole library); returns
+    why it failed, or None."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", partial], capture_output=True, text=True)
+        if result.returncode:
+            first_error = next((line for line in result.stderr.splitlines() if "error" in line),
+                               result.stderr.strip()[:200])
+            return f"{compiler} failed: {first_error}"
+        os.replace(partial, target)
+        return None
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("MOE_SCALE_NATIVE_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC", "cc")
+    why = None
+    if shutil.which(compiler) is None:
+        why = f"no C compiler {compiler!r} on PATH (set CC)"
+    else:
+        key = hashlib.sha256(_SOURCE.read_bytes() + repr((compiler, _FLAGS)).encode()
+                             + _cpu_signature().encode()).hexdigest()[:16]
+        cache = cache_root() / "kernels"
+        path = cache / f"cpu_kernels-{key}.so"
+        try:
+            why = None if path.exists() else _build(compiler, path)
+        except OSError as err:
+            why = f"cannot write {cache}: {err.strerror} (set MOE_SCALE_CACHE)"
+    if why:
+        warnings.warn(f"moe_scale: native CPU expert kernels not built ({why}); experts run on torch's GEMMs",
+                      stacklevel=2)
+        return None
+    library = ctypes.CDLL(str(path))
+    for name in ("rows_times_wt", "rows_times_w", "rows_outer"):
+        getattr(library, name).argtypes = _ARGTYPES
+        getattr(library, name).restype = None
+    return library
+
+
+def available(like: torch.Tensor) -> bool:
+    """The kernels take CPU float32 tensors, and need the library built."""
+    return like.device.type == "cpu" and like.dtype == torch.float32 and _library() is not None
+
+
+def _call(name: str, a, w_or_b, out, offsets_E1: torch.Tensor, n: int, k: int) -> None:
+    getattr(_library(), name)(a.data_ptr(), w_or_b.data_ptr(), out.data_ptr(), offsets_E1.data_ptr(),
+                              offsets_E1.shape[0] - 1, n, k, torch.get_num_threads())
+
+
+def rows_times_wt(a_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ w[e].T: [M, N]."""
+    a_MK, w_ENK = a_MK.contiguous(), w_ENK.contiguous()
+    out_MN = a_MK.new_empty(a_MK.shape[0], w_ENK.shape[1])
+    _call("rows_times_wt", a_MK, w_ENK, out_MN, offsets_E1, w_ENK.shape[1], w_ENK.shape[2])
+    return out_MN
+
+
+def rows_times_w(a_MN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ w[e]: [M, K]."""
+    a_MN, w_ENK = a_MN.contiguous(), w_ENK.contiguous()
+    out_MK = a_MN.new_empty(a_MN.shape[0], w_ENK.shape[2])
+    _call("rows_times_w", a_MN, w_ENK, out_MK, offsets_E1, w_ENK.shape[1], w_ENK.shape[2])
+    return out_MK
+
+
+def rows_outer(a_MN: torch.Tensor, b_MK: torch.Tensor, offsets_E1: torch.Tensor,
+               out_ENK: torch.Tensor | None = None) -> torch.Tensor:
+    """out[e] = a[rows of e].T @ b[rows of e]: [E, N, K], exact zeros for an expert with no rows; written over
+    `out_ENK` (contiguous float32 [E, N, K]) when given."""
+    a_MN, b_MK = a_MN.contiguous(), b_MK.contiguous()
+    shape = (offsets_E1.shape[0] - 1, a_MN.shape[1], b_MK.shape[1])
+    if out_ENK is None:
+        out_ENK = a_MN.new_empty(shape)
+    elif out_ENK.shape != shape or not out_ENK.is_contiguous() or out_ENK.dtype != torch.float32:
+        raise ValueError(f"out must be a contiguous float32 {list(shape)} tensor, got {out_ENK.dtype} "
+                         f"{list(out_ENK.shape)}")
+    _call("rows_outer", a_MN, b_MK, out_ENK, offsets_E1, a_MN.shape[1], b_MK.shape[1])
+    return out_ENK

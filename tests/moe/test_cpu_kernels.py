@@ -1,0 +1,123 @@
+"""The native CPU expert kernels (moe/cpu_kernels.c) against per-expert torch products at the shapes where
+their code paths split: rows in blocks of 4 (1..9 rows, empty experts), vector width 16 and register
+stripes of 64/128 columns (with tails), many experts shared among threads; and their build: cached per
+source and CPU, one warning and torch's GEMMs when no compiler works."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_scale.moe import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.empty(0)),
+                                reason="native kernels not built (see the warning); torch's GEMMs are used")
+
+
+def _offsets(counts):
+    return torch.tensor([0] + counts).cumsum(0)
+
+
+def _per_expert(counts, product):
+    """Concatenates product(expert, row slice) over the experts."""
+    bounds = _offsets(counts).tolist()
+    return [product(e, slice(bounds[e], bounds[e + 1])) for e in range(len(counts))]
+
+
+@pytest.mark.parametrize("n, k", [(5, 1), (7, 15), (16, 16), (33, 17), (64, 64), (40, 130), (512, 256), (3, 200)])
+def test_products_match_per_expert_torch_at_every_width_and_block_edge(n, k):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    counts = [0, 1, 2, 3, 4, 5, 0, 8, 9, 0]                 # partial and whole blocks of 4 rows, empty experts
+    m, e = sum(counts), len(counts)
+    w = torch.randn(e, n, k, generator=gen)
+    a_k, a_n, b_k = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen), torch.randn(m, k, generator=gen)
+    offsets = _offsets(counts)
+    close = dict(rtol=1e-5, atol=1e-4)   # float32 sums of up to 512 terms, against float64 products
+    w64, a_k64, a_n64, b_k64 = w.double(), a_k.double(), a_n.double(), b_k.double()
+    torch.testing.assert_close(cpu_kernels.rows_times_wt(a_k, w, offsets).double(),
+                               torch.cat(_per_expert(counts, lambda i, rows: a_k64[rows] @ w64[i].t())), **close)
+    torch.testing.assert_close(cpu_kernels.rows_times_w(a_n, w, offsets).double(),
+                               torch.cat(_per_expert(counts, lambda i, rows: a_n64[rows] @ w64[i])), **close)
+    outer = cpu_kernels.rows_outer(a_n, b_k, offsets)
+    torch.testing.assert_close(outer.double(), torch.stack(_per_expert(counts, lambda i, rows: a_n64[rows].t() @ b_k64[rows])),
+                               **close)
+    for expert in (0, 6, 9):                                  # no rows: exact zeros, not stale memory
+        assert torch.count_nonzero(outer[expert]) == 0
+
+
+def test_many_experts_give_the_same_bits_with_one_thread_or_two():
+    """Experts are shared among threads; each is computed by one thread in a fixed order, so the thread count
+    must not change a single bit."""
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 6, (300,), generator=gen).tolist()
+    m = sum(counts)
+    w = torch.randn(300, 24, 32, generator=gen)
+    a_k, a_n = torch.randn(m, 32, generator=gen), torch.randn(m, 24, generator=gen)
+    offsets, threads = _offsets(counts), torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append((cpu_kernels.rows_times_wt(a_k, w, offsets), cpu_kernels.rows_times_w(a_n, w, offsets),
+                            cpu_kernels.rows_outer(a_n, a_k, offsets)))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+    torch.testing.assert_close(results[0][2], torch.stack(_per_expert(counts, lambda i, r: a_n[r].t() @ a_k[r])))
+
+
+def test_non_contiguous_operands_are_taken_as_their_values():
+    gen = torch.Generator().manual_seed(1)
+    counts = [3, 0, 2]
+    a = torch.randn(20, 5, generator=gen).t()                # [5, 20], not contiguous
+    w = torch.randn(3, 20, 7, generator=gen).transpose(1, 2)  # [3, 7, 20], not contiguous
+    torch.testing.assert_close(cpu_kernels.rows_times_wt(a, w, _offsets(counts)),
+                               torch.cat(_per_expert(counts, lambda i, rows: a[rows] @ w[i].t())))
+
+
+def _probe(env_update: dict, tmp_path) -> subprocess.CompletedProcess:
+    """A fresh process (the library is loaded once per process): is it available, and what was warned."""
+    code = ("import warnings, torch\n"
+            "from moe_scale.moe import cpu_kernels\n"
+            "from moe_scale.moe.experts import GroupLayout, expert_ffn\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    ok = cpu_kernels.available(torch.empty(0))\n"
+            "    layout = GroupLayout([2, 1], torch.empty(0))\n"
+            "    y = expert_ffn(torch.randn(3, 4), torch.randn(2, 5, 4), torch.randn(2, 5, 4), [2, 1])\n"
+            "print(ok, layout.matmul_kernel, layout.outer_kernel, tuple(y.shape))\n"
+            "for w in caught: print('WARNING', w.message)\n")
+    env = {**os.environ, "MOE_SCALE_CACHE": str(tmp_path / "cache"), **env_update}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_build_lands_whole_in_the_cache_dir_and_is_reused(tmp_path):
+    first = _probe({}, tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines() == ["True native native (3, 4)"]
+    built = sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir())
+    assert len(built) == 1 and built[0].startswith("cpu_kernels-") and built[0].endswith(".so")   # no partial file
+    stamp = (tmp_path / "cache" / "kernels" / built[0]).stat().st_mtime_ns
+    again = _probe({}, tmp_path)
+    assert again.stdout == first.stdout and (tmp_path / "cache" / "kernels" / built[0]).stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("env, why", [({"CC": "no-such-compiler"}, "no C compiler 'no-such-compiler' on PATH"),
+                                      ({"CC": "false"}, "false failed"),
+                                      ({"MOE_SCALE_NATIVE_KERNELS": "0"}, None)],
+                         ids=["no_compiler", "compiler_fails", "turned_off"])
+def test_without_a_working_compiler_experts_run_on_torch_gemms_after_one_warning(env, why, tmp_path):
+    result = _probe(env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "False grouped padded (3, 4)"
+    warnings = lines[1:]
+    if why is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and why in warnings[0] and "experts run on torch's GEMMs" in warnings[0]
+    kernels = tmp_path / "cache" / "kernels"
+    assert not kernels.exists() or not any(kernels.iterdir())   # nothing half-written
