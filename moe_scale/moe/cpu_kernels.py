@@ -1,7 +1,9 @@
-"""Native CPU kernels for per-expert products with few rows per expert (cpu_kernels.c), built on first use.
+"""Native CPU kernels, built on first use: per-expert products with few rows per expert (cpu_kernels.c) and
+the noisy gate's [tokens, experts] arithmetic (cpu_gating.c).
 
 Legend: M rows sorted by expert, W [E, N, K] stacked expert matrices, `offsets_E1` [E + 1] int64 row
-offsets (expert e owns rows offsets[e]:offsets[e + 1]).
+offsets (expert e owns rows offsets[e]:offsets[e + 1]); for the gate N tokens, E experts, K top-k and
+M = min(K + 1, E) values kept per token.
 
 The library is compiled with the C compiler ($CC, else cc) into $MOE_SCALE_CACHE/kernels (default
 ~/.cache/moe_scale/kernels), once per source text, flags and CPU model (it is built for this CPU, -march=native),
@@ -26,9 +28,21 @@ import torch
 
 from moe_scale.data.embedded import cache_root
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_gating.c"))
+# -fno-math-errno: math calls without errno side effects, so loops calling them vectorise; glibc's vector
+# math library on x86-64 Linux (see cpu_gating.c).
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+_LIBS = ("-lmvec", "-lm") if platform.system() == "Linux" and platform.machine() == "x86_64" \
+    and platform.libc_ver()[0] == "glibc" else ("-lm",)
+_GATE_ROWS_PER_BLOCK = 64   # the gate's load is summed per block of rows, then over blocks in order
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_ARGTYPES = {
+    "rows_times_wt": [_P] * 4 + [_I] * 3 + [ctypes.c_int],
+    "rows_times_w": [_P] * 4 + [_I] * 3 + [ctypes.c_int],
+    "rows_outer": [_P] * 4 + [_I] * 3 + [ctypes.c_int],
+    "noisy_top_k_forward": [_P] * 8 + [_I] * 5 + [_F, ctypes.c_int, ctypes.c_int],
+    "noisy_top_k_backward": [_P] * 9 + [_I] * 4 + [_F, ctypes.c_int],
+}
 
 
 def _cpu_signature() -> str:
@@ -48,7 +62,8 @@ def _build(compiler: str, target: Path) -> str | None:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", partial], capture_output=True, text=True)
+        result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", partial, *_LIBS],
+                                capture_output=True, text=True)
         if result.returncode:
             first_error = next((line for line in result.stderr.splitlines() if "error" in line),
                                result.stderr.strip()[:200])
@@ -69,7 +84,7 @@ def _library() -> ctypes.CDLL | None:
     if shutil.which(compiler) is None:
         why = f"no C compiler {compiler!r} on PATH (set CC)"
     else:
-        key = hashlib.sha256(_SOURCE.read_bytes() + repr((compiler, _FLAGS)).encode()
+        key = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES) + repr((compiler, _FLAGS, _LIBS)).encode()
                              + _cpu_signature().encode()).hexdigest()[:16]
         cache = cache_root() / "kernels"
         path = cache / f"cpu_kernels-{key}.so"
@@ -82,8 +97,8 @@ def _library() -> ctypes.CDLL | None:
                       stacklevel=2)
         return None
     library = ctypes.CDLL(str(path))
-    for name in ("rows_times_wt", "rows_times_w", "rows_outer"):
-        getattr(library, name).argtypes = _ARGTYPES
+    for name, argtypes in _ARGTYPES.items():
+        getattr(library, name).argtypes = argtypes
         getattr(library, name).restype = None
     return library
 
@@ -127,3 +142,35 @@ def rows_outer(a_MN: torch.Tensor, b_MK: torch.Tensor, offsets_E1: torch.Tensor,
                          f"{list(out_ENK.shape)}")
     _call("rows_outer", a_MN, b_MK, out_ENK, offsets_E1, a_MN.shape[1], b_MK.shape[1])
     return out_ENK
+
+
+def noisy_top_k_forward(clean_NE: torch.Tensor, z_NE: torch.Tensor, noise_NE: torch.Tensor, eps: float, k: int,
+                        smooth_load: bool) -> tuple[torch.Tensor, ...]:
+    """(std_NE, top_values_NM, top_idx_NM, load_E): gating_ops.noisy_top_k's forward (load zeros unless
+    `smooth_load`), and the std it keeps for the backward."""
+    clean_NE, z_NE, noise_NE = clean_NE.contiguous(), z_NE.contiguous(), noise_NE.contiguous()
+    (n, e), m = clean_NE.shape, min(k + 1, clean_NE.shape[1])
+    std_NE = torch.empty_like(clean_NE)
+    top_values_NM, top_idx_NM = clean_NE.new_empty(n, m), torch.empty(n, m, dtype=torch.int64)
+    load_E = clean_NE.new_zeros(e)
+    load_blocks = clean_NE.new_empty(-(-n // _GATE_ROWS_PER_BLOCK) if smooth_load else 0, e)
+    _library().noisy_top_k_forward(clean_NE.data_ptr(), z_NE.data_ptr(), noise_NE.data_ptr(), std_NE.data_ptr(),
+                                   top_values_NM.data_ptr(), top_idx_NM.data_ptr(), load_E.data_ptr(),
+                                   load_blocks.data_ptr(), n, e, k, m, _GATE_ROWS_PER_BLOCK, eps, int(smooth_load),
+                                   torch.get_num_threads())
+    return std_NE, top_values_NM, top_idx_NM, load_E
+
+
+def noisy_top_k_backward(clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM, grad_top_NM: torch.Tensor,
+                         grad_load_E: torch.Tensor | None, eps: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_clean_NE, grad_z_NE) from the gradients of the top values and (if not None) of the load."""
+    grad_top_NM = grad_top_NM.contiguous().clone()   # the thresholds' share is added to it
+    grad_load_E = None if grad_load_E is None else grad_load_E.contiguous()
+    grad_clean_NE, grad_z_NE = torch.empty_like(clean_NE), torch.empty_like(clean_NE)
+    (n, e), m = clean_NE.shape, top_values_NM.shape[1]
+    _library().noisy_top_k_backward(clean_NE.data_ptr(), noise_NE.data_ptr(), std_NE.data_ptr(),
+                                    top_values_NM.data_ptr(), top_idx_NM.data_ptr(), grad_top_NM.data_ptr(),
+                                    None if grad_load_E is None else grad_load_E.data_ptr(),
+                                    grad_clean_NE.data_ptr(), grad_z_NE.data_ptr(), n, e, k, m, eps,
+                                    torch.get_num_threads())
+    return grad_clean_NE, grad_z_NE

@@ -8,7 +8,8 @@ eight of them for the backward and creates as many again there. `noisy_top_k` is
 one function: it keeps the clean logits, the noise and the noise std, and recomputes the rest in the
 backward in row chunks, whose [N, E] outputs are only the two gradients autograd needs (for x @ W_g and
 x @ W_noise). Tests compare it with the plain-autograd reference (`routers.prob_in_top_k`) in value and
-gradient.
+gradient. On CPU in float32 the same arithmetic runs as one pass over each row per direction in C
+(cpu_gating.c, through moe/cpu_kernels.py) when the native kernels are built.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import math
 import torch
 from torch import Tensor
 
+from moe_scale.moe import cpu_kernels
+
 _ROWS_PER_CHUNK = 256
 _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
 
@@ -25,46 +28,60 @@ _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
 class _NoisyTopK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int, smooth_load: bool):
-        m = min(k + 1, clean_NE.shape[1])
-        std_NE = torch.nn.functional.softplus(z_NE).add_(eps)
-        noisy_NE = torch.addcmul(clean_NE, noise_NE, std_NE)
-        top_values_NM, top_idx_NM = noisy_NE.topk(m, dim=1)
-        load_E = clean_NE.new_zeros(clean_NE.shape[1])
-        if smooth_load:
-            del noisy_NE
-            for rows in _chunks(clean_NE.shape[0]):
-                z, _ = _standardised(clean_NE[rows], noise_NE[rows], std_NE[rows], top_values_NM[rows], k)
-                load_E += z.erf_().add_(1.0).sum(0).mul_(0.5)
-        ctx.save_for_backward(clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM)
         ctx.eps, ctx.k, ctx.smooth_load = eps, k, smooth_load
+        ctx.native = all(cpu_kernels.available(t) for t in (clean_NE, z_NE, noise_NE))
+        run = cpu_kernels.noisy_top_k_forward if ctx.native else _forward
+        std_NE, top_values_NM, top_idx_NM, load_E = run(clean_NE, z_NE, noise_NE, eps, k, smooth_load)
+        ctx.save_for_backward(clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM)
         ctx.mark_non_differentiable(top_idx_NM)
         return top_values_NM, top_idx_NM, load_E
 
     @staticmethod
     def backward(ctx, grad_top_NM: Tensor, _grad_idx, grad_load_E: Tensor):
-        clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM = ctx.saved_tensors
-        k = ctx.k
-        grad_clean = torch.empty_like(clean_NE)
-        grad_z = torch.empty_like(clean_NE)
-        grad_top_NM = grad_top_NM.clone() if grad_top_NM is not None else torch.zeros_like(top_values_NM)
+        saved = ctx.saved_tensors   # clean, noise, std, top values, top indices
+        grad_top_NM = torch.zeros_like(saved[3]) if grad_top_NM is None else grad_top_NM
+        run = cpu_kernels.noisy_top_k_backward if ctx.native else _backward
+        grad_clean_NE, grad_z_NE = run(*saved, grad_top_NM, grad_load_E if ctx.smooth_load else None, ctx.eps, ctx.k)
+        return grad_clean_NE, grad_z_NE, None, None, None, None
+
+
+def _forward(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int, smooth_load: bool):
+    m = min(k + 1, clean_NE.shape[1])
+    std_NE = torch.nn.functional.softplus(z_NE).add_(eps)
+    noisy_NE = torch.addcmul(clean_NE, noise_NE, std_NE)
+    top_values_NM, top_idx_NM = noisy_NE.topk(m, dim=1)
+    load_E = clean_NE.new_zeros(clean_NE.shape[1])
+    if smooth_load:
+        del noisy_NE
         for rows in _chunks(clean_NE.shape[0]):
-            noise, std = noise_NE[rows], std_NE[rows]
-            grad_std = torch.zeros_like(std)
-            if ctx.smooth_load and grad_load_E is not None:
-                z, is_in = _standardised(clean_NE[rows], noise, std, top_values_NM[rows], k)
-                # Phi(z)' = exp(-z^2) / sqrt(pi) w.r.t. z * sqrt(2); z = (clean - threshold) / (sqrt(2) std)
-                d_clean = torch.exp(-z * z).mul_(_INV_SQRT_PI).div_(_denominator(std)).mul_(grad_load_E)
-                grad_std = (d_clean * z).mul_(-math.sqrt(2.0))            # d z / d std = -z sqrt(2) / denom
-                grad_top_NM[rows, k] -= (d_clean * is_in).sum(1)          # the thresholds are noisy top values
-                grad_top_NM[rows, k - 1] -= (d_clean * ~is_in).sum(1)
-            else:
-                d_clean = torch.zeros_like(std)
-            grad_noisy = torch.zeros_like(std).scatter_(1, top_idx_NM[rows], grad_top_NM[rows])
-            grad_clean[rows] = d_clean.add_(grad_noisy)
-            # noisy = clean + noise * std; std = softplus(z) + eps and softplus'(z) = 1 - exp(-softplus(z)).
-            grad_std.addcmul_(grad_noisy, noise)
-            grad_z[rows] = grad_std.mul_(torch.expm1(-(std - ctx.eps)).neg_())
-        return grad_clean, grad_z, None, None, None, None
+            z, _ = _standardised(clean_NE[rows], noise_NE[rows], std_NE[rows], top_values_NM[rows], k)
+            load_E += z.erf_().add_(1.0).sum(0).mul_(0.5)
+    return std_NE, top_values_NM, top_idx_NM, load_E
+
+
+def _backward(clean_NE: Tensor, noise_NE: Tensor, std_NE: Tensor, top_values_NM: Tensor, top_idx_NM: Tensor,
+              grad_top_NM: Tensor, grad_load_E: Tensor | None, eps: float, k: int) -> tuple[Tensor, Tensor]:
+    grad_clean = torch.empty_like(clean_NE)
+    grad_z = torch.empty_like(clean_NE)
+    grad_top_NM = grad_top_NM.clone()   # the thresholds' share is added to it
+    for rows in _chunks(clean_NE.shape[0]):
+        noise, std = noise_NE[rows], std_NE[rows]
+        grad_std = torch.zeros_like(std)
+        if grad_load_E is not None:
+            z, is_in = _standardised(clean_NE[rows], noise, std, top_values_NM[rows], k)
+            # Phi(z)' = exp(-z^2) / sqrt(pi) w.r.t. z * sqrt(2); z = (clean - threshold) / (sqrt(2) std)
+            d_clean = torch.exp(-z * z).mul_(_INV_SQRT_PI).div_(_denominator(std)).mul_(grad_load_E)
+            grad_std = (d_clean * z).mul_(-math.sqrt(2.0))            # d z / d std = -z sqrt(2) / denom
+            grad_top_NM[rows, k] -= (d_clean * is_in).sum(1)          # the thresholds are noisy top values
+            grad_top_NM[rows, k - 1] -= (d_clean * ~is_in).sum(1)
+        else:
+            d_clean = torch.zeros_like(std)
+        grad_noisy = torch.zeros_like(std).scatter_(1, top_idx_NM[rows], grad_top_NM[rows])
+        grad_clean[rows] = d_clean.add_(grad_noisy)
+        # noisy = clean + noise * std; std = softplus(z) + eps and softplus'(z) = 1 - exp(-softplus(z)).
+        grad_std.addcmul_(grad_noisy, noise)
+        grad_z[rows] = grad_std.mul_(torch.expm1(-(std - eps)).neg_())
+    return grad_clean, grad_z
 
 
 def noisy_top_k(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int,

@@ -100,3 +100,28 @@ def test_router_forward_matches_the_reference_path():
     assert torch.equal(out.experts_NK, idx[:, :k])
     torch.testing.assert_close(out.gates_NK, torch.softmax(top[:, :k], dim=1))
     torch.testing.assert_close(out.load_E, prob_in_top_k(clean, noisy, std, top, k).sum(0))
+
+
+@pytest.mark.parametrize("n,e,k", [(300, 7, 2), (130, 300, 1), (70, 1030, 4), (5, 3, 2), (9, 4, 4)])
+def test_native_float32_matches_the_float64_reference(n, e, k):
+    """CPU float32 runs cpu_gating.c: one pass per row. Against the plain-autograd reference in float64 on
+    the same inputs: the same experts, and values, load and both gradients to float32 rounding. Covers
+    k + 1 == E, k == E (no load), a row block edge (ROWS 64: n = 70, 130, 300) and E past vector widths."""
+    from moe_scale.moe import cpu_kernels
+    if not cpu_kernels.available(torch.empty(0)):
+        pytest.skip("native kernels not built")
+    smooth = k < e
+    clean, z, noise = (t.detach().float().requires_grad_(t.requires_grad) for t in inputs(n, e, seed=n * e + k))
+    gen = torch.Generator().manual_seed(2)
+    w_top = torch.randn(n, min(k + 1, e), generator=gen)
+    w_load = torch.randn(e, generator=gen)
+    got = noisy_top_k(clean, z, noise, EPS, k, smooth)
+    want = reference(clean.double(), z.double(), noise.double(), k, smooth)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0].double(), want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[2].double(), want[2], rtol=1e-5, atol=1e-5 * n ** 0.5)
+    grads_got = torch.autograd.grad((got[0] * w_top).sum() + (got[2] * w_load).sum(), (clean, z))
+    # The reference ran on clean.double() and z.double(): its gradients reach the float32 leaves too.
+    grads_want = torch.autograd.grad((want[0] * w_top.double()).sum() + (want[2] * w_load.double()).sum(), (clean, z))
+    for g, w in zip(grads_got, grads_want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,116 @@
+/* The noisy top-k gate's [tokens, experts] arithmetic on CPU (float32), one pass over each row per
+ * direction, where torch's ops make about a dozen passes forward and twenty backward
+ * (Shazeer et al. eq. 4-5, 8-9; the same arithmetic as moe/gating_ops.py, which documents it).
+ *
+ * Legend: N tokens, E experts, K top-k, M = min(K + 1, E) values kept per row.
+ *   noisy_top_k_forward   std = softplus(z) + eps; noisy = clean + noise * std (one fused multiply-add);
+ *                         the top M noisy values per row (descending; the lower index first among equals);
+ *                         with `smooth_load`, load[e] = sum over rows of P(e stays in the top K)
+ *   noisy_top_k_backward  gradients of clean and z from those of the top values and of the load
+ * Rows go in fixed blocks of `rows_per_block`; the load sums per block and then over the blocks in order, so
+ * results do not depend on the number of threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* glibc's vector math library (libmvec) has SIMD versions of these; declared so, GCC vectorises the loops
+ * below that call them (glibc's own header declares them only under -ffast-math, which we avoid: it would
+ * switch the whole process to flush-to-zero). Elsewhere the loops stay scalar. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)
+#define VECTOR_MATH __attribute__((simd("notinbranch")))
+VECTOR_MATH float expf(float);
+VECTOR_MATH float expm1f(float);
+VECTOR_MATH float log1pf(float);
+VECTOR_MATH float erff(float);
+#endif
+
+#define SQRT2 1.41421356237309504880f
+#define INV_SQRT_PI 0.56418958354775628695f
+
+static inline float softplus(float z) { return z > 20.f ? z : log1pf(expf(z)); }   /* torch's threshold */
+static inline float noisy_logit(float clean, float noise, float std) { return fmaf(noise, std, clean); }
+static inline float denominator(float std) { return std * SQRT2 + 1e-20f; }
+
+/* Inserts (value, index) into the descending top list of `kept` (< M or better than the last) entries. */
+static inline int64_t keep_top(float* values, int64_t* indices, int64_t kept, int64_t M, float v, int64_t e) {
+    if (kept == M && !(v > values[M - 1])) return kept;
+    int64_t j = kept < M ? kept++ : M - 1;
+    while (j > 0 && v > values[j - 1]) { values[j] = values[j - 1]; indices[j] = indices[j - 1]; j--; }
+    values[j] = v; indices[j] = e;
+    return kept;
+}
+
+void noisy_top_k_forward(const float* clean, const float* z, const float* noise, float* std_out,
+                         float* top_values, int64_t* top_idx, float* load, float* load_blocks,
+                         int64_t N, int64_t E, int64_t K, int64_t M, int64_t rows_per_block, float eps,
+                         int smooth_load, int threads) {
+    const int64_t blocks = (N + rows_per_block - 1) / rows_per_block;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        float* block_load = load_blocks + b * E;
+        if (smooth_load) memset(block_load, 0, E * sizeof(float));
+        const int64_t last = (b + 1) * rows_per_block < N ? (b + 1) * rows_per_block : N;
+        for (int64_t n = b * rows_per_block; n < last; n++) {
+            const float *c = clean + n * E, *zn = z + n * E, *g = noise + n * E;
+            float* s = std_out + n * E;
+            float* tv = top_values + n * M;
+            int64_t* ti = top_idx + n * M;
+            #pragma omp simd
+            for (int64_t e = 0; e < E; e++) s[e] = softplus(zn[e]) + eps;
+            int64_t kept = 0;
+            for (int64_t e = 0; e < E; e++) kept = keep_top(tv, ti, kept, M, noisy_logit(c[e], g[e], s[e]), e);
+            if (!smooth_load) continue;
+            const float thr_in = tv[K], thr_out = tv[K - 1];   /* the (K+1)-th and K-th noisy values */
+            #pragma omp simd
+            for (int64_t e = 0; e < E; e++) {
+                const float thr = noisy_logit(c[e], g[e], s[e]) > thr_in ? thr_in : thr_out;
+                block_load[e] += 0.5f * (1.f + erff((c[e] - thr) / denominator(s[e])));
+            }
+        }
+    }
+    if (!smooth_load) return;
+    memset(load, 0, E * sizeof(float));
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t e = 0; e < E; e++) load[e] += load_blocks[b * E + e];
+}
+
+/* grad_top [N, M] is written over (the thresholds' share is added to it); grad_load may be NULL. */
+void noisy_top_k_backward(const float* clean, const float* noise, const float* std_in, const float* top_values,
+                          const int64_t* top_idx, float* grad_top, const float* grad_load,
+                          float* grad_clean, float* grad_z, int64_t N, int64_t E, int64_t K, int64_t M,
+                          float eps, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = clean + n * E, *g = noise + n * E, *s = std_in + n * E, *tv = top_values + n * M;
+        const int64_t* ti = top_idx + n * M;
+        float *gt = grad_top + n * M, *gc = grad_clean + n * E, *gz = grad_z + n * E;
+        if (grad_load) {
+            const float thr_in = tv[K], thr_out = tv[K - 1];
+            float through_in = 0.f, through_out = 0.f;
+            #pragma omp simd reduction(+:through_in, through_out)
+            for (int64_t e = 0; e < E; e++) {
+                const int is_in = noisy_logit(c[e], g[e], s[e]) > thr_in;
+                const float denom = denominator(s[e]);
+                const float zz = (c[e] - (is_in ? thr_in : thr_out)) / denom;
+                /* d Phi(zz * sqrt2) / d clean = exp(-zz^2) / sqrt(pi) / denom */
+                const float d_clean = expf(-zz * zz) * INV_SQRT_PI / denom * grad_load[e];
+                through_in += is_in ? d_clean : 0.f;
+                through_out += is_in ? 0.f : d_clean;
+                gc[e] = d_clean;
+                gz[e] = -SQRT2 * d_clean * zz;                  /* d zz / d std = -zz sqrt2 / denom */
+            }
+            gt[K] -= through_in;                                /* the thresholds are noisy top values */
+            gt[K - 1] -= through_out;
+        } else {
+            memset(gc, 0, E * sizeof(float));
+            memset(gz, 0, E * sizeof(float));
+        }
+        for (int64_t j = 0; j < M; j++) {                       /* noisy = clean + noise * std */
+            gc[ti[j]] += gt[j];
+            gz[ti[j]] += gt[j] * g[ti[j]];
+        }
+        #pragma omp simd
+        for (int64_t e = 0; e < E; e++) gz[e] *= -expm1f(-(s[e] - eps));   /* softplus' = 1 - exp(-softplus) */
+    }
+}
