@@ -5,7 +5,8 @@ and this machine's roofline, all measured in one run.
 Legend: N tokens, D model dim, H expert hidden dim, E experts, K top-k.
 
 Implementations (one JSON line each per (E, K), on stdout and in --out):
-  dropless            moe_scale MoELayer: noisy top-k gate (W_g and W_noise, both CV^2 losses), every copy kept
+  dropless            moe_scale MoELayer: noisy top-k gate (W_g and W_noise, both CV^2 losses), every copy kept;
+                      as trained by default: native CPU kernels where built, gradient memory reused
   capacity            the same layer in capacity mode (--capacity-factor, lowest gates dropped)
   deepspeed_dropless  deepspeed.moe.layer.MoE with the same experts, drop_tokens=False
   deepspeed_capacity  deepspeed.moe.layer.MoE, capacity_factor=--capacity-factor, drop_tokens=True

@@ -6,7 +6,8 @@
  * Legend: W is [E, N, K] row-major; expert e owns rows [offsets[e], offsets[e + 1]) of the row operands.
  *   rows_times_wt  out[M, N] = a[M, K] . W[e]^T   (each row r of expert e: out[r] = W[e] a[r])
  *   rows_times_w   out[M, K] = a[M, N] . W[e]
- *   rows_outer     W[e]      = a[rows of e]^T . b[rows of e]   (a [M, N], b [M, K]; zeros for no rows)
+ *   rows_outer     W[e]      = a[rows of e]^T . b[rows of e]   (a [M, N], b [M, K]; zeros for no rows;
+ *                  `streaming`: W's pages are already mapped, see store_streaming)
  * Experts are shared out among `threads` OpenMP threads: linked by soname, libgomp resolves to the copy
  * torch has already loaded, so these and torch's own ops use one thread pool.
  * Written with GCC/Clang vector extensions: 16-float vectors, lowered to whatever SIMD -march provides.
@@ -22,6 +23,21 @@ typedef float vec __attribute__((vector_size(64), aligned(4)));   /* 16 floats, 
 
 static inline vec load(const float* p) { return *(const vec*)p; }
 static inline void store(float* p, vec v) { *(vec*)p = v; }
+
+/* Gradients are written whole and not read back soon: streaming stores skip reading each cache line before
+ * writing it, half the memory traffic of an ordinary store (rows_outer into mapped memory: 2.5x faster).
+ * Into fresh pages, which the kernel zero-fills on first touch, they are slower (1.2x): the caller says
+ * which. They are weakly ordered, so each thread fences. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline void store_streaming(float* p, vec v) {
+    if (((uintptr_t)p & 63) == 0) _mm512_stream_ps(p, (__m512)v); else store(p, v);
+}
+static inline void fence_streaming_stores(void) { _mm_sfence(); }
+#else
+static inline void store_streaming(float* p, vec v) { store(p, v); }
+static inline void fence_streaming_stores(void) {}
+#endif
 static inline vec splat(float x) { return (vec){0} + x; }
 static inline float lane_sum(vec v) {
 #if defined(__clang__) || __GNUC__ >= 12   /* a halving tree of shuffles: measured ~10% faster */
@@ -118,10 +134,12 @@ void rows_times_w(const float* a, const float* w, float* out, const int64_t* off
 }
 
 void rows_outer(const float* a, const float* b, float* w, const int64_t* offsets,
-                int64_t E, int64_t N, int64_t K, int threads) {
+                int64_t E, int64_t N, int64_t K, int threads, int streaming) {
     const int64_t C = OUTER_VECS * LANES;
     const int64_t K_chunks = K - K % C;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    #pragma omp parallel num_threads(threads)
+    {
+    #pragma omp for schedule(dynamic, 1)
     for (int64_t e = 0; e < E; e++) {
         float* w_e = w + e * N * K;
         const int64_t first = offsets[e], last = offsets[e + 1];
@@ -134,7 +152,10 @@ void rows_outer(const float* a, const float* b, float* w, const int64_t* offsets
                     const float* b_rc = b + r * K + c;
                     for (int j = 0; j < OUTER_VECS; j++) acc[j] += x * load(b_rc + j * LANES);
                 }
-                for (int j = 0; j < OUTER_VECS; j++) store(w_n + c + j * LANES, acc[j]);
+                if (streaming)
+                    for (int j = 0; j < OUTER_VECS; j++) store_streaming(w_n + c + j * LANES, acc[j]);
+                else
+                    for (int j = 0; j < OUTER_VECS; j++) store(w_n + c + j * LANES, acc[j]);
             }
             for (int64_t k = K_chunks; k < K; k++) {
                 float s = 0.f;
@@ -142,5 +163,7 @@ void rows_outer(const float* a, const float* b, float* w, const int64_t* offsets
                 w_n[k] = s;
             }
         }
+    }
+    fence_streaming_stores();
     }
 }

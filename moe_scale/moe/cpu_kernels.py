@@ -39,7 +39,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _ARGTYPES = {
     "rows_times_wt": [_P] * 4 + [_I] * 3 + [ctypes.c_int],
     "rows_times_w": [_P] * 4 + [_I] * 3 + [ctypes.c_int],
-    "rows_outer": [_P] * 4 + [_I] * 3 + [ctypes.c_int],
+    "rows_outer": [_P] * 4 + [_I] * 3 + [ctypes.c_int] * 2,
     "noisy_top_k_forward": [_P] * 8 + [_I] * 5 + [_F, ctypes.c_int, ctypes.c_int],
     "noisy_top_k_backward": [_P] * 9 + [_I] * 4 + [_F, ctypes.c_int],
 }
@@ -108,9 +108,9 @@ def available(like: torch.Tensor) -> bool:
     return like.device.type == "cpu" and like.dtype == torch.float32 and _library() is not None
 
 
-def _call(name: str, a, w_or_b, out, offsets_E1: torch.Tensor, n: int, k: int) -> None:
+def _call(name: str, a, w_or_b, out, offsets_E1: torch.Tensor, n: int, k: int, *extra) -> None:
     getattr(_library(), name)(a.data_ptr(), w_or_b.data_ptr(), out.data_ptr(), offsets_E1.data_ptr(),
-                              offsets_E1.shape[0] - 1, n, k, torch.get_num_threads())
+                              offsets_E1.shape[0] - 1, n, k, torch.get_num_threads(), *extra)
 
 
 def rows_times_wt(a_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
@@ -130,9 +130,10 @@ def rows_times_w(a_MN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tens
 
 
 def rows_outer(a_MN: torch.Tensor, b_MK: torch.Tensor, offsets_E1: torch.Tensor,
-               out_ENK: torch.Tensor | None = None) -> torch.Tensor:
+               out_ENK: torch.Tensor | None = None, out_mapped: bool = False) -> torch.Tensor:
     """out[e] = a[rows of e].T @ b[rows of e]: [E, N, K], exact zeros for an expert with no rows; written over
-    `out_ENK` (contiguous float32 [E, N, K]) when given."""
+    `out_ENK` (contiguous float32 [E, N, K]) when given. `out_mapped`: its memory has been written before (it
+    then takes streaming stores, which are slower into fresh pages)."""
     a_MN, b_MK = a_MN.contiguous(), b_MK.contiguous()
     shape = (offsets_E1.shape[0] - 1, a_MN.shape[1], b_MK.shape[1])
     if out_ENK is None:
@@ -140,7 +141,7 @@ def rows_outer(a_MN: torch.Tensor, b_MK: torch.Tensor, offsets_E1: torch.Tensor,
     elif out_ENK.shape != shape or not out_ENK.is_contiguous() or out_ENK.dtype != torch.float32:
         raise ValueError(f"out must be a contiguous float32 {list(shape)} tensor, got {out_ENK.dtype} "
                          f"{list(out_ENK.shape)}")
-    _call("rows_outer", a_MN, b_MK, out_ENK, offsets_E1, a_MN.shape[1], b_MK.shape[1])
+    _call("rows_outer", a_MN, b_MK, out_ENK, offsets_E1, a_MN.shape[1], b_MK.shape[1], int(out_mapped))
     return out_ENK
 
 

@@ -67,12 +67,11 @@ class GroupLayout:
       native   cpu_kernels.c (CPU float32): each expert's weights streamed once, its few rows in cache
 
     With at most _NATIVE_MAX_MEAN_ROWS rows per expert on average, every product takes the native kernels
-    where they are available (they are fastest there; see cpu_kernels.c). Otherwise:
-
-    Measured here (2048 tokens x k, D=256, H=512, 2 threads): a weight gradient x[rows of e].T @ g with few
-    rows per expert is a rank-few update that MKL's GEMM writes slowly; bmm over the padded batch writes it
-    1.5-1.9x faster at E = 256..4096, so `outer_kernel` is padded while no expert has more than
-    _PADDED_OUTER_MAX_ROWS rows. The row products (forward, input gradient) gain at most a few percent from
+    where they are available (they are fastest there; see cpu_kernels.c). Otherwise (more rows, other dtypes
+    or devices, no compiler), measured here (2048 tokens x k, D=256, H=512, 2 threads): a weight gradient
+    x[rows of e].T @ g with few rows per expert is a rank-few update that MKL's GEMM writes slowly; bmm over
+    the padded batch writes it 1.5-1.9x faster at E = 256..4096, so `outer_kernel` is padded while no expert
+    has more than _PADDED_OUTER_MAX_ROWS rows. The row products (forward, input gradient) gain at most a few percent from
     padding, less than the padded copies cost in time and memory, so they stay grouped.
     """
 
@@ -144,11 +143,11 @@ def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayo
 
 
 def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout,
-                     out_EIO: torch.Tensor | None = None) -> torch.Tensor:
-    """out[e] = a[rows of e].T @ b[rows of e]: [E, I, O], exact zeros for an expert with no rows. `out_EIO`
-    (native kernel only) is written over."""
+                     out: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
+    """out[e] = a[rows of e].T @ b[rows of e]: [E, I, O], exact zeros for an expert with no rows. `out`
+    (native kernel only): a buffer to write over, and whether it was written before (GradientBuffers.take)."""
     if layout.outer_kernel == "native":
-        return cpu_kernels.rows_outer(a_MI, b_MO, layout.offsets_E1, out_EIO)
+        return cpu_kernels.rows_outer(a_MI, b_MO, layout.offsets_E1, *(out or ()))
     if layout.outer_kernel == "padded":
         return layout.padded_outer(a_MI, b_MO)
     if layout.outer_kernel == "grouped":
@@ -215,15 +214,16 @@ class GradientBuffers:
     def __init__(self):
         self._kept: dict[str, tuple[torch.Tensor, int]] = {}   # name -> (buffer, storage users when free)
 
-    def take(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """A tensor shaped, typed and placed like `like`, to be written over: the kept buffer when free."""
+    def take(self, name: str, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(a tensor shaped, typed and placed like `like`, to be written over; whether its memory was written
+        before): the kept buffer when it is free, else a new one."""
         kept = self._kept.get(name)
         if kept is not None and self._is_free(*kept) and kept[0].shape == like.shape \
                 and kept[0].dtype == like.dtype and kept[0].device == like.device:
-            return kept[0].view(like.shape)
+            return kept[0].view(like.shape), True
         buffer = torch.empty_like(like, memory_format=torch.contiguous_format)
         self._kept[name] = (buffer, _storage_users(buffer))
-        return buffer.view(like.shape)   # a view: a tensor of its own, which AccumulateGrad may adopt
+        return buffer.view(like.shape), False   # a view: a tensor of its own, which AccumulateGrad may adopt
 
     @staticmethod
     def _is_free(buffer: torch.Tensor, users_when_free: int) -> bool:
@@ -303,7 +303,7 @@ class _ExpertFFN(torch.autograd.Function):
         return grad_rows, grad_w_in, grad_w_out, None, None, grad_gate, None, None, None, None
 
 
-def _buffer(ctx, name: str, weight: torch.Tensor) -> torch.Tensor | None:
+def _buffer(ctx, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     return None if ctx.grad_buffers is None else ctx.grad_buffers.take(name, weight)
 
 

@@ -1,7 +1,8 @@
 """The native CPU expert kernels (moe/cpu_kernels.c) against per-expert torch products at the shapes where
 their code paths split: rows in blocks of 4 (1..9 rows, empty experts), vector width 16 and register
 stripes of 64/128 columns (with tails), many experts shared among threads; and their build: cached per
-source and CPU, one warning and torch's GEMMs when no compiler works."""
+source and CPU, one warning and torch's GEMMs when no compiler works. (The gate's kernel, cpu_gating.c:
+tests/moe/test_gating_ops.py.)"""
 
 import os
 import subprocess
@@ -45,6 +46,14 @@ def test_products_match_per_expert_torch_at_every_width_and_block_edge(n, k):
                                **close)
     for expert in (0, 6, 9):                                  # no rows: exact zeros, not stale memory
         assert torch.count_nonzero(outer[expert]) == 0
+    # Written over a buffer used before (streaming stores where 64-byte aligned): the same bits, stale
+    # values gone, also when the buffer starts 4 bytes past an alignment boundary.
+    misaligned = torch.empty(outer.numel() + 1)[1:].view(outer.shape)
+    for buffer in (torch.full_like(outer, 7.0), misaligned.fill_(7.0)):
+        assert cpu_kernels.rows_outer(a_n, b_k, offsets, buffer, True) is buffer
+        assert torch.equal(buffer, outer)
+    with pytest.raises(ValueError, match="out must be a contiguous float32"):
+        cpu_kernels.rows_outer(a_n, b_k, offsets, outer.double(), True)
 
 
 def test_many_experts_give_the_same_bits_with_one_thread_or_two():

@@ -102,11 +102,12 @@ def test_router_forward_matches_the_reference_path():
     torch.testing.assert_close(out.load_E, prob_in_top_k(clean, noisy, std, top, k).sum(0))
 
 
-@pytest.mark.parametrize("n,e,k", [(300, 7, 2), (130, 300, 1), (70, 1030, 4), (5, 3, 2), (9, 4, 4)])
+@pytest.mark.parametrize("n,e,k", [(300, 7, 2), (130, 300, 1), (70, 1030, 4), (5, 3, 2), (9, 4, 4), (0, 6, 2)])
 def test_native_float32_matches_the_float64_reference(n, e, k):
     """CPU float32 runs cpu_gating.c: one pass per row. Against the plain-autograd reference in float64 on
     the same inputs: the same experts, and values, load and both gradients to float32 rounding. Covers
-    k + 1 == E, k == E (no load), a row block edge (ROWS 64: n = 70, 130, 300) and E past vector widths."""
+    k + 1 == E, k == E (no load), row block edges (64 rows: n = 70, 130, 300), E past vector widths, and a
+    rank with no tokens."""
     from moe_scale.moe import cpu_kernels
     if not cpu_kernels.available(torch.empty(0)):
         pytest.skip("native kernels not built")
