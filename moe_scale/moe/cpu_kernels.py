@@ -8,7 +8,8 @@ M = min(K + 1, E) values kept per token.
 The library is compiled with the C compiler ($CC, else cc) into $MOE_SCALE_CACHE/kernels (default
 ~/.cache/moe_scale/kernels), once per source text, flags and CPU model (it is built for this CPU, -march=native),
 as DeepSpeed builds its own CPU ops on first use. Without a compiler, or with MOE_SCALE_NATIVE_KERNELS=0,
-`available()` is False and the experts run on torch's GEMMs; a failed build says why in one warning.
+`available()` is False and the experts and the gate run on torch's ops; a failed build or load says why in
+one warning.
 """
 
 from __future__ import annotations
@@ -84,19 +85,24 @@ def _library() -> ctypes.CDLL | None:
     if shutil.which(compiler) is None:
         why = f"no C compiler {compiler!r} on PATH (set CC)"
     else:
-        key = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES) + repr((compiler, _FLAGS, _LIBS)).encode()
-                             + _cpu_signature().encode()).hexdigest()[:16]
+        what = b"".join(source.read_bytes() for source in _SOURCES) + repr((compiler, _FLAGS, _LIBS)).encode()
+        key = hashlib.sha256(what + _cpu_signature().encode()).hexdigest()[:16]
         cache = cache_root() / "kernels"
         path = cache / f"cpu_kernels-{key}.so"
         try:
             why = None if path.exists() else _build(compiler, path)
         except OSError as err:
             why = f"cannot write {cache}: {err.strerror} (set MOE_SCALE_CACHE)"
+    library = None
+    if not why:
+        try:
+            library = ctypes.CDLL(str(path))
+        except OSError as err:
+            why = f"cannot load {path}: {err} (delete it to rebuild)"
     if why:
-        warnings.warn(f"moe_scale: native CPU expert kernels not built ({why}); experts run on torch's GEMMs",
-                      stacklevel=2)
+        warnings.warn(f"moe_scale: native CPU kernels not built ({why}); the experts and the noisy gate run on "
+                      "torch's ops", stacklevel=2)
         return None
-    library = ctypes.CDLL(str(path))
     for name, argtypes in _ARGTYPES.items():
         getattr(library, name).argtypes = argtypes
         getattr(library, name).restype = None

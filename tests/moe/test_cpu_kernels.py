@@ -1,7 +1,7 @@
 """The native CPU expert kernels (moe/cpu_kernels.c) against per-expert torch products at the shapes where
 their code paths split: rows in blocks of 4 (1..9 rows, empty experts), vector width 16 and register
 stripes of 64/128 columns (with tails), many experts shared among threads; and their build: cached per
-source and CPU, one warning and torch's GEMMs when no compiler works. (The gate's kernel, cpu_gating.c:
+source and CPU, one warning and torch's ops when no compiler works or the library does not load. (The gate's kernel, cpu_gating.c:
 tests/moe/test_gating_ops.py.)"""
 
 import os
@@ -42,8 +42,8 @@ def test_products_match_per_expert_torch_at_every_width_and_block_edge(n, k):
     torch.testing.assert_close(cpu_kernels.rows_times_w(a_n, w, offsets).double(),
                                torch.cat(_per_expert(counts, lambda i, rows: a_n64[rows] @ w64[i])), **close)
     outer = cpu_kernels.rows_outer(a_n, b_k, offsets)
-    torch.testing.assert_close(outer.double(), torch.stack(_per_expert(counts, lambda i, rows: a_n64[rows].t() @ b_k64[rows])),
-                               **close)
+    torch.testing.assert_close(outer.double(),
+                               torch.stack(_per_expert(counts, lambda i, rows: a_n64[rows].t() @ b_k64[rows])), **close)
     for expert in (0, 6, 9):                                  # no rows: exact zeros, not stale memory
         assert torch.count_nonzero(outer[expert]) == 0
     # Written over a buffer used before (streaming stores where 64-byte aligned): the same bits, stale
@@ -109,9 +109,14 @@ def test_build_lands_whole_in_the_cache_dir_and_is_reused(tmp_path):
     assert first.stdout.splitlines() == ["True native native (3, 4)"]
     built = sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir())
     assert len(built) == 1 and built[0].startswith("cpu_kernels-") and built[0].endswith(".so")   # no partial file
-    stamp = (tmp_path / "cache" / "kernels" / built[0]).stat().st_mtime_ns
+    library = tmp_path / "cache" / "kernels" / built[0]
+    stamp = library.stat().st_mtime_ns
     again = _probe({}, tmp_path)
-    assert again.stdout == first.stdout and (tmp_path / "cache" / "kernels" / built[0]).stat().st_mtime_ns == stamp
+    assert again.stdout == first.stdout and library.stat().st_mtime_ns == stamp
+    library.write_bytes(b"not a shared library")                 # e.g. a copy cut short on a shared home
+    broken = _probe({}, tmp_path).stdout.splitlines()
+    assert broken[0] == "False grouped padded (3, 4)"
+    assert len(broken) == 2 and "cannot load" in broken[1] and "delete it to rebuild" in broken[1]
 
 
 @pytest.mark.parametrize("env, why", [({"CC": "no-such-compiler"}, "no C compiler 'no-such-compiler' on PATH"),
@@ -127,6 +132,7 @@ def test_without_a_working_compiler_experts_run_on_torch_gemms_after_one_warning
     if why is None:
         assert warnings == []
     else:
-        assert len(warnings) == 1 and why in warnings[0] and "experts run on torch's GEMMs" in warnings[0]
+        assert len(warnings) == 1 and why in warnings[0] and "the experts and the noisy gate run on torch's ops" \
+            in warnings[0]
     kernels = tmp_path / "cache" / "kernels"
     assert not kernels.exists() or not any(kernels.iterdir())   # nothing half-written
