@@ -1,8 +1,8 @@
 """The native CPU expert kernels (moe/cpu_kernels.c) against per-expert torch products at the shapes where
 their code paths split: rows in blocks of 4 (1..9 rows, empty experts), vector width 16 and register
-stripes of 64/128 columns (with tails), many experts shared among threads; and their build: cached per
-source and CPU, one warning and torch's ops when no compiler works or the library does not load. (The gate's kernel, cpu_gating.c:
-tests/moe/test_gating_ops.py.)"""
+stripes of 64/128 columns (with tails), many experts shared among threads, streaming stores; and their
+build: cached per source and CPU, one warning and torch's ops when no compiler works or the library does
+not load. (The gate's kernel, cpu_gating.c: tests/moe/test_gating_ops.py.)"""
 
 import os
 import subprocess
