@@ -57,12 +57,14 @@ static inline void prefetch(const float* p, int64_t len) {
     for (int64_t k = 0; k < len; k += LANES) __builtin_prefetch(p + k, 0, 3);
 }
 
-/* Row pointers of one block of up to ROWS rows; the spare slots repeat the first row and are not stored. */
-#define ROW_BLOCK(base, stride, rows)                                   \
-    const float* a0 = (base);                                           \
-    const float* a1 = (rows) > 1 ? a0 + (stride) : a0;                  \
-    const float* a2 = (rows) > 2 ? a0 + 2 * (stride) : a0;              \
-    const float* a3 = (rows) > 3 ? a0 + 3 * (stride) : a0;
+/* The block of up to ROWS rows from row r of the expert's rows ending at `end`: `rows`, and row pointers into
+ * `a` (row length `stride`); the spare slots repeat the first row and are not stored. */
+#define ROW_BLOCK(a, stride, r, end)                                    \
+    const int64_t rows = (end) - (r) < ROWS ? (end) - (r) : ROWS;       \
+    const float* a0 = (a) + (r) * (stride);                             \
+    const float* a1 = rows > 1 ? a0 + (stride) : a0;                    \
+    const float* a2 = rows > 2 ? a0 + 2 * (stride) : a0;                \
+    const float* a3 = rows > 3 ? a0 + 3 * (stride) : a0;
 
 void rows_times_wt(const float* a, const float* w, float* out, const int64_t* offsets,
                    int64_t E, int64_t N, int64_t K, int threads) {
@@ -71,8 +73,7 @@ void rows_times_wt(const float* a, const float* w, float* out, const int64_t* of
     for (int64_t e = 0; e < E; e++) {
         const float* w_e = w + e * N * K;
         for (int64_t r = offsets[e]; r < offsets[e + 1]; r += ROWS) {
-            const int64_t rows = offsets[e + 1] - r < ROWS ? offsets[e + 1] - r : ROWS;
-            ROW_BLOCK(a + r * K, K, rows)
+            ROW_BLOCK(a, K, r, offsets[e + 1])
             for (int64_t n = 0; n < N; n++) {
                 const float* w_n = w_e + n * K;
                 const float* ahead = w_n + AHEAD * K;
@@ -105,8 +106,7 @@ void rows_times_w(const float* a, const float* w, float* out, const int64_t* off
     for (int64_t e = 0; e < E; e++) {
         const float* w_e = w + e * N * K;
         for (int64_t r = offsets[e]; r < offsets[e + 1]; r += ROWS) {
-            const int64_t rows = offsets[e + 1] - r < ROWS ? offsets[e + 1] - r : ROWS;
-            ROW_BLOCK(a + r * N, N, rows)
+            ROW_BLOCK(a, N, r, offsets[e + 1])
             float* o = out + r * K;
             for (int64_t c = 0; c < K_chunks; c += C) {   /* one column stripe of W per pass */
                 vec acc[ROWS][NN_VECS] = {{{0}}};

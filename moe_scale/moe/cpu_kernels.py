@@ -171,7 +171,7 @@ def noisy_top_k_forward(clean_NE: torch.Tensor, z_NE: torch.Tensor, noise_NE: to
 def noisy_top_k_backward(clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM, grad_top_NM: torch.Tensor,
                          grad_load_E: torch.Tensor | None, eps: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_clean_NE, grad_z_NE) from the gradients of the top values and (if not None) of the load."""
-    grad_top_NM = grad_top_NM.contiguous().clone()   # the thresholds' share is added to it
+    grad_top_NM = grad_top_NM.clone(memory_format=torch.contiguous_format)   # the thresholds' share is added
     grad_load_E = None if grad_load_E is None else grad_load_E.contiguous()
     grad_clean_NE, grad_z_NE = torch.empty_like(clean_NE), torch.empty_like(clean_NE)
     (n, e), m = clean_NE.shape, top_values_NM.shape[1]

@@ -90,7 +90,7 @@ class GroupLayout:
                 and cpu_kernels.available(like):
             kernel = "native"
         if kernel == "native":
-            self.offsets_E1 = torch.cat([self._counts_E.new_zeros(1), self._counts_E.cumsum(0)])
+            self.offsets_E1 = torch.cat([self._counts_E.new_zeros(1), self.offsets.long()])
         fallback = "grouped" if _grouped_mm_available(like) else "loop"
         short_groups = 0 < self.pad_rows <= _PADDED_OUTER_MAX_ROWS
         self.matmul_kernel = fallback if kernel in (None, "padded") else kernel

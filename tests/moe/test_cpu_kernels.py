@@ -136,3 +136,16 @@ def test_without_a_working_compiler_experts_run_on_torch_gemms_after_one_warning
             in warnings[0]
     kernels = tmp_path / "cache" / "kernels"
     assert not kernels.exists() or not any(kernels.iterdir())   # nothing half-written
+
+
+def test_every_kernel_source_ships_in_the_package():
+    """Installed from a wheel, the sources come only through package-data: a missing one would fail the
+    build on first use, and every run would fall back to torch's ops."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["moe_scale.moe"]
+    for source in cpu_kernels._SOURCES:
+        assert any(fnmatch.fnmatch(source.name, pattern) for pattern in patterns), source.name
