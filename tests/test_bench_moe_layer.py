@@ -18,6 +18,14 @@ TINY = ["--tokens", "64", "--d", "16", "--h", "32", "--repeats", "1", "--threads
 IMPLS = {"dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "dense"}
 
 
+def _import_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))   # as `python tools/bench_moe_layer.py` has it
+    spec = importlib.util.spec_from_file_location("bench_moe_layer", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def _run(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True, text=True, timeout=timeout,
@@ -43,24 +51,36 @@ def test_single_process_sweep(tmp_path):
 
 
 def test_two_ranks_report_the_all_to_all_share():
-    proc = _run("--ranks", "2", "--experts", "8", "--k", "2", *TINY)
+    proc = _run("--ranks", "2", "--experts", "8", "--k", "2", "--gate-logit-std", "2", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert {r["impl"] for r in rows} == {"dropless", "capacity"}
     for r in rows:
         assert r["ranks"] == r["ep_size"] == 2 and r["time_s"] > 0 and 0 < r["all_to_all_share"] < 1
+        assert r["gate_logit_std"] == 2
 
 
 @pytest.mark.parametrize("flags", [["--k", "16", "--experts", "8"], ["--ranks", "3", "--experts", "8"],
                                    ["--impls", "dropless,tutel"], ["--capacity-factor", "0"], ["--tokens", "0"],
-                                   ["--out", "/nonexistent/dir/x.jsonl"]])
+                                   ["--out", "/nonexistent/dir/x.jsonl"], ["--gate-logit-std", "-1"],
+                                   ["--gate-logit-std", "nan"], ["--capacity-factor", "nan"]])
 def test_bad_flags_exit_2_with_one_line(flags, capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH.parent))   # as `python tools/bench_moe_layer.py` has it
-    spec = importlib.util.spec_from_file_location("bench_moe_layer", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _import_bench(monkeypatch)
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(flags)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "error" in err
+
+
+def test_gate_logit_std_spreads_our_routers_logits(monkeypatch):
+    """--gate-logit-std S: the clean and the noise logits of the benchmarked layer have std about S (the
+    default leaves the paper's zero-initialised gates)."""
+    import torch
+    bench = _import_bench(monkeypatch)
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
+    for std in (0.0, 3.0):
+        args = bench.parse_args(["--d", "64", "--h", "32", "--gate-logit-std", str(std)])
+        router = bench.build("dropless", 16, 2, args).router
+        for weight in (router.w_gate, router.w_noise):
+            assert (x @ weight.detach()).std().item() == pytest.approx(std, rel=0.1, abs=1e-12)

@@ -26,6 +26,7 @@ beyond the expert weights and their gradients. Measured in a child process with 
     python tools/bench_moe_layer.py --experts 1024 --k 2          # one configuration
     python tools/bench_moe_layer.py --out bench.jsonl               # the whole sweep (E 8..4096, K 1,2,4)
     python tools/bench_moe_layer.py --ranks 2 --experts 256 --k 2   # 2 gloo ranks, ep_size 2: all-to-all share
+    python tools/bench_moe_layer.py --experts 1024 --k 2 --gate-logit-std 3   # logits spread as after training
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")   # as moe_scale sets it; here before torch is imported
 
-from tool_args import OneLineParser, non_negative_int, positive_int, positive_int_list
+from tool_args import (OneLineParser, non_negative_float, non_negative_int, positive_float, positive_int,
+                        positive_int_list)
 
 import torch
 from torch import nn
@@ -62,16 +64,6 @@ def _impl_list(text: str) -> list[str]:
     return items
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="bench_moe_layer.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=positive_int_list, default=[8, 64, 256, 1024, 4096],
@@ -81,12 +73,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=positive_int, default=2048, help="tokens N per step (per rank; default 2048)")
     p.add_argument("--d", type=positive_int, default=256, help="model dim D (default 256)")
     p.add_argument("--h", type=positive_int, default=512, help="expert hidden dim H (default 512)")
-    p.add_argument("--capacity-factor", type=_positive_float, default=1.0, help="capacity modes (default 1.0)")
+    p.add_argument("--capacity-factor", type=positive_float, default=1.0, help="capacity modes (default 1.0)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed steps after 1 warm-up (default 3)")
     p.add_argument("--ranks", type=positive_int, default=1,
                    help="1: the single-process sweep; R > 1: moe_scale's layer on R gloo ranks, ep_size R")
     p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
     p.add_argument("--no-memory", action="store_true", help="skip the working-memory child process")
+    p.add_argument("--gate-logit-std", type=non_negative_float, default=0.0,
+                   help="draw the gating matrices so the logits have this std, as a trained router's spread "
+                        "(default 0: zero-initialised gates, the paper's App. A; DeepSpeed keeps nn.Linear's init)")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", type=Path, help="also write the JSON lines here")
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
@@ -148,10 +143,24 @@ def build(impl: str, e: int, k: int, args) -> nn.Module:
         return _Dense(d, dense_hidden(e, k, args))
     if impl.startswith("deepspeed"):
         _init_single_process_dist()
-        return _DeepSpeedLayer(d, h, e, k, args.capacity_factor, drop_tokens=impl == "deepspeed_capacity")
+        layer = _DeepSpeedLayer(d, h, e, k, args.capacity_factor, drop_tokens=impl == "deepspeed_capacity")
+        _spread_gate_logits(layer, args)
+        return layer
     from moe_scale.moe.layer import MoELayer
 
-    return MoELayer(d, h, e, k, seed=args.seed, dispatch_mode=impl, capacity_factor=args.capacity_factor)
+    layer = MoELayer(d, h, e, k, seed=args.seed, dispatch_mode=impl, capacity_factor=args.capacity_factor)
+    _spread_gate_logits(layer, args)
+    return layer
+
+
+def _spread_gate_logits(layer: nn.Module, args) -> None:
+    """--gate-logit-std S: N(0, S^2 / D) gating matrices give logits of std S on the N(0, 1) inputs. Some of the
+    gate's arithmetic costs more once logits spread (see cpu_gating.c), which a zero-initialised gate hides."""
+    if args.gate_logit_std > 0:
+        with torch.no_grad():
+            for name, weight in layer.named_parameters():
+                if name.endswith(("router.w_gate", "router.w_noise", "gate.wg.weight")):
+                    weight.normal_(0.0, args.gate_logit_std / args.d ** 0.5)
 
 
 def dense_hidden(e: int, k: int, args) -> int:
@@ -264,7 +273,8 @@ def measure_working_memory(args) -> dict[tuple[str, int, int], dict]:
             for impl in args.impls:
                 cmd = [sys.executable, __file__, "--memory-child", "--experts", str(e), "--k", str(k), "--impls", impl,
                        "--tokens", str(args.tokens), "--d", str(args.d), "--h", str(args.h),
-                       "--capacity-factor", str(args.capacity_factor), "--seed", str(args.seed)]
+                       "--capacity-factor", str(args.capacity_factor), "--seed", str(args.seed),
+                       "--gate-logit-std", str(args.gate_logit_std)]
                 env = {**os.environ, _MMAP_ENV: "65536", "MASTER_PORT": str(_free_port())}
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if proc.returncode:
@@ -321,6 +331,7 @@ def _row(impl, e, k, args, times, memory, peak_flops, peak_bandwidth) -> dict:
     roofline_s = max(flops / peak_flops, 2 * weight_bytes / peak_bandwidth)
     t = times[impl]
     row = {"impl": impl, "experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h,
+           "gate_logit_std": args.gate_logit_std,
            "time_s": _sig(t), "roofline_s": _sig(roofline_s), "roofline_fraction": _sig(roofline_s / t),
            "bound": "compute" if flops / peak_flops >= 2 * weight_bytes / peak_bandwidth else "memory",
            "matmul_peak_gflops": round(peak_flops / 1e9, 1), "bandwidth_gbs": round(peak_bandwidth / 1e9, 2)}
@@ -370,6 +381,8 @@ def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
             for mode in [m for m in args.impls if m in ("dropless", "capacity")]:
                 layer = MoELayer(args.d, args.h, e, k, ep_size=world, ep_rank=rank, seed=args.seed,
                                  dispatch_mode=mode, capacity_factor=args.capacity_factor)
+                torch.manual_seed(args.seed)   # the same router on every rank
+                _spread_gate_logits(layer, args)
                 layer.set_deepspeed_parallelism()
                 timer = layer.dispatcher.exchange.timer
                 step(layer, x, probe)
@@ -384,7 +397,7 @@ def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
                 if rank == 0:
                     queue.put({"impl": mode, "ranks": world, "ep_size": world, "experts": e, "k": k,
                                "tokens_per_rank": args.tokens, "d": args.d, "h": args.h,
-                               "time_s": _sig(statistics.median(times)),
+                               "gate_logit_std": args.gate_logit_std, "time_s": _sig(statistics.median(times)),
                                "all_to_all_share": round(statistics.median(shares), 3)})
                 del layer
     queue.put(None) if rank == 0 else None

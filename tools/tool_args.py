@@ -1,4 +1,4 @@
-"""Argument parsing shared by the scripts in tools/: one-line errors (exit 2) and integer checks."""
+"""Argument parsing shared by the scripts in tools/: one-line errors (exit 2) and number checks."""
 
 from __future__ import annotations
 
@@ -12,20 +12,22 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _bounded_int(minimum: int, what: str):
-    def parse(text: str) -> int:
+def _bounded(convert, minimum, what: str, strict: bool = False):
+    def parse(text: str):
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
+        if not (value > minimum if strict else value >= minimum):   # written so that NaN fails
             raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
     return parse
 
 
-positive_int = _bounded_int(1, "a positive integer")
-non_negative_int = _bounded_int(0, "an integer >= 0")
+positive_int = _bounded(int, 1, "a positive integer")
+non_negative_int = _bounded(int, 0, "an integer >= 0")
+positive_float = _bounded(float, 0.0, "a positive number", strict=True)
+non_negative_float = _bounded(float, 0.0, "a number >= 0")
 
 
 def positive_int_list(text: str) -> list[int]:

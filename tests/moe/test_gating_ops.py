@@ -24,9 +24,11 @@ def inputs(n, e, seed):
     return clean.requires_grad_(True), z.mul(2).requires_grad_(True), noise
 
 
-@pytest.mark.parametrize("n,e,k", [(300, 7, 2), (600, 33, 4), (5, 3, 1)])
-def test_values_and_gradients_match_plain_autograd(n, e, k):
+@pytest.mark.parametrize("n,e,k,spread", [(300, 7, 2, 1), (600, 33, 4, 1), (5, 3, 1, 1), (200, 130, 2, 10)])
+def test_values_and_gradients_match_plain_autograd(n, e, k, spread):
+    """`spread` scales the logits until Gaussian factors fall below the cutoff that _gaussian sets to 0."""
     clean, z, noise = inputs(n, e, seed=n + e + k)
+    clean = clean.detach().mul(spread).requires_grad_(True)
     gen = torch.Generator().manual_seed(1)
     w_top = torch.randn(n, min(k + 1, e), generator=gen, dtype=torch.float64)
     w_load = torch.randn(e, generator=gen, dtype=torch.float64)
@@ -102,17 +104,23 @@ def test_router_forward_matches_the_reference_path():
     torch.testing.assert_close(out.load_E, prob_in_top_k(clean, noisy, std, top, k).sum(0))
 
 
-@pytest.mark.parametrize("n,e,k", [(300, 7, 2), (130, 300, 1), (70, 1030, 4), (5, 3, 2), (9, 4, 4), (0, 6, 2)])
-def test_native_float32_matches_the_float64_reference(n, e, k):
+@pytest.mark.parametrize("n,e,k,spread", [(300, 7, 2, 1), (130, 300, 1, 1), (70, 1030, 4, 1), (5, 3, 2, 1),
+                                          (9, 4, 4, 1), (0, 6, 2, 1), (200, 130, 2, 40)])
+def test_native_float32_matches_the_float64_reference(n, e, k, spread):
     """CPU float32 runs cpu_gating.c: one pass per row. Against the plain-autograd reference in float64 on
     the same inputs: the same experts, and values, load and both gradients to float32 rounding. Covers
     k + 1 == E, k == E (no load), row block edges (64 rows: n = 70, 130, 300), E past vector widths, and a
-    rank with no tokens."""
+    rank with no tokens. `spread` scales the logits past the kernel's clamps (z beyond -60 and 20, Gaussian
+    factors below exp(-50)), where the results must not change."""
     from moe_scale.moe import cpu_kernels
     if not cpu_kernels.available(torch.empty(0)):
         pytest.skip("native kernels not built")
     smooth = k < e
     clean, z, noise = (t.detach().float().requires_grad_(t.requires_grad) for t in inputs(n, e, seed=n * e + k))
+    if spread != 1:
+        clean, z = (t.detach().mul(spread).requires_grad_(True) for t in (clean, z))
+        std = torch.nn.functional.softplus(z.detach()) + EPS
+        assert (z < -60).any() and (z > 20).any() and ((clean.detach() / std) ** 2 > 2 * 50).any()
     gen = torch.Generator().manual_seed(2)
     w_top = torch.randn(n, min(k + 1, e), generator=gen)
     w_load = torch.randn(e, generator=gen)
@@ -126,3 +134,26 @@ def test_native_float32_matches_the_float64_reference(n, e, k):
     grads_want = torch.autograd.grad((want[0] * w_top.double()).sum() + (want[2] * w_load.double()).sum(), (clean, z))
     for g, w in zip(grads_got, grads_want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_spread_logits_give_no_denormal_gradients(path, monkeypatch):
+    """Once a router has learnt, most experts sit far from a token's threshold, and exp(-z^2) of the smooth
+    load underflows. Its gradient must hold zeros there, not denormals: the router's matmul backward takes it
+    next, and MKL runs about 80x slower on denormal inputs. Both paths, float32."""
+    from moe_scale.moe import cpu_kernels
+    if path == "native" and not cpu_kernels.available(torch.empty(0)):
+        pytest.skip("native kernels not built")
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda t: False)
+    gen = torch.Generator().manual_seed(5)
+    clean = (torch.randn(256, 512, generator=gen) * 3).requires_grad_(True)
+    z = (torch.randn(256, 512, generator=gen) * 3).requires_grad_(True)
+    noise = torch.randn(256, 512, generator=gen)
+    top, _, load = noisy_top_k(clean, z, noise, EPS, 2, True)
+    w_load = torch.rand(512, generator=gen) * 1e-3
+    grads = torch.autograd.grad((top[:, :2].sum(1) * 0.1).sum() + (load * w_load).sum(), (clean, z))
+    tiny = torch.finfo(torch.float32).tiny
+    for g in grads:
+        assert g.abs().gt(0).sum() > g.numel() // 10   # the load's gradient reached most entries
+        assert not (g.ne(0) & g.abs().lt(tiny)).any()
