@@ -91,9 +91,9 @@ def noisy_top_k(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k:
     return _NoisyTopK.apply(clean_NE, z_NE, noise_NE, eps, k, smooth_load)
 
 
-# exp(-z^2) below exp(-50) ~ 2e-22 is taken as 0, here and in cpu_gating.c: below float32's resolution of
-# any nonzero entry of the same gradient, and it keeps denormals out of the gradient. The gate's matmul
-# backward multiplies that gradient next, and MKL runs 80x slower on denormal inputs (measured here).
+# exp(-z^2) below exp(-50) ~ 2e-22 is taken as 0, here and in cpu_gating.c: 2e-22 of the entries near the
+# threshold, beyond float32's precision next to them, and it keeps denormals out of the gradient. The
+# router's matmul backward multiplies that gradient next, and MKL runs 80x slower on denormal inputs.
 _GAUSSIAN_CUTOFF = 50.0
 
 
