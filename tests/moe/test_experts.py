@@ -10,8 +10,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
+from moe_scale.moe import cpu_kernels
 from moe_scale.moe.experts import (GroupedExperts, GroupLayout, expert_ffn, grouped_matmul, per_expert_outer,
                                    rows_times_expert)
+
+NATIVE_BUILT = cpu_kernels.available(torch.empty(0))
+needs_native = pytest.mark.skipif(not NATIVE_BUILT, reason="native kernels not built (no C compiler?)")
 
 COUNTS = {
     "all_nonzero": [3, 1, 5, 2],
@@ -41,7 +45,7 @@ def test_grouped_padded_and_loop_kernels_give_the_same_products(counts):
     outer_loop = per_expert_outer(a, g, loop_layout)
     b_t = torch.randn(e, 12, 8, generator=gen).transpose(1, 2)   # a weight's transpose (native's other kernel)
     loop_t = rows_times_expert(a, b_t, loop_layout)
-    for kernel in ("grouped", "padded", "native"):
+    for kernel in ("grouped", "padded") + (("native",) if NATIVE_BUILT else ()):
         layout = GroupLayout(counts, a, kernel)
         torch.testing.assert_close(rows_times_expert(a, b, layout), loop)
         torch.testing.assert_close(rows_times_expert(a, b_t, layout), loop_t)
@@ -57,7 +61,8 @@ def test_grouped_padded_and_loop_kernels_give_the_same_products(counts):
 
 @pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
 @pytest.mark.parametrize("dtype, kernel", [(torch.float64, "loop"), (torch.float32, "grouped"),
-                                           (torch.float64, "padded"), (torch.float32, "native"),
+                                           (torch.float64, "padded"),
+                                           pytest.param(torch.float32, "native", marks=needs_native),
                                            (torch.float32, None)],
                          ids=["loop_f64", "grouped_f32", "padded_f64", "native_f32", "chosen_f32"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
@@ -84,7 +89,8 @@ def test_expert_ffn_matches_per_expert_autograd(counts, dtype, kernel, recompute
 
 @pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
 @pytest.mark.parametrize("dtype, kernel", [(torch.float64, "loop"), (torch.float32, "grouped"),
-                                           (torch.float64, "padded"), (torch.float32, "native")],
+                                           (torch.float64, "padded"),
+                                           pytest.param(torch.float32, "native", marks=needs_native)],
                          ids=["loop_f64", "grouped_f32", "padded_f64", "native_f32"])
 def test_grouped_matmul_matches_per_expert_slices(counts, dtype, kernel):
     gen = torch.Generator().manual_seed(len(counts) * 3 + sum(counts))
@@ -124,27 +130,35 @@ def test_expert_ffn_gradcheck_and_single_input_grad():
         torch.testing.assert_close(gw, want_w_out)
 
 
-def test_kernel_choice_native_for_few_rows_per_expert_else_pads_weight_gradients_of_short_groups():
-    """CPU float32 with at most 32 rows per expert on average: native kernels for every product. Otherwise
-    weight gradients pad while no expert has more than 32 rows, and take grouped GEMM (CPU float32) or the
-    loop (float64) beyond; row products never pad."""
-    f32, f64, bf16 = torch.empty(0), torch.empty(0, dtype=torch.float64), torch.empty(0, dtype=torch.bfloat16)
+@needs_native
+def test_kernel_choice_native_for_few_rows_per_expert():
+    """CPU float32 with at most 32 rows per expert on average: native kernels for every product."""
+    f32 = torch.empty(0)
     sparse = GroupLayout([0, 3, 0, 0, 1, 0, 0, 0], f32)
     assert (sparse.matmul_kernel, sparse.outer_kernel) == ("native", "native")
     assert GroupLayout([32] * 4, f32).outer_kernel == "native"
     assert GroupLayout([33] * 4, f32).outer_kernel == "grouped"         # many rows each: MKL's GEMM is faster
+    empty = GroupLayout([0, 0], f32)                                    # nothing to run: torch's kernels
+    assert empty.matmul_kernel == empty.outer_kernel == "grouped"
+
+
+def test_kernel_choice_without_native_pads_weight_gradients_of_short_groups(monkeypatch):
+    """Without the native kernels (other dtypes, or none built): weight gradients pad while no expert has more
+    than 32 rows, and take grouped GEMM (CPU float32) or the loop (float64) beyond; row products never pad."""
+    f32, f64, bf16 = torch.empty(0), torch.empty(0, dtype=torch.float64), torch.empty(0, dtype=torch.bfloat16)
     assert (GroupLayout([3, 1], bf16).matmul_kernel, GroupLayout([3, 1], bf16).outer_kernel) == ("grouped", "padded")
     assert GroupLayout([33, 1, 1], bf16).outer_kernel == "grouped"      # one long group: padding would dominate
     assert (GroupLayout([33, 1], f64).outer_kernel, GroupLayout([3, 1], f64).matmul_kernel) == ("loop", "loop")
     assert GroupLayout([3, 1], f64).outer_kernel == "padded"
-    empty = GroupLayout([0, 0], f32)                                    # nothing to run: torch's kernels
-    assert empty.matmul_kernel == empty.outer_kernel == "grouped"
     empty = GroupLayout([0, 0], f32, kernel="padded")                   # nothing to pad: falls back
     assert empty.matmul_kernel == empty.outer_kernel == "grouped"
     with pytest.raises(ValueError, match="kernel must be one of"):
         GroupLayout([1], f32, kernel="fast")
     with pytest.raises(ValueError, match="kernel 'native' takes CPU float32"):
         GroupLayout([1], f64, kernel="native")
+    monkeypatch.setattr(cpu_kernels, "available", lambda like: False)   # float32 where no library was built
+    sparse = GroupLayout([0, 3, 0, 0, 1, 0, 0, 0], f32)
+    assert (sparse.matmul_kernel, sparse.outer_kernel) == ("grouped", "padded")
 
 
 @pytest.mark.parametrize("num_experts", [7, 50, 300])
@@ -194,6 +208,7 @@ def test_gated_row_sums_match_reference_in_value_and_every_gradient(counts, row_
     assert torch.autograd.gradcheck(gated, (rows, w_in, w_out, gate))
 
 
+@needs_native
 @pytest.mark.parametrize("counts, row_of_pair", GATED.values(), ids=GATED.keys())
 def test_gated_row_sums_native_float32_match_reference(counts, row_of_pair):
     """The native kernels take float32 only (no gradcheck): value and every gradient against the reference."""
@@ -348,6 +363,7 @@ def _weight_grads(experts, x, counts, scale: float = 1.0):
     return experts.w_in.grad, experts.w_out.grad
 
 
+@needs_native
 def test_cleared_gradients_are_rewritten_in_the_same_memory_with_the_right_values():
     experts, x, counts = _experts_and_batch(reuse=True)
     reference, _, _ = _experts_and_batch(reuse=False)
@@ -364,6 +380,7 @@ def test_cleared_gradients_are_rewritten_in_the_same_memory_with_the_right_value
         torch.testing.assert_close(got, ref)
 
 
+@needs_native
 def test_a_gradient_still_held_is_never_written_over():
     """Kept .grad (accumulation across backwards) and a gradient the caller took away must both survive."""
     experts, x, counts = _experts_and_batch(reuse=True)
@@ -379,6 +396,7 @@ def test_a_gradient_still_held_is_never_written_over():
     torch.testing.assert_close(experts.w_in.grad, -5.0 * once[0])
 
 
+@needs_native
 def test_two_calls_in_one_graph_sum_their_gradients():
     experts, x, counts = _experts_and_batch(reuse=True)
     reference, _, _ = _experts_and_batch(reuse=False)
