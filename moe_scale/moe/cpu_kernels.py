@@ -1,5 +1,5 @@
-"""Native CPU kernels, built on first use: per-expert products with few rows per expert (cpu_kernels.c) and
-the noisy gate's [tokens, experts] arithmetic (cpu_gating.c).
+"""Native CPU kernels, built on first use: per-expert products with few rows per expert (cpu_kernels.c),
+the noisy gate's [tokens, experts] arithmetic (cpu_gating.c) and its normal noise (cpu_noise.c).
 
 Legend: M rows sorted by expert, W [E, N, K] stacked expert matrices, `offsets_E1` [E + 1] int64 row
 offsets (expert e owns rows offsets[e]:offsets[e + 1]); for the gate N tokens, E experts, K top-k and
@@ -29,7 +29,7 @@ import torch
 
 from moe_scale.data.embedded import cache_root
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_gating.c"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_gating.c", "cpu_noise.c"))
 # -fno-math-errno: math calls without errno side effects, so loops calling them vectorise; glibc's vector
 # math library on x86-64 Linux (see cpu_gating.c).
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
@@ -43,6 +43,8 @@ _ARGTYPES = {
     "rows_outer": [_P] * 4 + [_I] * 3 + [ctypes.c_int] * 2,
     "noisy_top_k_forward": [_P] * 8 + [_I] * 5 + [_F, ctypes.c_int, ctypes.c_int],
     "noisy_top_k_backward": [_P] * 9 + [_I] * 4 + [_F, ctypes.c_int],
+    "standard_normal": [_P, _I, ctypes.c_uint64, ctypes.c_int],
+    "philox4x32_10_block": [_P] * 3,
 }
 
 
@@ -181,3 +183,12 @@ def noisy_top_k_backward(clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM, 
                                     grad_clean_NE.data_ptr(), grad_z_NE.data_ptr(), n, e, k, m, eps,
                                     torch.get_num_threads())
     return grad_clean_NE, grad_z_NE
+
+
+def standard_normal(*shape: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Standard normal float32 noise of `shape` from cpu_noise.c (Philox4x32-10 + Box-Muller). Its seed is one
+    draw from torch's generator (the global one by default), so torch.manual_seed makes it reproducible."""
+    seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator))
+    out = torch.empty(shape)
+    _library().standard_normal(out.data_ptr(), out.numel(), seed, torch.get_num_threads())
+    return out

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_scale.moe import cpu_kernels
 from moe_scale.moe.gating_ops import noisy_top_k
 from moe_scale.moe.losses import cv_squared
 
@@ -42,8 +43,14 @@ def _identity(t: Tensor) -> Tensor:
 
 
 def sample_noise(sampler: Optional[NoiseSampler], n: int, e: int, device: torch.device) -> Tensor:
-    """Standard normal noise [n, e]: from the installed sampler (e.g. GlobalTokenNoise) or the global RNG."""
-    return torch.randn(n, e, device=device) if sampler is None else sampler(n, e, device)
+    """Standard normal noise [n, e]: from the installed sampler (e.g. GlobalTokenNoise), else seeded by the
+    global RNG: on CPU from the native counter-based generator (cpu_kernels.standard_normal: 3-4x faster than
+    torch.randn, whose Mersenne Twister is serial), elsewhere or without the kernels from torch.randn."""
+    if sampler is not None:
+        return sampler(n, e, device)
+    if torch.device(device).type == "cpu" and cpu_kernels.available(torch.empty(0)):
+        return cpu_kernels.standard_normal(n, e)
+    return torch.randn(n, e, device=device)
 
 
 def prob_in_top_k(clean_NE: Tensor, noisy_NE: Tensor, std_NE: Tensor, top_values_NM: Tensor, k: int) -> Tensor:
