@@ -105,6 +105,11 @@ def _library() -> ctypes.CDLL | None:
         warnings.warn(f"moe_scale: native CPU kernels not built ({why}); the experts and the noisy gate run on "
                       "torch's ops", stacklevel=2)
         return None
+    return _declare(library)
+
+
+def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    """Gives the library's functions their C signatures."""
     for name, argtypes in _ARGTYPES.items():
         getattr(library, name).argtypes = argtypes
         getattr(library, name).restype = None

@@ -1,10 +1,13 @@
 """The native CPU expert kernels (moe/cpu_kernels.c) against per-expert torch products at the shapes where
-their code paths split: rows in blocks of 4 (1..9 rows, empty experts), vector width 16 and register
-stripes of 64/128 columns (with tails), many experts shared among threads, streaming stores; and their
+their code paths split: rows in blocks of 4 (1..9 rows, empty experts), experts with few rows and with
+many (rows_times_wt's two kernels), vector width and register stripes of columns (with tails), narrower
+vectors (built for AVX2 and plain x86-64), many experts shared among threads, streaming stores; and their
 build: cached per source and CPU, one warning and torch's ops when no compiler works or the library does
 not load. (The gate's kernel, cpu_gating.c: tests/moe/test_gating_ops.py.)"""
 
+import ctypes
 import os
+import platform
 import subprocess
 import sys
 
@@ -29,8 +32,38 @@ def _per_expert(counts, product):
 
 @pytest.mark.parametrize("n, k", [(5, 1), (7, 15), (16, 16), (33, 17), (64, 64), (40, 130), (512, 256), (3, 200)])
 def test_products_match_per_expert_torch_at_every_width_and_block_edge(n, k):
+    _check_products(n, k)
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":")[1].split()) for line in f if line.startswith("flags")), set())
+
+
+NARROWER_TARGETS = {"avx2": ("-march=x86-64", "-mavx2", "-mfma"), "sse2": ("-march=x86-64",)}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not os.path.exists("/proc/cpuinfo"), reason="x86-64 Linux")
+@pytest.mark.parametrize("target", NARROWER_TARGETS)
+def test_kernels_built_for_narrower_vectors_give_the_same_products(target, tmp_path, monkeypatch):
+    """The kernels' vectors are as wide as the target's registers (16 floats with AVX-512, 8 with AVX, else 4):
+    built for AVX2 or plain x86-64, as on CPUs without AVX-512, they give the same products."""
+    if target == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    flags = tuple(flag for flag in cpu_kernels._FLAGS if flag != "-march=native") + NARROWER_TARGETS[target]
+    monkeypatch.setattr(cpu_kernels, "_FLAGS", flags)
+    path = tmp_path / "kernels.so"
+    assert cpu_kernels._build(os.environ.get("CC", "cc"), path) is None
+    library = cpu_kernels._declare(ctypes.CDLL(str(path)))
+    monkeypatch.setattr(cpu_kernels, "_library", lambda: library)
+    for n, k in [(5, 1), (33, 17), (512, 256)]:
+        _check_products(n, k)
+
+
+def _check_products(n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(n * 1000 + k)
-    counts = [0, 1, 2, 3, 4, 5, 0, 8, 9, 0]                 # partial and whole blocks of 4 rows, empty experts
+    counts = [0, 1, 2, 3, 4, 5, 0, 8, 9, 0, 11, 12, 13, 19]  # partial and whole blocks of 4 rows, empty experts,
+    #                                                         # either side of rows_times_wt's tiled kernel's 12
     m, e = sum(counts), len(counts)
     w = torch.randn(e, n, k, generator=gen)
     a_k, a_n, b_k = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen), torch.randn(m, k, generator=gen)
@@ -46,7 +79,7 @@ def test_products_match_per_expert_torch_at_every_width_and_block_edge(n, k):
                                torch.stack(_per_expert(counts, lambda i, rows: a_n64[rows].t() @ b_k64[rows])), **close)
     for expert in (0, 6, 9):                                  # no rows: exact zeros, not stale memory
         assert torch.count_nonzero(outer[expert]) == 0
-    # Written over a buffer used before (streaming stores where 64-byte aligned): the same bits, stale
+    # Written over a buffer used before (streaming stores where vector-aligned): the same bits, stale
     # values gone, also when the buffer starts 4 bytes past an alignment boundary.
     misaligned = torch.empty(outer.numel() + 1)[1:].view(outer.shape)
     for buffer in (torch.full_like(outer, 7.0), misaligned.fill_(7.0)):
@@ -60,7 +93,7 @@ def test_many_experts_give_the_same_bits_with_one_thread_or_two():
     """Experts are shared among threads; each is computed by one thread in a fixed order, so the thread count
     must not change a single bit."""
     gen = torch.Generator().manual_seed(0)
-    counts = torch.randint(0, 6, (300,), generator=gen).tolist()
+    counts = torch.randint(0, 20, (300,), generator=gen).tolist()   # few rows and many: both wt kernels
     m = sum(counts)
     w = torch.randn(300, 24, 32, generator=gen)
     a_k, a_n = torch.randn(m, 32, generator=gen), torch.randn(m, 24, generator=gen)
