@@ -7,4 +7,10 @@ import os
 # torch at its first allocation, so it must be set before torch allocates; a user's setting wins).
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+# Freed activations stay with the process for the next step rather than coming back as fresh, zero-filled
+# pages (moe_scale/host_memory.py says why and when not).
+from moe_scale.host_memory import keep_freed_memory  # noqa: E402
+
+keep_freed_memory()
+
 __version__ = "0.1.0"

@@ -1,39 +1,87 @@
-/* Per-expert products for many small experts on CPU (float32). With few rows per expert the time goes to
- * streaming the expert weights, and MKL's GEMM reaches about half the machine's bandwidth on such shapes.
- * Each kernel here reads (or writes) every expert's W exactly once, in order, prefetching ahead, with the
- * expert's few rows held in cache and the partial results in registers.
+/* Per-expert products of the MoE experts on CPU (float32): register-tiled, and each reads (or writes) every
+ * expert's weights once, in order, while the weights it reads next are already on their way from memory.
  *
  * Legend: W is [E, N, K] row-major; expert e owns rows [offsets[e], offsets[e + 1]) of the row operands.
- *   rows_times_wt  out[M, N] = a[M, K] . W[e]^T   (each row r of expert e: out[r] = W[e] a[r]; dot products
- *                  of W's rows, one at a time for an expert with few rows, in 4 x 4 tiles for one with many)
- *   rows_times_w   out[M, K] = a[M, N] . W[e]
- *   rows_outer     W[e]      = a[rows of e]^T . b[rows of e]   (a [M, N], b [M, K]; zeros for no rows;
+ *   rows_times_wt  out[M, N] = a[rows of e] . W[e]^T      (x . w_in^T forward, g . w_out^T backward); `relu`
+ *                  clamps the result at 0 (the experts' hidden layer)
+ *   rows_times_w   out[M, K] = a[rows of e] . W[e]          (h . w_out forward, g . w_in backward)
+ *   rows_outer     W[e]      = a[rows of e]^T . b[rows of e] (weight gradients; zeros for an expert with no rows;
  *                  `streaming`: W's pages are already mapped, see store_streaming)
- * Experts are shared out among `threads` OpenMP threads: linked by soname, libgomp resolves to the copy
- * torch has already loaded, so these and torch's own ops use one thread pool.
- * Written with GCC/Clang vector extensions, as wide as the target's vector registers: 16 floats with AVX-512,
- * 8 with AVX, else 4 (SSE, NEON). Vectors wider than the registers are split by the compiler into register
- * pairs and spilled: 16-float vectors built for AVX2 ran these kernels 4-14x slower.
+ * A row index (rows_times_wt's `a_index`, rows_outer's `b_index`; NULL for none) makes row r read row
+ * index[r] of its operand: the experts' gather of each (token, expert) pair's row, done while reading.
+ *
+ * Why the work has these shapes. An expert with m rows costs 2 m N K FLOPs against N K weights moved; with
+ * d=256, h=512 this machine's balance (~13 FLOP per byte) puts the crossover near 25 rows. MoE layers with
+ * 64..4096 experts sit on both sides, so both halves matter:
+ *  - Arithmetic: TILE_ROWS x TILE_VECS register tiles of accumulators (6 x 4 vectors with 32 registers); per
+ *    step TILE_VECS vector loads and TILE_ROWS scalars broadcast from memory (a load, no shuffle) feed
+ *    TILE_ROWS x TILE_VECS multiply-adds. rows_times_wt would need a horizontal sum per dot product, so its
+ *    rows go in blocks of LANES, transposed into a scratch [K, LANES]: a tile then takes WT_TILE rows of W
+ *    by broadcast against LANES rows at once, and the tile is transposed back in registers. A remainder
+ *    of at most DOT_MAX_ROWS rows takes dot products instead of a half-empty block.
+ *  - Memory: experts go in contiguous runs (chunks of similar cost, handed to threads dynamically), and
+ *    within a run the weights are prefetched PREFETCH_AHEAD bytes ahead of use, across expert boundaries
+ *    (skipping experts without rows), so the next expert's weights arrive while this one computes.
+ *    rows_outer writes W; it prefetches the next expert's rows instead.
+ * Measured here (2 threads, E=256, 16 rows per expert, d=256, h=512): rows_times_w 10.1 -> 6.2 ms against a
+ * 4.3 ms memory bound, from the prefetch; at E=64, 64 rows: 76-85% of the FLOP peak, where MKL's grouped
+ * GEMM gave 45-70% (its weight gradient 20-50%).
+ *
+ * Each output is computed by one thread in a fixed order, so results do not depend on the thread count.
+ * Threads come from OpenMP: linked by soname, libgomp resolves to the copy torch has already loaded, so
+ * these and torch's own ops use one thread pool.
+ * Written with GCC/Clang vector extensions, as wide as the target's vector registers: 16 floats with
+ * AVX-512, 8 with AVX, else 4 (SSE, NEON), and tiles sized to the register file (32 with AVX-512, else 16):
+ * vectors or tiles wider than the registers are split and spilled (16-float vectors built for AVX2 ran
+ * 4-14x slower).
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(__AVX512F__)
 #define VEC_BYTES 64
+#define REGISTERS 32
 #elif defined(__AVX__)
 #define VEC_BYTES 32
+#define REGISTERS 16
 #else
 #define VEC_BYTES 16
+#define REGISTERS 16
 #endif
 typedef float vec __attribute__((vector_size(VEC_BYTES), aligned(4)));   /* any float alignment */
+typedef int32_t ivec __attribute__((vector_size(VEC_BYTES), aligned(4)));
 #define LANES (VEC_BYTES / 4)
-#define LINE_FLOATS 16    /* floats per 64-byte cache line */
-#define ROWS 4            /* rows of one expert processed together: 4 accumulator sets */
-#define AHEAD 8           /* W rows prefetched ahead: covers memory latency at these row lengths */
-#define NN_VECS 4         /* rows_times_w: ROWS x NN_VECS vectors of output columns in registers */
-#define OUTER_VECS 8      /* rows_outer: OUTER_VECS vectors of gradient columns in registers */
+#define LINE 64                   /* bytes per cache line */
+#if REGISTERS >= 32
+#define TILE_ROWS 6               /* broadcast tiles: TILE_ROWS x TILE_VECS accumulators, TILE_VECS + 1 operands */
+#define TILE_VECS 4
+#else
+#define TILE_ROWS 4
+#define TILE_VECS 3
+#endif
+#define WT_TILE (LANES >= 8 ? LANES : 2 * LANES)   /* W rows per transposed tile: >= 8 accumulators in flight */
+#define PANEL (TILE_VECS * LANES)  /* rows_times_wt with many rows: W rows per transposed panel */
+#define PANEL_K 64                 /* ... and columns of W per panel */
+#define PANEL_MIN_ROWS 16          /* ... from this many rows of an item */
+#define DOT_MAX_ROWS (LANES / 2)  /* rows_times_wt: a remainder this small takes dot products */
+#define ITEM_ROWS 96              /* rows of one expert per work item (a multiple of TILE_ROWS and of LANES) */
+#define CHUNKS_PER_THREAD 4       /* contiguous runs of items per thread: prefetch within, balance across */
+#define STREAM_ROWS 24            /* an item's cost: streaming its weights costs about as much as this many rows */
+#define PREFETCH_AHEAD (64 * 1024)   /* bytes of weights requested ahead of use (measured: 32-256 KiB alike) */
+#define N_CHUNK 32                /* rows_times_w: rows of W per pass, the accumulators reloaded between passes */
+#define N_CHUNK_MANY_ROWS 128     /* ... for items of more than 64 rows */
+#define MAX_PREFETCH_PER_STEP 8   /* lines prefetched per inner step at most */
+#define OUTER_PASS_ROWS 384       /* rows_outer: rows summed per pass over W's tiles, at most */
 
 static inline vec load(const float* p) { return *(const vec*)p; }
 static inline void store(float* p, vec v) { *(vec*)p = v; }
+/* x - 0 is x for every float, so this is a plain broadcast; (vec){0} + x would keep a scalar add (0 + -0
+ * is +0) in the innermost loops, on the ports the multiply-adds need. */
+static inline vec splat(float x) { return x - (vec){0}; }
+static inline vec relu(vec v) { return (vec)((ivec)v & ~(ivec)(v < (vec){0})); }   /* keeps NaN, as torch */
+static inline void prefetch_lines(const char* p, int lines) {
+    for (int q = 0; q < lines; q++) __builtin_prefetch(p + q * LINE, 0, 2);   /* into L2 */
+}
 
 /* Gradients are written whole and not read back soon: streaming stores skip reading each cache line before
  * writing it, half the memory traffic of an ordinary store (rows_outer into mapped memory: 2.5x faster).
@@ -55,223 +103,542 @@ static inline void fence_streaming_stores(void) { _mm_sfence(); }
 static inline void store_streaming(float* p, vec v) { store(p, v); }
 static inline void fence_streaming_stores(void) {}
 #endif
-static inline vec splat(float x) { return (vec){0} + x; }
-static inline float lane_sum(vec v) {
-#if LANES == 16 && (defined(__clang__) || __GNUC__ >= 12)   /* a halving tree of shuffles: ~10% faster */
-    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return v[0];
-#else
-    float s = 0.f;
-    for (int i = 0; i < LANES; i++) s += v[i];
-    return s;
-#endif
-}
-/* Prefetch never faults, so running past the end of W (into the next expert or beyond) is harmless. */
-static inline void prefetch(const float* p, int64_t len) {
-    for (int64_t k = 0; k < len; k += LINE_FLOATS) __builtin_prefetch(p + k, 0, 3);
-}
 
-/* The block of up to ROWS rows from row r of the expert's rows ending at `end`: `rows`, and row pointers into
- * `a` (row length `stride`); the spare slots repeat the first row and are not stored. */
-#define ROW_BLOCK(a, stride, r, end)                                    \
-    const int64_t rows = (end) - (r) < ROWS ? (end) - (r) : ROWS;       \
-    const float* a0 = (a) + (r) * (stride);                             \
-    const float* a1 = rows > 1 ? a0 + (stride) : a0;                    \
-    const float* a2 = rows > 2 ? a0 + 2 * (stride) : a0;                \
-    const float* a3 = rows > 3 ? a0 + 3 * (stride) : a0;
+/* ---------------------------------------------------------------- LANES x LANES transposes in registers */
 
-/* rows_times_wt for one expert with few rows: W's rows in order, each against ROWS rows at a time. One
- * sequential stream through W per block of rows, which memory serves fastest when there is one block. */
-static void wt_by_w_row(const float* a, const float* w_e, float* out, int64_t first, int64_t last, int64_t N,
-                        int64_t K) {
-    const int64_t K_vec = K - K % LANES;
-    for (int64_t r = first; r < last; r += ROWS) {
-        ROW_BLOCK(a, K, r, last)
-        for (int64_t n = 0; n < N; n++) {
-            const float* w_n = w_e + n * K;
-            const float* ahead = w_n + AHEAD * K;
-            vec c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
-            for (int64_t k = 0; k < K_vec; k += LANES) {
-                __builtin_prefetch(ahead + k, 0, 3);
-                const vec wv = load(w_n + k);
-                c0 += load(a0 + k) * wv; c1 += load(a1 + k) * wv;
-                c2 += load(a2 + k) * wv; c3 += load(a3 + k) * wv;
-            }
-            float s0 = lane_sum(c0), s1 = lane_sum(c1), s2 = lane_sum(c2), s3 = lane_sum(c3);
-            for (int64_t k = K_vec; k < K; k++) {
-                s0 += a0[k] * w_n[k]; s1 += a1[k] * w_n[k]; s2 += a2[k] * w_n[k]; s3 += a3[k] * w_n[k];
-            }
-            float* o = out + r * N + n;
-            o[0] = s0;
-            if (rows > 1) o[N] = s1;
-            if (rows > 2) o[2 * N] = s2;
-            if (rows > 3) o[3 * N] = s3;
-        }
-    }
-}
-
-#if LANES == 16   /* 16 accumulators and 8 operands fit AVX-512's 32 registers; fewer, narrower ones spill */
-#define W_ROWS 4          /* rows_times_wt, tiled: ROWS x W_ROWS dot products, one vector of sums */
-#define TILE_AHEAD 16     /* W rows prefetched ahead */
-#define TILED_MIN_ROWS 12 /* for experts with at least this many rows (measured crossover: 8-12) */
-
-/* One vector of 16 vectors' lane sums, lane i holding v[i]'s: four rounds of pairing, each adding two vectors'
- * matching halves (then quarters, eighths, single lanes), 15 adds and 30 shuffles where 16 separate lane sums
- * take 64 of each. Pairing interleaves the order; bit-reversed indices undo it. */
 #if defined(__clang__) || __GNUC__ >= 12
-static inline vec pair_halves(vec a, vec b, int round) {
-    switch (round) {
-    case 0: return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-                 + __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    case 1: return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
-                 + __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-    case 2: return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
-                 + __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-    default: return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
-                  + __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-    }
-}
-static inline vec lane_sums_of_16(const vec* v) {
-    static const int bit_reversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-    vec pairs[16];
-    for (int i = 0; i < 16; i++) pairs[i] = v[bit_reversed[i]];
-    for (int round = 0, count = 16; count > 1; round++, count /= 2)
-        for (int i = 0; i < count / 2; i++) pairs[i] = pair_halves(pairs[2 * i], pairs[2 * i + 1], round);
-    return pairs[0];
-}
-#else   /* no __builtin_shufflevector (GCC < 12): one lane sum at a time */
-static inline vec lane_sums_of_16(const vec* v) {
-    vec sums;
-    for (int i = 0; i < 16; i++) sums[i] = lane_sum(v[i]);
-    return sums;
-}
+#define SHUFFLE(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define SHUFFLE(x, y, ...) __builtin_shuffle(x, y, (ivec){__VA_ARGS__})
 #endif
-
-/* rows_times_wt for one expert with many rows: tiles of ROWS rows x W_ROWS rows of W (16 accumulators, 8 loads
- * per 16 multiply-adds where wt_by_w_row does 5 per 4), W's rows outermost: each 4 of them come from memory
- * once, while the expert's rows stay in cache. Measured 1.1-1.2x faster than wt_by_w_row at 16-64 rows. */
-static void wt_tiled(const float* a, const float* w_e, float* out, int64_t first, int64_t last, int64_t N,
-                     int64_t K) {
-    const int64_t K_vec = K - K % LANES;
-    for (int64_t n = 0; n < N; n += W_ROWS) {
-        const int64_t w_rows = N - n < W_ROWS ? N - n : W_ROWS;
-        const float* w0 = w_e + n * K;
-        const float* w1 = w_rows > 1 ? w0 + K : w0;
-        const float* w2 = w_rows > 2 ? w0 + 2 * K : w0;
-        const float* w3 = w_rows > 3 ? w0 + 3 * K : w0;
-        const float* ahead = w0 + TILE_AHEAD * K;
-        for (int64_t r = first; r < last; r += ROWS) {
-            ROW_BLOCK(a, K, r, last)
-            vec c[ROWS * W_ROWS] = {{0}};   /* c[W_ROWS * i + j]: row i of the block . W row n + j */
-            for (int64_t k = 0; k < K_vec; k += LANES) {
-                if (r == first) {   /* the tile's next W rows, once */
-                    __builtin_prefetch(ahead + k, 0, 3); __builtin_prefetch(ahead + K + k, 0, 3);
-                    __builtin_prefetch(ahead + 2 * K + k, 0, 3); __builtin_prefetch(ahead + 3 * K + k, 0, 3);
-                }
-                const vec x0 = load(a0 + k), x1 = load(a1 + k), x2 = load(a2 + k), x3 = load(a3 + k);
-                const vec v0 = load(w0 + k), v1 = load(w1 + k), v2 = load(w2 + k), v3 = load(w3 + k);
-                c[0] += x0 * v0; c[1] += x0 * v1; c[2] += x0 * v2; c[3] += x0 * v3;
-                c[4] += x1 * v0; c[5] += x1 * v1; c[6] += x1 * v2; c[7] += x1 * v3;
-                c[8] += x2 * v0; c[9] += x2 * v1; c[10] += x2 * v2; c[11] += x2 * v3;
-                c[12] += x3 * v0; c[13] += x3 * v1; c[14] += x3 * v2; c[15] += x3 * v3;
-            }
-            vec sums = lane_sums_of_16(c);
-            const float* x[ROWS] = {a0, a1, a2, a3};
-            const float* v[W_ROWS] = {w0, w1, w2, w3};
-            for (int64_t k = K_vec; k < K; k++)
-                for (int i = 0; i < ROWS; i++)
-                    for (int j = 0; j < W_ROWS; j++) sums[W_ROWS * i + j] += x[i][k] * v[j][k];
-            for (int i = 0; i < rows; i++)
-                for (int j = 0; j < w_rows; j++) out[(r + i) * N + n + j] = sums[W_ROWS * i + j];
+/* Round b swaps bit b of the row and the column index: rows i (bit b clear) and i | b exchange halves,
+ * new_i[c] = c & b ? old_{i|b}[c ^ b] : old_i[c] and new_{i|b}[c] = c & b ? old_{i|b}[c] : old_i[c ^ b].
+ * After a round per bit, element (i, j) sits at (j, i). */
+#define UNPAREN(...) __VA_ARGS__
+#define ROUND(r, B, LO, HI)                                                                                     \
+    for (int i = 0; i < LANES; i++)                                                                             \
+        if (!(i & (B))) {                                                                                       \
+            const vec x = r[i], y = r[i | (B)];                                                                 \
+            r[i] = SHUFFLE(x, y, UNPAREN LO);                                                                   \
+            r[i | (B)] = SHUFFLE(x, y, UNPAREN HI);                                                             \
         }
-    }
-}
-#endif
-
-void rows_times_wt(const float* a, const float* w, float* out, const int64_t* offsets,
-                   int64_t E, int64_t N, int64_t K, int threads) {
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t first = offsets[e], last = offsets[e + 1];
+static inline void transpose(vec* r) {
 #if LANES == 16
-        if (last - first >= TILED_MIN_ROWS) {
-            wt_tiled(a, w + e * N * K, out, first, last, N, K);
+    ROUND(r, 8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+    ROUND(r, 4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+                (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+    ROUND(r, 2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+                (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+    ROUND(r, 1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+                (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#elif LANES == 8
+    ROUND(r, 4, (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
+    ROUND(r, 2, (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15))
+    ROUND(r, 1, (0, 8, 2, 10, 4, 12, 6, 14), (1, 9, 3, 11, 5, 13, 7, 15))
+#else
+    ROUND(r, 2, (0, 1, 4, 5), (2, 3, 6, 7))
+    ROUND(r, 1, (0, 4, 2, 6), (1, 5, 3, 7))
+#endif
+}
+
+/* ---------------------------------------------------------------- work items and their order */
+
+typedef struct {
+    int64_t expert, first, rows;   /* rows [first, first + rows) of the row operands, all of this expert's */
+    int64_t n0, n1;                /* rows_outer: W rows [n0, n1) of the expert; otherwise [0, N) */
+} item;
+
+/* The work items in expert order: row products split an expert's rows into items of at most ITEM_ROWS and
+ * skip experts without rows; rows_outer (`split_n`) splits W's rows instead, when there are too few experts
+ * to share, and has an item for every expert (those without rows are written as zeros). */
+static int64_t make_items(const int64_t* offsets, int64_t E, int64_t N, int split_n, int threads, item* items) {
+    int64_t count = 0, busy = 0;
+    for (int64_t e = 0; e < E; e++) busy += offsets[e + 1] > offsets[e];
+    int64_t parts = split_n && busy ? (8 * threads + busy - 1) / busy : 1;
+    int64_t part_rows = (N + parts - 1) / parts;
+    part_rows = (part_rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t first = offsets[e], rows = offsets[e + 1] - first;
+        if (rows == 0) {   /* rows_outer writes its zeros, in order with the others; the products skip it */
+            if (split_n) items[count++] = (item){e, first, 0, 0, N};
             continue;
         }
+        if (split_n) {
+            for (int64_t n0 = 0; n0 < N; n0 += part_rows)
+                items[count++] = (item){e, first, rows, n0, n0 + part_rows < N ? n0 + part_rows : N};
+        } else {
+            for (int64_t r = 0; r < rows; r += ITEM_ROWS)
+                items[count++] = (item){e, first + r, rows - r < ITEM_ROWS ? rows - r : ITEM_ROWS, 0, N};
+        }
+    }
+    return count;
+}
+
+/* Splits items into at most `chunks` contiguous runs of similar cost; run c is [bounds[c], bounds[c + 1]). */
+static int64_t make_chunks(const item* items, int64_t count, int64_t N, int64_t chunks, int64_t* bounds) {
+    double total = 0.0;
+    for (int64_t i = 0; i < count; i++) total += (double)(STREAM_ROWS + items[i].rows) * (items[i].n1 - items[i].n0) / N;
+    if (chunks > count) chunks = count;
+    int64_t made = 0;
+    double seen = 0.0;
+    bounds[0] = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const double cost = (double)(STREAM_ROWS + items[i].rows) * (items[i].n1 - items[i].n0) / N;
+        if (seen + cost / 2 >= total * (made + 1) / chunks && i > bounds[made] && made + 1 < chunks)
+            bounds[++made] = i;
+        seen += cost;
+    }
+    bounds[++made] = count;
+    return made;
+}
+
+/* Runs `body(items, first item, end item, scratch)` over the chunks, in parallel. */
+#define FOR_EACH_CHUNK(offsets, E, N, split_n, threads, scratch_floats, body)                                  \
+    do {                                                                                                        \
+        item* items_ = malloc(sizeof(item) * ((E) * ((split_n) ? 8 * (threads) + 1 : 1) +                       \
+                                              (offsets)[E] / ITEM_ROWS + 1));                                   \
+        const int64_t count_ = make_items(offsets, E, N, split_n, threads, items_);                             \
+        int64_t* bounds_ = malloc(sizeof(int64_t) * (CHUNKS_PER_THREAD * (threads) + 2));                       \
+        const int64_t chunks_ = count_ ? make_chunks(items_, count_, N, CHUNKS_PER_THREAD * (threads), bounds_) : 0; \
+        _Pragma("omp parallel num_threads(threads)")                                                            \
+        {                                                                                                       \
+            const int64_t floats_ = ((scratch_floats) + 15) / 16 * 16;                                          \
+            float* scratch_ = floats_ ? aligned_alloc(64, floats_ * sizeof(float)) : NULL;                      \
+            _Pragma("omp for schedule(dynamic, 1)")                                                             \
+            for (int64_t c_ = 0; c_ < chunks_; c_++) body(items_, bounds_[c_], bounds_[c_ + 1], scratch_);     \
+            free(scratch_);                                                                                     \
+            fence_streaming_stores();                                                                           \
+        }                                                                                                       \
+        free(bounds_);                                                                                          \
+        free(items_);                                                                                           \
+    } while (0)
+
+/* Prefetches the weights of a run of items, PREFETCH_AHEAD bytes ahead of their use: the stream is the
+ * items' W[e] one after the other, each expert once. `take` returns the next contiguous lines to request
+ * for `used` more bytes of use. */
+typedef struct {
+    const item* items;
+    int64_t end, next;             /* items [next, end) still to request; `next` is requested up to `offset` */
+    int64_t offset, w_bytes;       /* bytes of W[items[next].expert] requested; bytes of one expert's W */
+    int64_t requested, used;       /* bytes requested and used so far */
+    const float* w;
+} prefetcher;
+
+static prefetcher prefetcher_for(const item* items, int64_t first, int64_t end, const float* w, int64_t N, int64_t K) {
+    return (prefetcher){items, end, first, 0, N * K * (int64_t)sizeof(float), 0, 0, w};
+}
+
+static int64_t take(prefetcher* p, int64_t used, const char** at) {
+    p->used += used;
+    while (p->next < p->end && (p->offset >= p->w_bytes ||
+                                (p->next > 0 && p->offset == 0 && p->items[p->next - 1].expert == p->items[p->next].expert))) {
+        p->next++;      /* an expert's W is streamed once, however many items its rows make */
+        p->offset = 0;
+    }
+    int64_t want = p->used + PREFETCH_AHEAD - p->requested;
+    if (p->next >= p->end || want <= 0) return 0;
+    if (want > p->w_bytes - p->offset) want = p->w_bytes - p->offset;
+    *at = (const char*)(p->w + p->items[p->next].expert * (p->w_bytes / (int64_t)sizeof(float))) + p->offset;
+    const int64_t lines = (want + LINE - 1) / LINE;
+    p->offset += lines * LINE;
+    p->requested += lines * LINE;
+    return lines;
+}
+
+/* Lines to request per inner step, for `lines` over `steps` steps. */
+static inline int per_step(int64_t lines, int64_t steps) {
+    const int64_t q = steps > 0 ? (lines + steps - 1) / steps : lines;
+    return q > MAX_PREFETCH_PER_STEP ? MAX_PREFETCH_PER_STEP : (int)q;
+}
+
+/* ---------------------------------------------------------------- rows_times_w: out[M, K] = a[M, N] . W[e] */
+
+/* acc[i][j] (+)= sum over n < steps of a[i][n] W[n][j-th vector], then stored: rows x vecs of the tile. */
+static inline __attribute__((always_inline)) void w_tile(const float* a, int64_t lda, const float* w, int64_t ldw,
+                                                         float* out, int64_t ldo, int64_t steps, const int rows,
+                                                         const int vecs, int accumulate, int apply_relu, const char* pf,
+                                                         int pf_step, int64_t pf_lines) {
+    vec acc[TILE_ROWS][TILE_VECS];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < vecs; j++) acc[i][j] = accumulate ? load(out + i * ldo + j * LANES) : (vec){0};
+    for (int64_t n = 0; n < steps; n++) {
+        if (pf_lines > 0) { prefetch_lines(pf, pf_step); pf += pf_step * LINE; pf_lines -= pf_step; }
+        vec b[TILE_VECS];
+        for (int j = 0; j < vecs; j++) b[j] = load(w + n * ldw + j * LANES);
+        for (int i = 0; i < rows; i++) {
+            const vec x = splat(a[i * lda + n]);
+            for (int j = 0; j < vecs; j++) acc[i][j] += x * b[j];
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < vecs; j++) store(out + i * ldo + j * LANES, apply_relu ? relu(acc[i][j]) : acc[i][j]);
+}
+
+#define W_CASE(R, V) case (R) * 8 + (V): w_tile(a, lda, w, ldw, out, ldo, steps, R, V, acc, apply_relu, pf, pf_step, pf_lines); break;
+#if TILE_VECS == 4
+#define W_ROW_CASES(R) W_CASE(R, 1) W_CASE(R, 2) W_CASE(R, 3) W_CASE(R, 4)
+#else
+#define W_ROW_CASES(R) W_CASE(R, 1) W_CASE(R, 2) W_CASE(R, 3)
 #endif
-        wt_by_w_row(a, w + e * N * K, out, first, last, N, K);
+/* w_tile with constant rows and vecs (its loops unroll fully and the accumulators stay in registers). */
+static void w_tile_any(const float* a, int64_t lda, const float* w, int64_t ldw, float* out, int64_t ldo,
+                       int64_t steps, int rows, int vecs, int acc, int apply_relu, const char* pf, int pf_step,
+                       int64_t pf_lines) {
+    switch (rows * 8 + vecs) {
+        W_ROW_CASES(1) W_ROW_CASES(2) W_ROW_CASES(3) W_ROW_CASES(4)
+#if TILE_ROWS == 6
+        W_ROW_CASES(5) W_ROW_CASES(6)
+#endif
     }
 }
 
-void rows_times_w(const float* a, const float* w, float* out, const int64_t* offsets,
-                  int64_t E, int64_t N, int64_t K, int threads) {
-    const int64_t C = NN_VECS * LANES;
-    const int64_t K_chunks = K - K % C;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t e = 0; e < E; e++) {
-        const float* w_e = w + e * N * K;
-        for (int64_t r = offsets[e]; r < offsets[e + 1]; r += ROWS) {
-            ROW_BLOCK(a, N, r, offsets[e + 1])
-            float* o = out + r * K;
-            for (int64_t c = 0; c < K_chunks; c += C) {   /* one column stripe of W per pass */
-                vec acc[ROWS][NN_VECS] = {{{0}}};
-                for (int64_t n = 0; n < N; n++) {
-                    const float* w_nc = w_e + n * K + c;
-                    prefetch(w_nc + AHEAD * K, C);
-                    const vec x0 = splat(a0[n]), x1 = splat(a1[n]), x2 = splat(a2[n]), x3 = splat(a3[n]);
-                    for (int j = 0; j < NN_VECS; j++) {
-                        const vec wv = load(w_nc + j * LANES);
-                        acc[0][j] += x0 * wv; acc[1][j] += x1 * wv; acc[2][j] += x2 * wv; acc[3][j] += x3 * wv;
-                    }
+static void w_chunk(const item* items, int64_t first, int64_t end, const float* a, const float* w, float* out,
+                    int64_t N, int64_t K) {
+    const int64_t K_vec = K - K % LANES;
+    const int64_t stripes = (K_vec + TILE_VECS * LANES - 1) / (TILE_VECS * LANES);
+    prefetcher pf = prefetcher_for(items, first, end, w, N, K);
+    for (int64_t t = first; t < end; t++) {
+        const item it = items[t];
+        const float* w_e = w + it.expert * N * K;
+        const float* a_t = a + it.first * N;
+        float* out_t = out + it.first * K;
+        const int new_weights = t == first || items[t - 1].expert != it.expert;
+        const int64_t blocks = (it.rows + TILE_ROWS - 1) / TILE_ROWS;
+        /* Passes over a stretch of W's rows: short ones stream W from memory more evenly, long ones reload
+         * the accumulators less often, which matters where W is in cache for many rows. */
+        const int64_t n_chunk = it.rows > 64 ? N_CHUNK_MANY_ROWS : N_CHUNK;
+        for (int64_t n0 = 0; n0 < N; n0 += n_chunk) {   /* W's rows n0.. : one contiguous stretch of W */
+            const int64_t steps = N - n0 < n_chunk ? N - n0 : n_chunk;
+            const char* at = NULL;
+            int64_t lines = take(&pf, new_weights ? steps * K * (int64_t)sizeof(float) : 0, &at);
+            const int step_lines = per_step(lines, stripes * blocks * steps);
+            for (int64_t c = 0; c < K_vec; c += TILE_VECS * LANES) {
+                const int vecs = (K_vec - c) / LANES < TILE_VECS ? (K_vec - c) / LANES : TILE_VECS;
+                for (int64_t r = 0; r < it.rows; r += TILE_ROWS) {
+                    const int rows = it.rows - r < TILE_ROWS ? it.rows - r : TILE_ROWS;
+                    w_tile_any(a_t + r * N + n0, N, w_e + n0 * K + c, K, out_t + r * K + c, K, steps, rows, vecs,
+                               n0 > 0, 0, at, step_lines, lines);
+                    const int64_t issued = step_lines * steps < lines ? step_lines * steps : lines;
+                    at += issued * LINE;
+                    lines -= issued;
                 }
-                for (int i = 0; i < rows; i++)
-                    for (int j = 0; j < NN_VECS; j++) store(o + i * K + c + j * LANES, acc[i][j]);
             }
-            for (int i = 0; i < rows; i++) {                /* columns past the last full stripe */
-                for (int64_t k = K_chunks; k < K; k++) {
-                    float s = 0.f;
-                    for (int64_t n = 0; n < N; n++) s += a0[i * N + n] * w_e[n * K + k];
-                    o[i * K + k] = s;
-                }
-            }
+            if (lines > 0) prefetch_lines(at, (int)lines);
         }
-    }
-}
-
-void rows_outer(const float* a, const float* b, float* w, const int64_t* offsets,
-                int64_t E, int64_t N, int64_t K, int threads, int streaming) {
-    const int64_t C = OUTER_VECS * LANES;
-    const int64_t K_chunks = K - K % C;
-    #pragma omp parallel num_threads(threads)
-    {
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t e = 0; e < E; e++) {
-        float* w_e = w + e * N * K;
-        const int64_t first = offsets[e], last = offsets[e + 1];
-        for (int64_t n = 0; n < N; n++) {
-            float* w_n = w_e + n * K;
-            for (int64_t c = 0; c < K_chunks; c += C) {
-                vec acc[OUTER_VECS] = {{0}};
-                for (int64_t r = first; r < last; r++) {
-                    const vec x = splat(a[r * N + n]);
-                    const float* b_rc = b + r * K + c;
-                    for (int j = 0; j < OUTER_VECS; j++) acc[j] += x * load(b_rc + j * LANES);
-                }
-                if (streaming)
-                    for (int j = 0; j < OUTER_VECS; j++) store_streaming(w_n + c + j * LANES, acc[j]);
-                else
-                    for (int j = 0; j < OUTER_VECS; j++) store(w_n + c + j * LANES, acc[j]);
-            }
-            for (int64_t k = K_chunks; k < K; k++) {
+        for (int64_t r = 0; r < it.rows; r++)            /* columns past the last whole vector */
+            for (int64_t k = K_vec; k < K; k++) {
                 float s = 0.f;
-                for (int64_t r = first; r < last; r++) s += a[r * N + n] * b[r * K + k];
-                w_n[k] = s;
+                for (int64_t n = 0; n < N; n++) s += a_t[r * N + n] * w_e[n * K + k];
+                out_t[r * K + k] = s;
             }
+    }
+}
+
+void rows_times_w(const float* a, const float* w, float* out, const int64_t* offsets, int64_t E, int64_t N,
+                  int64_t K, int threads) {
+#define W_BODY(items, first, end, scratch) w_chunk(items, first, end, a, w, out, N, K)
+    FOR_EACH_CHUNK(offsets, E, N, 0, threads, 0, W_BODY);
+}
+
+/* ---------------------------------------------------------------- rows_times_wt: out[M, N] = a[rows] . W[e]^T */
+
+static inline const float* row_of(const float* base, const int64_t* index, int64_t r, int64_t len) {
+    return base + (index ? index[r] : r) * len;
+}
+
+/* aT[k][l] = row l of the block at column k, for the block's `rows` rows (zeros beyond): [K, LANES]. */
+static void pack_transposed(const float* a, const int64_t* index, int64_t first, int64_t rows, int64_t K, float* aT) {
+    const float* row[LANES];
+    for (int l = 0; l < LANES; l++) row[l] = l < rows ? row_of(a, index, first + l, K) : NULL;
+    const int64_t K_vec = K - K % LANES;
+    for (int64_t k0 = 0; k0 < K_vec; k0 += LANES) {
+        vec r[LANES];
+        for (int l = 0; l < LANES; l++) r[l] = row[l] ? load(row[l] + k0) : (vec){0};
+        transpose(r);
+        for (int l = 0; l < LANES; l++) store(aT + (k0 + l) * LANES, r[l]);
+    }
+    for (int64_t k = K_vec; k < K; k++)
+        for (int l = 0; l < LANES; l++) aT[k * LANES + l] = row[l] ? row[l][k] : 0.f;
+}
+
+/* WT_TILE rows of W (`w_rows` of them real; the others repeat row 0 and are not stored) against the LANES
+ * rows packed in aT: out[l][n] for l < rows. */
+static void wt_tile(const float* aT, const float* w, int64_t K, int w_rows, float* out, int64_t ldo, int64_t rows,
+                    int apply_relu, const char* pf, int pf_step, int64_t pf_lines) {
+    const float* wr[WT_TILE];
+    for (int i = 0; i < WT_TILE; i++) wr[i] = w + (i < w_rows ? i : 0) * K;
+    vec acc[WT_TILE];
+    for (int i = 0; i < WT_TILE; i++) acc[i] = (vec){0};
+    for (int64_t k = 0; k < K; k++) {
+        if ((k & (LANES - 1)) == 0) {
+            /* the next line of each row into L1: these 16 interleaved streams defeat the core's own prefetcher */
+            for (int i = 0; i < WT_TILE; i++) __builtin_prefetch(wr[i] + k + LANES, 0, 3);
+            if (pf_lines > 0) { prefetch_lines(pf, pf_step); pf += pf_step * LINE; pf_lines -= pf_step; }
+        }
+        const vec b = load(aT + k * LANES);
+        for (int i = 0; i < WT_TILE; i++) acc[i] += splat(wr[i][k]) * b;
+    }
+    for (int h = 0; h < WT_TILE; h += LANES) {   /* acc[h + i][l]: row l, column h + i */
+        transpose(acc + h);
+        for (int l = 0; l < rows; l++) {
+            const vec v = apply_relu ? relu(acc[h + l]) : acc[h + l];
+            if (w_rows >= h + LANES) store(out + l * ldo + h, v);
+            else for (int i = 0; i < w_rows - h; i++) out[l * ldo + h + i] = v[i];
         }
     }
-    fence_streaming_stores();
+}
+
+/* Dot products for `rows` <= DOT_MAX_ROWS rows: 2 rows of W at a time against all of them. */
+static inline __attribute__((always_inline)) void wt_dots(const float* const* x, const float* w, int64_t N,
+                                                          int64_t K, float* out, int64_t ldo, const int rows,
+                                                          int apply_relu, prefetcher* pf, int new_weights) {
+    const int64_t K_vec = K - K % LANES;
+    for (int64_t n = 0; n < N; n += 2) {
+        const float* w0 = w + n * K;
+        const float* w1 = n + 1 < N ? w0 + K : w0;
+        const char* at = NULL;
+        int64_t lines = take(pf, new_weights ? 2 * K * (int64_t)sizeof(float) : 0, &at);
+        const int step_lines = per_step(lines, K_vec / LANES);
+        vec c0[DOT_MAX_ROWS], c1[DOT_MAX_ROWS];
+        for (int i = 0; i < rows; i++) c0[i] = c1[i] = (vec){0};
+        for (int64_t k = 0; k < K_vec; k += LANES) {
+            if (lines > 0) { prefetch_lines(at, step_lines); at += step_lines * LINE; lines -= step_lines; }
+            const vec v0 = load(w0 + k), v1 = load(w1 + k);
+            for (int i = 0; i < rows; i++) { const vec xi = load(x[i] + k); c0[i] += xi * v0; c1[i] += xi * v1; }
+        }
+        if (lines > 0) prefetch_lines(at, (int)lines);
+        vec all[LANES];   /* 2 DOT_MAX_ROWS = LANES sums at once: transposed, lane q of the total is sum q */
+        for (int q = 0; q < LANES; q++) all[q] = q < 2 * rows ? (q & 1 ? c1[q / 2] : c0[q / 2]) : (vec){0};
+        transpose(all);
+        vec sums = all[0];
+        for (int q = 1; q < LANES; q++) sums += all[q];
+        for (int i = 0; i < rows; i++) {
+            float s0 = sums[2 * i], s1 = sums[2 * i + 1];
+            for (int64_t k = K_vec; k < K; k++) { s0 += x[i][k] * w0[k]; s1 += x[i][k] * w1[k]; }
+            out[i * ldo + n] = apply_relu && s0 < 0.f ? 0.f : s0;
+            if (n + 1 < N) out[i * ldo + n + 1] = apply_relu && s1 < 0.f ? 0.f : s1;
+        }
     }
+}
+
+#define DOT_CASE(R) case R: wt_dots(x, w, N, K, out, ldo, R, apply_relu, pf, new_weights); break;
+static void wt_dots_any(const float* const* x, const float* w, int64_t N, int64_t K, float* out, int64_t ldo, int rows,
+                        int apply_relu, prefetcher* pf, int new_weights) {
+    switch (rows) {
+        DOT_CASE(1) DOT_CASE(2)
+#if DOT_MAX_ROWS >= 4
+        DOT_CASE(3) DOT_CASE(4)
+#endif
+#if DOT_MAX_ROWS >= 8
+        DOT_CASE(5) DOT_CASE(6) DOT_CASE(7) DOT_CASE(8)
+#endif
+    }
+}
+
+/* panel[c][j] = W[j][c] for the `w_rows` rows of W at w (row length ldw) and `cols` columns; zeros up to
+ * PANEL columns: [cols, PANEL]. */
+static void transpose_panel(const float* w, int64_t ldw, int w_rows, int64_t cols, float* panel) {
+    const int64_t cols_vec = cols - cols % LANES;
+    for (int g = 0; g < PANEL; g += LANES) {
+        for (int64_t c0 = 0; c0 < cols_vec; c0 += LANES) {
+            vec r[LANES];
+            for (int l = 0; l < LANES; l++) r[l] = g + l < w_rows ? load(w + (g + l) * ldw + c0) : (vec){0};
+            transpose(r);
+            for (int l = 0; l < LANES; l++) store(panel + (c0 + l) * PANEL + g, r[l]);
+        }
+        for (int64_t c = cols_vec; c < cols; c++)
+            for (int l = 0; l < LANES; l++) panel[c * PANEL + g + l] = g + l < w_rows ? w[(g + l) * ldw + c] : 0.f;
+    }
+}
+
+/* rows_times_wt for an item with many rows: PANEL rows x PANEL_K columns of W at a time are transposed into
+ * a panel in L1, which then serves every row as rows_times_w's broadcast tiles do: W comes in by whole
+ * vectors, where wt_tile broadcasts each of its floats from memory (a load per multiply-add, which stalls
+ * on weights still arriving). The transposes cost ~10% at 96 rows. */
+static void wt_by_panels(const item it, const float* a, const int64_t* a_index, const float* w_e, float* out,
+                         int64_t N, int64_t K, int apply_relu, prefetcher* pf, int new_weights, float* scratch) {
+    float* panel = scratch;                                 /* [PANEL_K, PANEL] */
+    float* rows_K = panel + PANEL_K * PANEL;                /* the item's rows, gathered: [rows, K] */
+    float* ragged = rows_K + ITEM_ROWS * K;                 /* a last panel narrower than a vector: [rows, PANEL] */
+    const float* x = a + it.first * K;
+    if (a_index) {
+        for (int64_t r = 0; r < it.rows; r++)
+            for (int64_t k = 0; k < K; k++) rows_K[r * K + k] = a[a_index[it.first + r] * K + k];
+        x = rows_K;
+    }
+    const int64_t blocks = (it.rows + TILE_ROWS - 1) / TILE_ROWS;
+    for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
+        const int w_rows = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+        const int vecs = (w_rows + LANES - 1) / LANES, whole = w_rows % LANES == 0;
+        const char* at = NULL;
+        int64_t lines = take(pf, new_weights ? w_rows * K * (int64_t)sizeof(float) : 0, &at);
+        const int step_lines = per_step(lines, blocks * K);
+        for (int64_t k0 = 0; k0 < K; k0 += PANEL_K) {
+            const int64_t cols = K - k0 < PANEL_K ? K - k0 : PANEL_K;
+            transpose_panel(w_e + n0 * K + k0, K, w_rows, cols, panel);
+            for (int64_t r = 0; r < it.rows; r += TILE_ROWS) {
+                const int rows = it.rows - r < TILE_ROWS ? (int)(it.rows - r) : TILE_ROWS;
+                float* o = whole ? out + (it.first + r) * N + n0 : ragged + r * PANEL;
+                w_tile_any(x + r * K + k0, K, panel, PANEL, o, whole ? N : PANEL, cols, rows, vecs, k0 > 0,
+                           apply_relu && k0 + cols == K, at, step_lines, lines);
+                const int64_t issued = step_lines * cols < lines ? step_lines * cols : lines;
+                at += issued * LINE;
+                lines -= issued;
+            }
+        }
+        if (lines > 0) prefetch_lines(at, (int)lines);
+        if (!whole)
+            for (int64_t r = 0; r < it.rows; r++)
+                for (int j = 0; j < w_rows; j++) out[(it.first + r) * N + n0 + j] = ragged[r * PANEL + j];
+    }
+}
+
+static void wt_chunk(const item* items, int64_t first, int64_t end, const float* a, const int64_t* a_index,
+                     const float* w, float* out, int64_t N, int64_t K, int apply_relu, float* aT) {
+    prefetcher pf = prefetcher_for(items, first, end, w, N, K);
+    for (int64_t t = first; t < end; t++) {
+        const item it = items[t];
+        const float* w_e = w + it.expert * N * K;
+        int new_weights = t == first || items[t - 1].expert != it.expert;
+        if (it.rows >= PANEL_MIN_ROWS) {
+            wt_by_panels(it, a, a_index, w_e, out, N, K, apply_relu, &pf, new_weights, aT);
+            continue;
+        }
+        /* Blocks of LANES rows (the last one padded), all packed first: each tile of W then comes from memory
+         * once and serves every block from L1, and the weights stream at one pace through the whole item. */
+        int64_t blocks = 0, r = 0;
+        for (; it.rows - r > DOT_MAX_ROWS; r += LANES, blocks++)
+            pack_transposed(a, a_index, it.first + r, it.rows - r < LANES ? it.rows - r : LANES, K,
+                            aT + blocks * K * LANES);
+        for (int64_t n = 0; blocks && n < N; n += WT_TILE) {
+            const int w_rows = N - n < WT_TILE ? (int)(N - n) : WT_TILE;
+            const char* at = NULL;
+            int64_t lines = take(&pf, new_weights ? w_rows * K * (int64_t)sizeof(float) : 0, &at);
+            const int step_lines = per_step(lines, blocks * ((K + LANES - 1) / LANES));
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t first_row = b * LANES, rows = it.rows - first_row < LANES ? it.rows - first_row : LANES;
+                wt_tile(aT + b * K * LANES, w_e + n * K, K, w_rows, out + (it.first + first_row) * N + n, N, rows,
+                        apply_relu, at, step_lines, lines);
+                const int64_t issued = step_lines * ((K + LANES - 1) / LANES) < lines ? step_lines * ((K + LANES - 1) / LANES) : lines;
+                at += issued * LINE;
+                lines -= issued;
+            }
+            if (lines > 0) prefetch_lines(at, (int)lines);
+        }
+        if (blocks) new_weights = 0;   /* the remaining rows find W in cache */
+        if (r < it.rows) {
+            const float* x[DOT_MAX_ROWS];
+            for (int64_t i = 0; i < it.rows - r; i++) x[i] = row_of(a, a_index, it.first + r + i, K);
+            wt_dots_any(x, w_e, N, K, out + (it.first + r) * N, N, (int)(it.rows - r), apply_relu, &pf, new_weights);
+        }
+    }
+}
+
+void rows_times_wt(const float* a, const int64_t* a_index, const float* w, float* out, const int64_t* offsets,
+                   int64_t E, int64_t N, int64_t K, int apply_relu, int threads) {
+#define WT_BODY(items, first, end, scratch) wt_chunk(items, first, end, a, a_index, w, out, N, K, apply_relu, scratch)
+    FOR_EACH_CHUNK(offsets, E, N, 0, threads, (ITEM_ROWS + LANES) * K + (PANEL_K + ITEM_ROWS) * PANEL, WT_BODY);
+}
+
+/* ---------------------------------------------------------------- rows_outer: W[e] = a[rows]^T . b[rows] */
+
+/* W[n0 + i][c + j-th vector] (+)= sum over m rows r of a[r][n0 + i] b[r][...]: rows x vecs of the tile. */
+static inline __attribute__((always_inline)) void outer_tile(const float* a, int64_t lda, const float* b,
+                                                             const int64_t* b_index, int64_t first, int64_t ldb,
+                                                             int64_t m, float* out, int64_t ldo, const int rows,
+                                                             const int vecs, int accumulate, int streaming) {
+    vec acc[TILE_ROWS][TILE_VECS];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < vecs; j++) acc[i][j] = accumulate ? load(out + i * ldo + j * LANES) : (vec){0};
+    for (int64_t r = 0; r < m; r++) {
+        const float* b_r = row_of(b, b_index, first + r, ldb);
+        vec bv[TILE_VECS];
+        for (int j = 0; j < vecs; j++) bv[j] = load(b_r + j * LANES);
+        for (int i = 0; i < rows; i++) {
+            const vec x = splat(a[r * lda + i]);
+            for (int j = 0; j < vecs; j++) acc[i][j] += x * bv[j];
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < vecs; j++) {
+            if (streaming) store_streaming(out + i * ldo + j * LANES, acc[i][j]);
+            else store(out + i * ldo + j * LANES, acc[i][j]);
+        }
+}
+
+#define O_CASE(R, V) case (R) * 8 + (V): outer_tile(a, lda, b, b_index, first, ldb, m, out, ldo, R, V, acc, streaming); break;
+#if TILE_VECS == 4
+#define O_ROW_CASES(R) O_CASE(R, 1) O_CASE(R, 2) O_CASE(R, 3) O_CASE(R, 4)
+#else
+#define O_ROW_CASES(R) O_CASE(R, 1) O_CASE(R, 2) O_CASE(R, 3)
+#endif
+static void outer_tile_any(const float* a, int64_t lda, const float* b, const int64_t* b_index, int64_t first,
+                           int64_t ldb, int64_t m, float* out, int64_t ldo, int rows, int vecs, int acc, int streaming) {
+    switch (rows * 8 + vecs) {
+        O_ROW_CASES(1) O_ROW_CASES(2) O_ROW_CASES(3) O_ROW_CASES(4)
+#if TILE_ROWS == 6
+        O_ROW_CASES(5) O_ROW_CASES(6)
+#endif
+    }
+}
+
+/* Requests the rows of item `next` (a's, then b's) while the tiles of this one run: `lines` per call. */
+typedef struct { const float *a, *b; const int64_t* b_index; int64_t first, rows, N, K, done; } row_prefetch;
+
+static void prefetch_rows(row_prefetch* p, int64_t lines) {
+    const int64_t a_lines = (p->rows * p->N * (int64_t)sizeof(float) + LINE - 1) / LINE;
+    const int64_t b_row_lines = (p->K * (int64_t)sizeof(float) + LINE - 1) / LINE;
+    for (; lines > 0 && p->done < a_lines + p->rows * b_row_lines; lines--, p->done++) {
+        if (p->done < a_lines) {
+            __builtin_prefetch((const char*)(p->a + p->first * p->N) + p->done * LINE, 0, 2);
+        } else {
+            const int64_t r = (p->done - a_lines) / b_row_lines, q = (p->done - a_lines) % b_row_lines;
+            __builtin_prefetch((const char*)row_of(p->b, p->b_index, p->first + r, p->K) + q * LINE, 0, 2);
+        }
+    }
+}
+
+static void outer_chunk(const item* items, int64_t first, int64_t end, const float* a, const float* b,
+                        const int64_t* b_index, float* w, int64_t N, int64_t K, int streaming) {
+    const int64_t K_vec = K - K % LANES;
+    for (int64_t t = first; t < end; t++) {
+        const item it = items[t];
+        float* w_e = w + it.expert * N * K;
+        const float* a_t = a + it.first * N;
+        row_prefetch next = {a, b, b_index, 0, 0, N, K, 0};
+        if (t + 1 < end && items[t + 1].expert != it.expert) { next.first = items[t + 1].first; next.rows = items[t + 1].rows; }
+        const int64_t tiles = (it.n1 - it.n0 + TILE_ROWS - 1) / TILE_ROWS * ((K_vec + TILE_VECS * LANES - 1) / (TILE_VECS * LANES));
+        const int64_t next_lines = (next.rows * (N + K) * (int64_t)sizeof(float)) / LINE + next.rows;
+        const int64_t per_tile = tiles ? (next_lines + tiles - 1) / tiles : 0;
+        /* Many rows are summed in passes of at most OUTER_PASS_ROWS, so that a pass's rows of a and b stay in
+         * L2 while every tile reads them; W's tiles carry the partial sums (ordinary stores) until the last. */
+        const int64_t passes = (it.rows + OUTER_PASS_ROWS - 1) / OUTER_PASS_ROWS;
+        const int64_t pass_rows = passes > 1 ? (it.rows + passes - 1) / passes : it.rows + 1;
+        for (int64_t m0 = 0; m0 < it.rows || m0 == 0; m0 += pass_rows) {   /* once with no rows: zeros */
+            const int64_t m = it.rows - m0 < pass_rows ? it.rows - m0 : pass_rows;
+            const int last = m0 + pass_rows >= it.rows;
+            for (int64_t n = it.n0; n < it.n1; n += TILE_ROWS) {
+                const int rows = it.n1 - n < TILE_ROWS ? (int)(it.n1 - n) : TILE_ROWS;
+                for (int64_t c = 0; c < K_vec; c += TILE_VECS * LANES) {
+                    const int vecs = (K_vec - c) / LANES < TILE_VECS ? (K_vec - c) / LANES : TILE_VECS;
+                    if (last) prefetch_rows(&next, per_tile);
+                    outer_tile_any(a_t + m0 * N + n, N, b + c, b_index, it.first + m0, K, m, w_e + n * K + c, K, rows,
+                                   vecs, m0 > 0, last && streaming);
+                }
+            }
+        }
+        for (int64_t n = it.n0; n < it.n1; n++)          /* columns past the last whole vector */
+            for (int64_t k = K_vec; k < K; k++) {
+                float s = 0.f;
+                for (int64_t r = 0; r < it.rows; r++) s += a_t[r * N + n] * row_of(b, b_index, it.first + r, K)[k];
+                w_e[n * K + k] = s;
+            }
+    }
+}
+
+void rows_outer(const float* a, const float* b, const int64_t* b_index, float* w, const int64_t* offsets, int64_t E,
+                int64_t N, int64_t K, int threads, int streaming) {
+#define OUTER_BODY(items, first, end, scratch) outer_chunk(items, first, end, a, b, b_index, w, N, K, streaming)
+    FOR_EACH_CHUNK(offsets, E, N, 1, threads, 0, OUTER_BODY);
 }

@@ -1,4 +1,4 @@
-"""Native CPU kernels, built on first use: per-expert products with few rows per expert (cpu_kernels.c),
+"""Native CPU kernels, built on first use: the experts' per-expert products (cpu_kernels.c),
 the noisy gate's [tokens, experts] arithmetic (cpu_gating.c) and its normal noise (cpu_noise.c).
 
 Legend: M rows sorted by expert, W [E, N, K] stacked expert matrices, `offsets_E1` [E + 1] int64 row
@@ -38,9 +38,9 @@ _LIBS = ("-lmvec", "-lm") if platform.system() == "Linux" and platform.machine()
 _GATE_ROWS_PER_BLOCK = 64   # the gate's load is summed per block of rows, then over blocks in order
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _ARGTYPES = {
-    "rows_times_wt": [_P] * 4 + [_I] * 3 + [ctypes.c_int],
+    "rows_times_wt": [_P] * 5 + [_I] * 3 + [ctypes.c_int] * 2,
     "rows_times_w": [_P] * 4 + [_I] * 3 + [ctypes.c_int],
-    "rows_outer": [_P] * 4 + [_I] * 3 + [ctypes.c_int] * 2,
+    "rows_outer": [_P] * 5 + [_I] * 3 + [ctypes.c_int] * 2,
     "noisy_top_k_forward": [_P] * 8 + [_I] * 5 + [_F, ctypes.c_int, ctypes.c_int],
     "noisy_top_k_backward": [_P] * 9 + [_I] * 4 + [_F, ctypes.c_int],
     "standard_normal": [_P, _I, ctypes.c_uint64, ctypes.c_int],
@@ -121,16 +121,34 @@ def available(like: torch.Tensor) -> bool:
     return like.device.type == "cpu" and like.dtype == torch.float32 and _library() is not None
 
 
-def _call(name: str, a, w_or_b, out, offsets_E1: torch.Tensor, n: int, k: int, *extra) -> None:
-    getattr(_library(), name)(a.data_ptr(), w_or_b.data_ptr(), out.data_ptr(), offsets_E1.data_ptr(),
-                              offsets_E1.shape[0] - 1, n, k, torch.get_num_threads(), *extra)
+def _index(index_M: torch.Tensor | None, num_rows: int, num_sources: int) -> torch.Tensor | None:
+    """A row index as the kernels read it: contiguous int64, one entry per row, each naming a source row."""
+    if index_M is None:
+        return None
+    if index_M.shape != (num_rows,):
+        raise ValueError(f"row index must have {num_rows} entries, got shape {list(index_M.shape)}")
+    if num_rows:   # the kernels read through it unchecked
+        low, high = torch.aminmax(index_M)
+        if low < 0 or high >= num_sources:
+            raise ValueError(f"row index must lie in [0, {num_sources}), got [{int(low)}, {int(high)}]")
+    return index_M.to(torch.int64).contiguous()
 
 
-def rows_times_wt(a_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ w[e].T: [M, N]."""
-    a_MK, w_ENK = a_MK.contiguous(), w_ENK.contiguous()
-    out_MN = a_MK.new_empty(a_MK.shape[0], w_ENK.shape[1])
-    _call("rows_times_wt", a_MK, w_ENK, out_MN, offsets_E1, w_ENK.shape[1], w_ENK.shape[2])
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def rows_times_wt(a_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
+                  a_index_M: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ w[e].T: [M, N], where row r reads a[a_index_M[r]] if an index is given
+    (else a[r], M = R); `relu` clamps the result at 0."""
+    a_RK, w_ENK = a_RK.contiguous(), w_ENK.contiguous()
+    num_rows = int(offsets_E1[-1])
+    index = _index(a_index_M, num_rows, a_RK.shape[0])
+    out_MN = a_RK.new_empty(num_rows, w_ENK.shape[1])
+    _library().rows_times_wt(a_RK.data_ptr(), _pointer(index), w_ENK.data_ptr(), out_MN.data_ptr(),
+                             offsets_E1.data_ptr(), offsets_E1.shape[0] - 1, w_ENK.shape[1], w_ENK.shape[2],
+                             int(relu), torch.get_num_threads())
     return out_MN
 
 
@@ -138,23 +156,29 @@ def rows_times_w(a_MN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tens
     """out[rows of e] = a[rows of e] @ w[e]: [M, K]."""
     a_MN, w_ENK = a_MN.contiguous(), w_ENK.contiguous()
     out_MK = a_MN.new_empty(a_MN.shape[0], w_ENK.shape[2])
-    _call("rows_times_w", a_MN, w_ENK, out_MK, offsets_E1, w_ENK.shape[1], w_ENK.shape[2])
+    _library().rows_times_w(a_MN.data_ptr(), w_ENK.data_ptr(), out_MK.data_ptr(), offsets_E1.data_ptr(),
+                            offsets_E1.shape[0] - 1, w_ENK.shape[1], w_ENK.shape[2], torch.get_num_threads())
     return out_MK
 
 
-def rows_outer(a_MN: torch.Tensor, b_MK: torch.Tensor, offsets_E1: torch.Tensor,
-               out_ENK: torch.Tensor | None = None, out_mapped: bool = False) -> torch.Tensor:
-    """out[e] = a[rows of e].T @ b[rows of e]: [E, N, K], exact zeros for an expert with no rows; written over
-    `out_ENK` (contiguous float32 [E, N, K]) when given. `out_mapped`: its memory has been written before (it
-    then takes streaming stores, which are slower into fresh pages)."""
-    a_MN, b_MK = a_MN.contiguous(), b_MK.contiguous()
-    shape = (offsets_E1.shape[0] - 1, a_MN.shape[1], b_MK.shape[1])
+def rows_outer(a_MN: torch.Tensor, b_RK: torch.Tensor, offsets_E1: torch.Tensor,
+               out_ENK: torch.Tensor | None = None, out_mapped: bool = False,
+               b_index_M: torch.Tensor | None = None) -> torch.Tensor:
+    """out[e] = a[rows of e].T @ b[rows of e]: [E, N, K], exact zeros for an expert with no rows, where row r
+    of b is b[b_index_M[r]] if an index is given; written over `out_ENK` (contiguous float32 [E, N, K]) when
+    given. `out_mapped`: its memory has been written before (it then takes streaming stores, which are
+    slower into fresh pages)."""
+    a_MN, b_RK = a_MN.contiguous(), b_RK.contiguous()
+    index = _index(b_index_M, a_MN.shape[0], b_RK.shape[0])
+    shape = (offsets_E1.shape[0] - 1, a_MN.shape[1], b_RK.shape[1])
     if out_ENK is None:
         out_ENK = a_MN.new_empty(shape)
     elif out_ENK.shape != shape or not out_ENK.is_contiguous() or out_ENK.dtype != torch.float32:
         raise ValueError(f"out must be a contiguous float32 {list(shape)} tensor, got {out_ENK.dtype} "
                          f"{list(out_ENK.shape)}")
-    _call("rows_outer", a_MN, b_MK, out_ENK, offsets_E1, a_MN.shape[1], b_MK.shape[1], int(out_mapped))
+    _library().rows_outer(a_MN.data_ptr(), b_RK.data_ptr(), _pointer(index), out_ENK.data_ptr(),
+                          offsets_E1.data_ptr(), shape[0], shape[1], shape[2], torch.get_num_threads(),
+                          int(out_mapped))
     return out_ENK
 
 

@@ -9,10 +9,11 @@ writes each expert's gradient straight into one [E, ...] buffer, and experts wit
 fill. The whole FFN is one function, so `recompute` (Shazeer et al. App. D) simply saves the inputs instead
 of the hidden activations and redoes the first matmul in the backward.
 
-Each per-expert product runs as one call for all experts: with few rows per expert on CPU float32, our own
-kernels (cpu_kernels.c); otherwise torch's grouped GEMM (`F.grouped_mm`, CPU float32/bfloat16/float16), or
-for weight gradients with few rows per expert a batched GEMM over zero-padded expert chunks, and a loop over
-experts where none applies. `GroupLayout` picks per product, and tests check all give the same result.
+Each per-expert product runs as one call for all experts: on CPU float32, our own kernels (cpu_kernels.c,
+which also gather each pair's input row while reading it and apply the ReLU as they store); otherwise
+torch's grouped GEMM (`F.grouped_mm`, CPU float32/bfloat16/float16), or for weight gradients with few rows
+per expert a batched GEMM over zero-padded expert chunks, and a loop over experts where none applies.
+`GroupLayout` picks per product, and tests check all give the same result.
 """
 
 from __future__ import annotations
@@ -49,9 +50,6 @@ def _grouped_mm_available(t: torch.Tensor) -> bool:
 # writing the gradient, up to about 2 * peak FLOP/s / bandwidth ~ 25 rows per expert here. It pads a chunk of
 # experts at a time, so its padded copies never exceed a quarter of the rows.
 _PADDED_OUTER_MAX_ROWS = 32
-# Our kernels against torch's grouped GEMM (2048 tokens x k, D=256, H=512, 2 threads): 1.3-1.6x faster row
-# products and 1.0-1.5x faster weight gradients at 4-16 rows per expert, on par at 32, slower at 64+.
-_NATIVE_MAX_MEAN_ROWS = 32
 
 KERNELS = ("loop", "grouped", "padded", "native")
 
@@ -64,11 +62,14 @@ class GroupLayout:
       grouped  torch's grouped GEMM over the row offsets (CPU float32/bfloat16/float16)
       padded   (weight gradients only) rows scattered into zero-padded [experts, P, ...] chunks, P = the
                largest count, and one torch.bmm per chunk
-      native   cpu_kernels.c (CPU float32): each expert's weights streamed once, its few rows in cache
+      native   cpu_kernels.c (CPU float32): register-tiled, each expert's weights streamed once with the next
+               expert's already on their way
 
-    With at most _NATIVE_MAX_MEAN_ROWS rows per expert on average, every product takes the native kernels
-    where they are available (they are fastest there; see cpu_kernels.c). Otherwise (more rows, other dtypes
-    or devices, no compiler), measured here (2048 tokens x k, D=256, H=512, 2 threads): a weight gradient
+    On CPU float32 every product takes the native kernels where they are built: measured against torch's
+    grouped GEMM on cold weights (2048 tokens x k, D=256, H=512, 2 threads, tools/bench_moe_layer.py), they
+    are 1.2-1.6x faster for the row products and 2-10x for the weight gradients at 4..128 rows per expert,
+    and within 10% of it (MKL) at 256..1024. Otherwise (other dtypes or devices, no compiler), measured
+    here: a weight gradient
     x[rows of e].T @ g with few rows per expert is a rank-few update that MKL's GEMM writes slowly; bmm over
     the padded batch writes it 1.5-1.9x faster at E = 256..4096, so `outer_kernel` is padded while no expert
     has more than _PADDED_OUTER_MAX_ROWS rows. The row products (forward, input gradient) gain at most a few
@@ -86,8 +87,7 @@ class GroupLayout:
         if kernel == "native" and not cpu_kernels.available(like):
             raise ValueError(f"kernel 'native' takes CPU float32 tensors and a built library; got "
                              f"{like.device.type} {like.dtype}")
-        if kernel is None and 0 < self.num_rows <= _NATIVE_MAX_MEAN_ROWS * self.num_groups \
-                and cpu_kernels.available(like):
+        if kernel is None and self.num_rows > 0 and cpu_kernels.available(like):
             kernel = "native"
         if kernel == "native":
             self.offsets_E1 = torch.cat([self._counts_E.new_zeros(1), self.offsets.long()])
@@ -125,29 +125,38 @@ class GroupLayout:
         return local_expert * self.pad_rows + rank_in_expert
 
 
-def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b[e]: [M, O]."""
+def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayout,
+                      a_index_M: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ b[e]: [M, O]. With `a_index_M`, row r reads a[a_index_M[r]] (the
+    native kernel gathers as it reads; the others gather first); `relu` clamps the result at 0."""
     if layout.matmul_kernel == "native":   # b is a weight [E, I, O] or a weight's transpose
         if b_EIO.transpose(1, 2).is_contiguous():
-            return cpu_kernels.rows_times_wt(a_MI, b_EIO.transpose(1, 2), layout.offsets_E1)
-        return cpu_kernels.rows_times_w(a_MI, b_EIO, layout.offsets_E1)
-    if layout.matmul_kernel == "grouped":
-        return F.grouped_mm(a_MI, b_EIO, offs=layout.offsets)
-    out_MO = a_MI.new_empty(a_MI.shape[0], b_EIO.shape[2])
-    start = 0
-    for e, count in enumerate(layout.counts):
-        if count:
-            torch.mm(a_MI[start:start + count], b_EIO[e], out=out_MO[start:start + count])
-            start += count
-    return out_MO
+            return cpu_kernels.rows_times_wt(a_MI, b_EIO.transpose(1, 2), layout.offsets_E1, a_index_M, relu)
+    if a_index_M is not None:
+        a_MI = a_MI.index_select(0, a_index_M)
+    if layout.matmul_kernel == "native":
+        out_MO = cpu_kernels.rows_times_w(a_MI, b_EIO, layout.offsets_E1)
+    elif layout.matmul_kernel == "grouped":
+        out_MO = F.grouped_mm(a_MI, b_EIO, offs=layout.offsets)
+    else:
+        out_MO = a_MI.new_empty(a_MI.shape[0], b_EIO.shape[2])
+        start = 0
+        for e, count in enumerate(layout.counts):
+            if count:
+                torch.mm(a_MI[start:start + count], b_EIO[e], out=out_MO[start:start + count])
+                start += count
+    return out_MO.relu_() if relu else out_MO
 
 
 def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout,
-                     out: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
-    """out[e] = a[rows of e].T @ b[rows of e]: [E, I, O], exact zeros for an expert with no rows. `out`
-    (native kernel only): a buffer to write over, and whether it was written before (GradientBuffers.take)."""
+                     out: tuple[torch.Tensor, bool] | None = None, b_index_M: torch.Tensor | None = None) -> torch.Tensor:
+    """out[e] = a[rows of e].T @ b[rows of e]: [E, I, O], exact zeros for an expert with no rows. With
+    `b_index_M`, row r of b is b[b_index_M[r]]. `out` (native kernel only): a buffer to write over, and
+    whether it was written before (GradientBuffers.take)."""
     if layout.outer_kernel == "native":
-        return cpu_kernels.rows_outer(a_MI, b_MO, layout.offsets_E1, *(out or ()))
+        return cpu_kernels.rows_outer(a_MI, b_MO, layout.offsets_E1, *(out or ()), b_index_M=b_index_M)
+    if b_index_M is not None:
+        b_MO = b_MO.index_select(0, b_index_M)
     if layout.outer_kernel == "padded":
         return layout.padded_outer(a_MI, b_MO)
     if layout.outer_kernel == "grouped":
@@ -254,9 +263,7 @@ class _ExpertFFN(torch.autograd.Function):
     def forward(ctx, rows_RD, w_in_EHD, w_out_EHD, counts: list[int], row_of_pair_M, gate_M, scale: float,
                 recompute: bool, kernel: str | None, grad_buffers: GradientBuffers | None):
         layout = GroupLayout(counts, rows_RD, kernel)
-        x_MD = rows_RD if row_of_pair_M is None else rows_RD.index_select(0, row_of_pair_M)
-        hidden_MH = rows_times_expert(x_MD, w_in_EHD.transpose(1, 2), layout).relu_()
-        del x_MD
+        hidden_MH = rows_times_expert(rows_RD, w_in_EHD.transpose(1, 2), layout, row_of_pair_M, relu=True)
         y_MD = rows_times_expert(hidden_MH, w_out_EHD, layout)
         y_MD.mul_(scale if gate_M is None else gate_M.to(y_MD.dtype)[:, None] * scale)
         ctx.save_for_backward(rows_RD, w_in_EHD, w_out_EHD, row_of_pair_M, gate_M,
@@ -274,12 +281,8 @@ class _ExpertFFN(torch.autograd.Function):
         layout, scale = ctx.layout, ctx.scale
         need_rows, need_w_in, need_w_out = ctx.needs_input_grad[:3]
         need_gate = ctx.needs_input_grad[5]
-
-        def pair_inputs():   # gathered where needed, not held across the backward: [M, D] saved at the peak
-            return rows_RD if row_of_pair_M is None else rows_RD.index_select(0, row_of_pair_M)
-
         if hidden_MH is None:   # recompute: the hidden layer was not kept
-            hidden_MH = rows_times_expert(pair_inputs(), w_in.transpose(1, 2), layout).relu_()
+            hidden_MH = rows_times_expert(rows_RD, w_in.transpose(1, 2), layout, row_of_pair_M, relu=True)
         grad_y_MD = grad_out.contiguous() if row_of_pair_M is None else grad_out.index_select(0, row_of_pair_M)
         coef = scale if gate_M is None else gate_M.to(grad_y_MD.dtype)[:, None] * scale
         grad_gate = grad_rows = grad_w_in = grad_w_out = None
@@ -295,8 +298,8 @@ class _ExpertFFN(torch.autograd.Function):
         # ReLU: hidden > 0 exactly where its input was. threshold_backward in place: no [M, H] mask temporary.
         torch.ops.aten.threshold_backward.grad_input(grad_hidden_MH.mul_(coef), hidden_MH, 0, grad_input=grad_hidden_MH)
         del hidden_MH
-        if need_w_in:
-            grad_w_in = per_expert_outer(grad_hidden_MH, pair_inputs(), layout, _buffer(ctx, "w_in", w_in))
+        if need_w_in:   # the pairs' input rows are read through row_of_pair, not gathered and kept
+            grad_w_in = per_expert_outer(grad_hidden_MH, rows_RD, layout, _buffer(ctx, "w_in", w_in), row_of_pair_M)
         if need_rows:
             grad_x_MD = rows_times_expert(grad_hidden_MH, w_in, layout)
             del grad_hidden_MH

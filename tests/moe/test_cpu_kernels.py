@@ -1,9 +1,11 @@
-"""The native CPU expert kernels (moe/cpu_kernels.c) against per-expert torch products at the shapes where
-their code paths split: rows in blocks of 4 (1..9 rows, empty experts), experts with few rows and with
-many (rows_times_wt's two kernels), vector width and register stripes of columns (with tails), narrower
-vectors (built for AVX2 and plain x86-64), many experts shared among threads, streaming stores; and their
-build: cached per source and CPU, one warning and torch's ops when no compiler works or the library does
-not load. (The gate's kernel, cpu_gating.c: tests/moe/test_gating_ops.py.)"""
+"""The native CPU expert kernels (moe/cpu_kernels.c) against per-expert float64 products at the shapes where
+their code paths split: rows_times_wt's three kernels (dot products for <= LANES/2 rows, transposed tiles
+for a block of up to LANES rows, transposed W panels from 16 rows), rows_times_w's row blocks and passes
+over W, rows_outer's passes over many rows; items of at most 96 rows, empty experts, column tails of every
+vector and tile width, gathered rows (a row index) and the fused ReLU; narrower vectors (built for AVX2 and
+plain x86-64); thread counts; streaming stores; and their build: cached per source and CPU, one warning and
+torch's ops when no compiler works or the library does not load. (The gate's kernel, cpu_gating.c:
+tests/moe/test_gating_ops.py.)"""
 
 import ctypes
 import os
@@ -18,6 +20,11 @@ from moe_scale.moe import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.empty(0)),
                                 reason="native kernels not built (see the warning); torch's GEMMs are used")
+
+# Rows per expert on both sides of every split: 1-8 (dot products with AVX-512; 1-4 with AVX, 1-2 with SSE),
+# 9-15 (one transposed tile), 16-19 (panels), 97 and 200 (items of at most 96 rows), 400 (rows_outer in
+# passes of at most 384 rows), and experts with none.
+COUNTS = [0, 1, 2, 3, 4, 5, 0, 8, 9, 0, 11, 12, 15, 16, 19, 33, 97, 200, 0, 400]
 
 
 def _offsets(counts):
@@ -46,8 +53,9 @@ NARROWER_TARGETS = {"avx2": ("-march=x86-64", "-mavx2", "-mfma"), "sse2": ("-mar
 @pytest.mark.skipif(platform.machine() != "x86_64" or not os.path.exists("/proc/cpuinfo"), reason="x86-64 Linux")
 @pytest.mark.parametrize("target", NARROWER_TARGETS)
 def test_kernels_built_for_narrower_vectors_give_the_same_products(target, tmp_path, monkeypatch):
-    """The kernels' vectors are as wide as the target's registers (16 floats with AVX-512, 8 with AVX, else 4):
-    built for AVX2 or plain x86-64, as on CPUs without AVX-512, they give the same products."""
+    """The kernels' vectors are as wide as the target's registers (16 floats with AVX-512, 8 with AVX, else 4)
+    and their tiles as large as its register file: built for AVX2 or plain x86-64, as on CPUs without AVX-512,
+    they give the same products."""
     if target == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX2")
     flags = tuple(flag for flag in cpu_kernels._FLAGS if flag != "-march=native") + NARROWER_TARGETS[target]
@@ -60,55 +68,82 @@ def test_kernels_built_for_narrower_vectors_give_the_same_products(target, tmp_p
         _check_products(n, k)
 
 
-def _check_products(n: int, k: int) -> None:
+def _check_products(n: int, k: int, counts: list[int] = COUNTS) -> None:
     gen = torch.Generator().manual_seed(n * 1000 + k)
-    counts = [0, 1, 2, 3, 4, 5, 0, 8, 9, 0, 11, 12, 13, 19]  # partial and whole blocks of 4 rows, empty experts,
-    #                                                         # either side of rows_times_wt's tiled kernel's 12
     m, e = sum(counts), len(counts)
     w = torch.randn(e, n, k, generator=gen)
-    a_k, a_n, b_k = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen), torch.randn(m, k, generator=gen)
+    a_k, a_n = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
+    sources = torch.randn(m + 5, k, generator=gen)                   # rows gathered through an index
+    index = torch.randint(0, m + 5, (m,), generator=gen)
     offsets = _offsets(counts)
-    close = dict(rtol=1e-5, atol=1e-4)   # float32 sums of up to 512 terms, against float64 products
-    w64, a_k64, a_n64, b_k64 = w.double(), a_k.double(), a_n.double(), b_k.double()
-    torch.testing.assert_close(cpu_kernels.rows_times_wt(a_k, w, offsets).double(),
-                               torch.cat(_per_expert(counts, lambda i, rows: a_k64[rows] @ w64[i].t())), **close)
+    close = dict(rtol=1e-5, atol=2e-4)   # float32 sums of up to 512 terms, against float64 products
+    w64, a_k64, a_n64, gathered64 = w.double(), a_k.double(), a_n.double(), sources[index].double()
+
+    def per_expert_wt(a64):
+        return torch.cat(_per_expert(counts, lambda i, rows: a64[rows] @ w64[i].t()))
+
+    torch.testing.assert_close(cpu_kernels.rows_times_wt(a_k, w, offsets).double(), per_expert_wt(a_k64), **close)
+    torch.testing.assert_close(cpu_kernels.rows_times_wt(sources, w, offsets, index, relu=True).double(),
+                               per_expert_wt(gathered64).clamp(min=0), **close)
     torch.testing.assert_close(cpu_kernels.rows_times_w(a_n, w, offsets).double(),
                                torch.cat(_per_expert(counts, lambda i, rows: a_n64[rows] @ w64[i])), **close)
-    outer = cpu_kernels.rows_outer(a_n, b_k, offsets)
+    outer = cpu_kernels.rows_outer(a_n, a_k, offsets)
     torch.testing.assert_close(outer.double(),
-                               torch.stack(_per_expert(counts, lambda i, rows: a_n64[rows].t() @ b_k64[rows])), **close)
-    for expert in (0, 6, 9):                                  # no rows: exact zeros, not stale memory
+                               torch.stack(_per_expert(counts, lambda i, rows: a_n64[rows].t() @ a_k64[rows])), **close)
+    torch.testing.assert_close(cpu_kernels.rows_outer(a_n, sources, offsets, b_index_M=index).double(),
+                               torch.stack(_per_expert(counts, lambda i, rows: a_n64[rows].t() @ gathered64[rows])),
+                               **close)
+    for expert in (i for i, count in enumerate(counts) if count == 0):   # no rows: exact zeros, not stale memory
         assert torch.count_nonzero(outer[expert]) == 0
     # Written over a buffer used before (streaming stores where vector-aligned): the same bits, stale
     # values gone, also when the buffer starts 4 bytes past an alignment boundary.
     misaligned = torch.empty(outer.numel() + 1)[1:].view(outer.shape)
     for buffer in (torch.full_like(outer, 7.0), misaligned.fill_(7.0)):
-        assert cpu_kernels.rows_outer(a_n, b_k, offsets, buffer, True) is buffer
+        assert cpu_kernels.rows_outer(a_n, a_k, offsets, buffer, True) is buffer
         assert torch.equal(buffer, outer)
     with pytest.raises(ValueError, match="out must be a contiguous float32"):
-        cpu_kernels.rows_outer(a_n, b_k, offsets, outer.double(), True)
+        cpu_kernels.rows_outer(a_n, a_k, offsets, outer.double(), True)
+
+
+def test_relu_keeps_nan_and_zeroes_negatives_as_torch_does():
+    a = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    w = torch.tensor([[[2.0, 0.0], [-3.0, 0.0], [float("nan"), 0.0]]])   # one expert, N = 3
+    got = cpu_kernels.rows_times_wt(a, w, _offsets([3]), relu=True)
+    torch.testing.assert_close(got, torch.relu(a @ w[0].t()), equal_nan=True)
+
+
+def test_a_row_index_out_of_range_or_of_the_wrong_length_is_refused():
+    a, w, offsets = torch.randn(4, 8), torch.randn(2, 3, 8), _offsets([2, 1])
+    with pytest.raises(ValueError, match=r"row index must lie in \[0, 4\), got \[0, 4\]"):
+        cpu_kernels.rows_times_wt(a, w, offsets, torch.tensor([0, 4, 1]))
+    with pytest.raises(ValueError, match="row index must have 3 entries"):
+        cpu_kernels.rows_outer(torch.randn(3, 3), a, offsets, b_index_M=torch.tensor([0, 1]))
 
 
 def test_many_experts_give_the_same_bits_with_one_thread_or_two():
-    """Experts are shared among threads; each is computed by one thread in a fixed order, so the thread count
-    must not change a single bit."""
+    """Work goes to threads in runs of experts; each output is computed by one thread in a fixed order, so
+    the thread count must not change a single bit."""
     gen = torch.Generator().manual_seed(0)
-    counts = torch.randint(0, 20, (300,), generator=gen).tolist()   # few rows and many: both wt kernels
-    m = sum(counts)
-    w = torch.randn(300, 24, 32, generator=gen)
+    counts = torch.randint(0, 40, (300,), generator=gen).tolist() + [130, 0, 450]
+    m, e = sum(counts), len(counts)
+    w = torch.randn(e, 24, 32, generator=gen)
     a_k, a_n = torch.randn(m, 32, generator=gen), torch.randn(m, 24, generator=gen)
+    index = torch.randperm(m, generator=gen)
     offsets, threads = _offsets(counts), torch.get_num_threads()
     results = []
     try:
-        for count in (1, 2):
+        for count in (1, 2, 3):
             torch.set_num_threads(count)
-            results.append((cpu_kernels.rows_times_wt(a_k, w, offsets), cpu_kernels.rows_times_w(a_n, w, offsets),
-                            cpu_kernels.rows_outer(a_n, a_k, offsets)))
+            results.append((cpu_kernels.rows_times_wt(a_k, w, offsets, index, relu=True),
+                            cpu_kernels.rows_times_w(a_n, w, offsets),
+                            cpu_kernels.rows_outer(a_n, a_k, offsets, b_index_M=index)))
     finally:
         torch.set_num_threads(threads)
-    for one, two in zip(*results):
-        assert torch.equal(one, two)
-    torch.testing.assert_close(results[0][2], torch.stack(_per_expert(counts, lambda i, r: a_n[r].t() @ a_k[r])))
+    for other in results[1:]:
+        for one, same in zip(results[0], other):
+            assert torch.equal(one, same)
+    torch.testing.assert_close(results[0][2], torch.stack(_per_expert(counts, lambda i, r: a_n[r].t() @ a_k[index][r])),
+                               rtol=1e-4, atol=1e-4)   # sums of up to 450 float32 products
 
 
 def test_non_contiguous_operands_are_taken_as_their_values():

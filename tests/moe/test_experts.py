@@ -131,13 +131,14 @@ def test_expert_ffn_gradcheck_and_single_input_grad():
 
 
 @needs_native
-def test_kernel_choice_native_for_few_rows_per_expert():
-    """CPU float32 with at most 32 rows per expert on average: native kernels for every product."""
+def test_kernel_choice_native_for_every_row_count_in_float32():
+    """CPU float32: native kernels for every product, with few rows per expert and with many."""
     f32 = torch.empty(0)
     sparse = GroupLayout([0, 3, 0, 0, 1, 0, 0, 0], f32)
     assert (sparse.matmul_kernel, sparse.outer_kernel) == ("native", "native")
-    assert GroupLayout([32] * 4, f32).outer_kernel == "native"
-    assert GroupLayout([33] * 4, f32).outer_kernel == "grouped"         # many rows each: MKL's GEMM is faster
+    many = GroupLayout([1000] * 4, f32)
+    assert (many.matmul_kernel, many.outer_kernel) == ("native", "native")
+    assert GroupLayout([3, 1], torch.empty(0, dtype=torch.bfloat16)).matmul_kernel == "grouped"   # float32 only
     empty = GroupLayout([0, 0], f32)                                    # nothing to run: torch's kernels
     assert empty.matmul_kernel == empty.outer_kernel == "grouped"
 
@@ -208,15 +209,21 @@ def test_gated_row_sums_match_reference_in_value_and_every_gradient(counts, row_
     assert torch.autograd.gradcheck(gated, (rows, w_in, w_out, gate))
 
 
+# Rows per expert through each of the native kernels' paths (dot products, a tile, panels, several items).
+_MANY = [3, 12, 20, 130, 0]
+GATED_NATIVE = {**GATED, "every_kernel_path": (_MANY, torch.randint(0, 60, (sum(_MANY),),
+                                                                     generator=torch.Generator().manual_seed(0)).tolist())}
+
+
 @needs_native
-@pytest.mark.parametrize("counts, row_of_pair", GATED.values(), ids=GATED.keys())
+@pytest.mark.parametrize("counts, row_of_pair", GATED_NATIVE.values(), ids=GATED_NATIVE.keys())
 def test_gated_row_sums_native_float32_match_reference(counts, row_of_pair):
     """The native kernels take float32 only (no gradcheck): value and every gradient against the reference."""
     gen = torch.Generator().manual_seed(len(row_of_pair))
     d, h, e = 20, 36, len(counts)
-    leaves = [torch.randn(4, d, generator=gen), torch.randn(e, h, d, generator=gen),
+    leaves = [torch.randn(max(row_of_pair) + 1, d, generator=gen), torch.randn(e, h, d, generator=gen),
               torch.randn(e, h, d, generator=gen), torch.rand(len(row_of_pair), generator=gen) + 0.1]
-    index, grad = torch.tensor(row_of_pair), torch.randn(4, d, generator=gen)
+    index, grad = torch.tensor(row_of_pair), torch.randn(max(row_of_pair) + 1, d, generator=gen)
     outs = []
     for run in (lambda r, a, b, g: expert_ffn(r, a, b, counts, index, g, scale=0.7, kernel="native"),
                 lambda r, a, b, g: reference_gated(r, a, b, counts, index, g, 0.7)):
