@@ -494,8 +494,36 @@ static void wt_by_panels(const item it, const float* a, const int64_t* a_index, 
     }
 }
 
+/* The ReLU's backward on finished rows of rows_times_wt's output g, while they are in cache, with each row's dot
+ * product against the hidden rows h (the gate's gradient): dot[r] = sum_n g[r][n] h[r][n], then
+ * g[r][n] = h[r][n] > 0 ? g[r][n] * scale[r] : 0. */
+typedef struct { const float* hidden; const float* scale; float* dot; } relu_grad;
+
+static void relu_backward_rows(float* g, const relu_grad* rg, int64_t first, int64_t rows, int64_t N) {
+    const int64_t N_vec = N - N % LANES;
+    for (int64_t r = first; r < first + rows; r++) {
+        float* g_r = g + r * N;
+        const float* h_r = rg->hidden + r * N;
+        const float s = rg->scale[r];
+        vec dot = {0};
+        for (int64_t n = 0; n < N_vec; n += LANES) {
+            const vec v = load(g_r + n), h = load(h_r + n);
+            dot += v * h;
+            store(g_r + n, (vec)((ivec)(v * s) & (ivec)(h > (vec){0})));
+        }
+        float total = 0.f;
+        for (int i = 0; i < LANES; i++) total += dot[i];
+        for (int64_t n = N_vec; n < N; n++) {
+            total += g_r[n] * h_r[n];
+            g_r[n] = h_r[n] > 0.f ? g_r[n] * s : 0.f;
+        }
+        rg->dot[r] = total;
+    }
+}
+
 static void wt_chunk(const item* items, int64_t first, int64_t end, const float* a, const int64_t* a_index,
-                     const float* w, float* out, int64_t N, int64_t K, int apply_relu, float* aT) {
+                     const float* w, float* out, int64_t N, int64_t K, int apply_relu, const relu_grad* rg,
+                     float* aT) {
     prefetcher pf = prefetcher_for(items, first, end, w, N, K);
     for (int64_t t = first; t < end; t++) {
         const item it = items[t];
@@ -503,6 +531,7 @@ static void wt_chunk(const item* items, int64_t first, int64_t end, const float*
         int new_weights = t == first || items[t - 1].expert != it.expert;
         if (it.rows >= PANEL_MIN_ROWS) {
             wt_by_panels(it, a, a_index, w_e, out, N, K, apply_relu, &pf, new_weights, aT);
+            if (rg) relu_backward_rows(out, rg, it.first, it.rows, N);
             continue;
         }
         /* Blocks of LANES rows (the last one padded), all packed first: each tile of W then comes from memory
@@ -532,12 +561,17 @@ static void wt_chunk(const item* items, int64_t first, int64_t end, const float*
             for (int64_t i = 0; i < it.rows - r; i++) x[i] = row_of(a, a_index, it.first + r + i, K);
             wt_dots_any(x, w_e, N, K, out + (it.first + r) * N, N, (int)(it.rows - r), apply_relu, &pf, new_weights);
         }
+        if (rg) relu_backward_rows(out, rg, it.first, it.rows, N);
     }
 }
 
+/* relu_hidden (with relu_scale and relu_dot; else NULL): the ReLU backward, see relu_backward_rows. */
 void rows_times_wt(const float* a, const int64_t* a_index, const float* w, float* out, const int64_t* offsets,
-                   int64_t E, int64_t N, int64_t K, int apply_relu, int threads) {
-#define WT_BODY(items, first, end, scratch) wt_chunk(items, first, end, a, a_index, w, out, N, K, apply_relu, scratch)
+                   int64_t E, int64_t N, int64_t K, int apply_relu, const float* relu_hidden, const float* relu_scale,
+                   float* relu_dot, int threads) {
+    const relu_grad grad = {relu_hidden, relu_scale, relu_dot};
+    const relu_grad* rg = relu_hidden ? &grad : NULL;
+#define WT_BODY(items, first, end, scratch) wt_chunk(items, first, end, a, a_index, w, out, N, K, apply_relu, rg, scratch)
     FOR_EACH_CHUNK(offsets, E, N, 0, threads, (ITEM_ROWS + LANES) * K + (PANEL_K + ITEM_ROWS) * PANEL, WT_BODY);
 }
 

@@ -38,7 +38,7 @@ _LIBS = ("-lmvec", "-lm") if platform.system() == "Linux" and platform.machine()
 _GATE_ROWS_PER_BLOCK = 64   # the gate's load is summed per block of rows, then over blocks in order
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _ARGTYPES = {
-    "rows_times_wt": [_P] * 5 + [_I] * 3 + [ctypes.c_int] * 2,
+    "rows_times_wt": [_P] * 5 + [_I] * 3 + [ctypes.c_int] + [_P] * 3 + [ctypes.c_int],
     "rows_times_w": [_P] * 4 + [_I] * 3 + [ctypes.c_int],
     "rows_outer": [_P] * 5 + [_I] * 3 + [ctypes.c_int] * 2,
     "noisy_top_k_forward": [_P] * 8 + [_I] * 5 + [_F, ctypes.c_int, ctypes.c_int],
@@ -139,17 +139,28 @@ def _pointer(t: torch.Tensor | None) -> int | None:
 
 
 def rows_times_wt(a_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
-                  a_index_M: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
+                  a_index_M: torch.Tensor | None = None, relu: bool = False,
+                  relu_grad: tuple[torch.Tensor, torch.Tensor] | None = None):
     """out[rows of e] = a[rows of e] @ w[e].T: [M, N], where row r reads a[a_index_M[r]] if an index is given
-    (else a[r], M = R); `relu` clamps the result at 0."""
+    (else a[r], M = R); `relu` clamps the result at 0.
+
+    relu_grad = (hidden_MN, scale_M): the ReLU's backward as well, on each row while it is in cache; returns
+    (g, dot_M) with dot_M[r] = <out[r], hidden[r]> and g[r] = out[r] * scale[r] where hidden[r] > 0, else 0."""
     a_RK, w_ENK = a_RK.contiguous(), w_ENK.contiguous()
     num_rows = int(offsets_E1[-1])
     index = _index(a_index_M, num_rows, a_RK.shape[0])
     out_MN = a_RK.new_empty(num_rows, w_ENK.shape[1])
+    hidden = scale = dot = None
+    if relu_grad is not None:
+        hidden, scale = relu_grad[0].contiguous(), relu_grad[1].to(torch.float32).contiguous()
+        if hidden.shape != out_MN.shape or hidden.dtype != torch.float32 or scale.shape != (num_rows,):
+            raise ValueError(f"relu_grad must be a float32 {list(out_MN.shape)} hidden layer and [{num_rows}] scales, "
+                             f"got {hidden.dtype} {list(hidden.shape)} and {list(scale.shape)}")
+        dot = a_RK.new_empty(num_rows)
     _library().rows_times_wt(a_RK.data_ptr(), _pointer(index), w_ENK.data_ptr(), out_MN.data_ptr(),
                              offsets_E1.data_ptr(), offsets_E1.shape[0] - 1, w_ENK.shape[1], w_ENK.shape[2],
-                             int(relu), torch.get_num_threads())
-    return out_MN
+                             int(relu), _pointer(hidden), _pointer(scale), _pointer(dot), torch.get_num_threads())
+    return out_MN if relu_grad is None else (out_MN, dot)
 
 
 def rows_times_w(a_MN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:

@@ -283,20 +283,17 @@ class _ExpertFFN(torch.autograd.Function):
         need_gate = ctx.needs_input_grad[5]
         if hidden_MH is None:   # recompute: the hidden layer was not kept
             hidden_MH = rows_times_expert(rows_RD, w_in.transpose(1, 2), layout, row_of_pair_M, relu=True)
-        grad_y_MD = grad_out.contiguous() if row_of_pair_M is None else grad_out.index_select(0, row_of_pair_M)
-        coef = scale if gate_M is None else gate_M.to(grad_y_MD.dtype)[:, None] * scale
+        coef_M = grad_out.new_full((hidden_MH.shape[0],), scale) if gate_M is None else gate_M.to(grad_out.dtype) * scale
         grad_gate = grad_rows = grad_w_in = grad_w_out = None
-        grad_hidden_MH = rows_times_expert(grad_y_MD, w_out.transpose(1, 2), layout)   # per unit of coef
-        if not need_w_out:
-            del grad_y_MD
-        if need_gate:
-            grad_gate = row_dot(grad_hidden_MH, hidden_MH).mul_(scale).to(gate_M.dtype)
-        if need_w_out:   # the gathered gradient is ours to scale in place; the incoming one is not
-            grad_y_MD = grad_y_MD.mul_(coef) if row_of_pair_M is not None else grad_y_MD * coef
+        grad_hidden_MH, dot_M = _hidden_gradient(grad_out, row_of_pair_M, w_out, hidden_MH, coef_M, layout, need_gate)
+        if need_gate:   # dL/dg_m = scale * <G_m @ w_out[e].T, hidden_m> (see the class docstring)
+            grad_gate = dot_M.mul_(scale).to(gate_M.dtype)
+        del dot_M
+        if need_w_out:
+            grad_y_MD = grad_out.contiguous() if row_of_pair_M is None else grad_out.index_select(0, row_of_pair_M)
+            grad_y_MD = grad_y_MD.mul_(coef_M[:, None]) if row_of_pair_M is not None else grad_y_MD * coef_M[:, None]
             grad_w_out = per_expert_outer(hidden_MH, grad_y_MD, layout, _buffer(ctx, "w_out", w_out))
             del grad_y_MD
-        # ReLU: hidden > 0 exactly where its input was. threshold_backward in place: no [M, H] mask temporary.
-        torch.ops.aten.threshold_backward.grad_input(grad_hidden_MH.mul_(coef), hidden_MH, 0, grad_input=grad_hidden_MH)
         del hidden_MH
         if need_w_in:   # the pairs' input rows are read through row_of_pair, not gathered and kept
             grad_w_in = per_expert_outer(grad_hidden_MH, rows_RD, layout, _buffer(ctx, "w_in", w_in), row_of_pair_M)
@@ -306,6 +303,23 @@ class _ExpertFFN(torch.autograd.Function):
             grad_rows = grad_x_MD if row_of_pair_M is None else \
                 grad_x_MD.new_zeros(rows_RD.shape).index_add_(0, row_of_pair_M, grad_x_MD)
         return grad_rows, grad_w_in, grad_w_out, None, None, grad_gate, None, None, None, None
+
+
+def _hidden_gradient(grad_out, row_of_pair_M, w_out_EHD, hidden_MH, coef_M, layout: GroupLayout, need_dot: bool):
+    """(gradient of the hidden layer's input: (G_m @ w_out[e].T) * coef_m where hidden > 0, else 0; and the
+    dot products <G_m @ w_out[e].T, hidden_m> if `need_dot`), with G_m the output gradient of pair m. The
+    native kernel gathers G, multiplies and applies the ReLU's backward in one pass; otherwise torch's ops."""
+    if layout.matmul_kernel == "native":
+        return cpu_kernels.rows_times_wt(grad_out, w_out_EHD, layout.offsets_E1, row_of_pair_M,
+                                         relu_grad=(hidden_MH, coef_M))
+    grad_y_MD = grad_out.contiguous() if row_of_pair_M is None else grad_out.index_select(0, row_of_pair_M)
+    grad_hidden_MH = rows_times_expert(grad_y_MD, w_out_EHD.transpose(1, 2), layout)   # per unit of coef
+    del grad_y_MD
+    dot_M = row_dot(grad_hidden_MH, hidden_MH) if need_dot else None
+    # ReLU: hidden > 0 exactly where its input was. threshold_backward in place: no [M, H] mask temporary.
+    torch.ops.aten.threshold_backward.grad_input(grad_hidden_MH.mul_(coef_M[:, None]), hidden_MH, 0,
+                                                 grad_input=grad_hidden_MH)
+    return grad_hidden_MH, dot_M
 
 
 def _buffer(ctx, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
