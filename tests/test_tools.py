@@ -1,4 +1,5 @@
-"""tools/bench_experts.py end to end at a tiny size: JSON lines, all impls, grouped == sliced_loop, flag errors."""
+"""tools/bench_experts.py end to end at a tiny size: JSON lines, all impls, every kernel == sliced_loop, flag
+errors."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def test_bench_experts_tiny(tmp_path):
     assert out_file.read_text().splitlines() == proc.stdout.splitlines()
     by_key = {(line["experts"], line["impl"]): line for line in lines}
     assert set(by_key) == {(e, impl) for e in (4, 16) for impl in ("grouped", "sliced_loop", "dense")}
+    assert by_key[(4, "grouped")]["kernel"].startswith("auto: ") and by_key[(4, "dense")]["kernel"] is None
     for line in lines:
         assert (line["k"], line["tokens"], line["rows"], line["d"], line["h"]) == (2, 64, 128, 16, 32)
 
@@ -46,6 +48,19 @@ def test_bench_experts_tiny(tmp_path):
     assert by_key[(16, "grouped")]["ms_per_step"] > 0 and by_key[(16, "grouped")]["speedup_vs_sliced_loop"] is None
 
 
+def test_bench_experts_times_each_kernel_asked_for_and_checks_it_against_the_loop():
+    from moe_scale.moe import cpu_kernels
+    import torch
+
+    kernels = ["loop", "padded"] + (["native"] if cpu_kernels.available(torch.empty(0)) else [])
+    proc = _run("--experts", "4", *TINY, "--kernels", ",".join(kernels))
+    assert proc.returncode == 0, proc.stderr
+    grouped = [json.loads(line) for line in proc.stdout.splitlines() if '"grouped"' in line]
+    assert [line["kernel"] for line in grouped] == kernels
+    for line in grouped:
+        assert line["ms_per_step"] > 0 and 0 <= line["max_abs_diff"] < 1e-4
+
+
 def test_bench_experts_bad_flag_exits_2_with_one_line():
     proc = _run("--tokens", "0", *TINY)
     assert proc.returncode == 2 and proc.stdout == ""
@@ -53,7 +68,8 @@ def test_bench_experts_bad_flag_exits_2_with_one_line():
 
 
 @pytest.mark.parametrize("flags", [["--d", "-3"], ["--experts", "8,-1"], ["--experts", "4,,5"], ["--repeats", "x"],
-                                   ["--max-naive-experts", "-1"], ["--bogus"], ["--out", "/nonexistent/dir/x.jsonl"]])
+                                   ["--max-naive-experts", "-1"], ["--bogus"], ["--out", "/nonexistent/dir/x.jsonl"],
+                                   ["--kernels", "fast"], ["--kernels", "loop,loop"]])
 def test_bench_experts_bad_flags_in_process(flags, capsys, monkeypatch):
     """The same check without a process per case: parse_args exits 2 with one line, before any work."""
     monkeypatch.syspath_prepend(str(BENCH.parent))   # as `python tools/bench_experts.py` has it

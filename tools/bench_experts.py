@@ -5,16 +5,19 @@ Legend: N tokens, K top-k (the expert layer sees R = N*K rows, already sorted by
 H expert hidden dim, E experts. Rows per expert are drawn from a uniform multinomial with a fixed seed.
 
 Implementations, all timed in the same run, interleaved repeat by repeat so machine noise hits them alike:
-  grouped      moe_scale's GroupedExperts (custom grouped-matmul autograd function).
+  grouped      moe_scale's GroupedExperts (custom grouped-matmul autograd function), once per --kernels entry:
+               auto (GroupLayout's choice), native (moe/cpu_kernels.c), grouped (torch's grouped GEMM),
+               padded, loop.
   sliced_loop  the naive reference: a Python loop of relu(x[a:b] @ w_in[e].T) @ w_out[e] over nn.Parameter
                stacks. Autograd builds a full-size [E, D, H] gradient per expert slice: O(E^2). Skipped
                above --max-naive-experts (a JSON line with "skipped" says so).
   dense        one D -> H -> D ReLU MLP over all R rows: the same active FLOPs as the experts.
 
-One JSON line per (experts, impl) on stdout (and in --out). Grouped and sliced_loop outputs and gradients
-(input, w_in, w_out) are compared on the warm-up step; the max abs diff is reported on both lines.
+One JSON line per (experts, impl, kernel) on stdout (and in --out). Grouped and sliced_loop outputs and
+gradients (input, w_in, w_out) are compared on the warm-up step; the max abs diff is reported on both lines.
 
     python tools/bench_experts.py --experts 64 --repeats 2
+    python tools/bench_experts.py --experts 64,1024 --kernels native,grouped --max-naive-experts 0
 """
 
 from __future__ import annotations
@@ -31,9 +34,19 @@ from tool_args import OneLineParser, non_negative_int, positive_int, positive_in
 import torch
 from torch import nn
 
-from moe_scale.moe.experts import GroupedExperts
+from moe_scale.moe import cpu_kernels
+from moe_scale.moe.experts import KERNELS, GroupedExperts, GroupLayout, _grouped_mm_available, expert_ffn
 
 IMPLS = ("grouped", "sliced_loop", "dense")
+KERNEL_CHOICES = ("auto",) + KERNELS
+
+
+def _kernel_list(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",")]
+    bad = [t for t in items if t not in KERNEL_CHOICES]
+    if bad or len(set(items)) != len(items):
+        raise argparse.ArgumentTypeError(f"expected distinct names from {','.join(KERNEL_CHOICES)}, got {text!r}")
+    return items
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,10 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--h", type=positive_int, default=512, help="expert hidden dim H (default 512)")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed steps after 1 warm-up (default 5)")
     p.add_argument("--max-naive-experts", type=non_negative_int, default=256,
-                   help="skip sliced_loop when E is above this (O(E^2); default 1024, 0 = never run it)")
+                   help="skip sliced_loop when E is above this (O(E^2); default 256, 0 = never run it)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed for counts, inputs, weights (default 0)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu; cuda times with synchronize)")
+    p.add_argument("--kernels", type=_kernel_list, default=["auto"],
+                   help=f"comma-separated kernels for the grouped impl, from {','.join(KERNEL_CHOICES)} (default auto)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON lines to this file")
     args = p.parse_args(argv)
     if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
@@ -60,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except (RuntimeError, AssertionError) as exc:
         p.error(f"--device {args.device!r} is not usable here ({str(exc).splitlines()[0]}); try --device cpu")
     args.device = device
+    like = torch.empty(0, device=device)
+    if "native" in args.kernels and not cpu_kernels.available(like):
+        p.error(f"--kernels native: the native kernels take CPU float32 and a built library, not available here "
+                f"(device {device}); choose from auto,grouped,padded,loop")
+    if "grouped" in args.kernels and not _grouped_mm_available(like):
+        p.error(f"--kernels grouped: torch's grouped GEMM is CPU-only here; choose from auto,padded,loop")
     return args
 
 
@@ -95,7 +116,8 @@ def bench_one(num_experts: int, args: argparse.Namespace) -> list[dict]:
     experts = GroupedExperts(num_experts, args.d, args.h, seed=args.seed).to(dev)
     scale = experts.output_scale
     run_naive = num_experts <= args.max_naive_experts
-    params = {"grouped": [experts.w_in, experts.w_out]}
+    grouped = [f"grouped[{kernel}]" for kernel in args.kernels]
+    params = {impl: [experts.w_in, experts.w_out] for impl in grouped}
     if run_naive:
         params["sliced_loop"] = [nn.Parameter(experts.w_in.detach().clone()),
                                  nn.Parameter(experts.w_out.detach().clone())]
@@ -103,12 +125,16 @@ def bench_one(num_experts: int, args: argparse.Namespace) -> list[dict]:
     dense_out = nn.Parameter(torch.randn(args.h, args.d, generator=g).mul_(args.h ** -0.5).to(dev))
     params["dense"] = [dense_in, dense_out]
 
+    def grouped_forward(kernel: str):
+        return lambda: expert_ffn(x_RD, experts.w_in, experts.w_out, counts_E, scale=scale,
+                                  kernel=None if kernel == "auto" else kernel, grad_buffers=experts.grad_buffers)
+
     forwards = {
-        "grouped": lambda: experts(x_RD, counts_E),
+        **{impl: grouped_forward(kernel) for impl, kernel in zip(grouped, args.kernels)},
         "sliced_loop": lambda: sliced_loop_forward(x_RD, *params["sliced_loop"], counts_E, scale),
         "dense": lambda: torch.relu(x_RD @ dense_in) @ dense_out * scale,
     }
-    impls = [i for i in IMPLS if i in params]
+    impls = [i for i in grouped + ["sliced_loop", "dense"] if i in params]
 
     def step(impl: str):
         for t in [x_RD, *params[impl]]:
@@ -123,11 +149,13 @@ def bench_one(num_experts: int, args: argparse.Namespace) -> list[dict]:
     warm = {}
     for impl in impls:  # warm-up; keep grouped and sliced_loop results for the agreement check
         _, out = step(impl)
-        if impl in ("grouped", "sliced_loop"):
-            warm[impl] = [out, x_RD.grad.clone(), *(p.grad for p in params[impl])]
-    max_abs_diff = None
+        if impl != "dense":
+            warm[impl] = [out, x_RD.grad.clone(), *(p.grad.clone() for p in params[impl])]
+    max_abs_diff = {}
     if run_naive:
-        max_abs_diff = max((a - b).abs().max().item() for a, b in zip(warm["grouped"], warm["sliced_loop"]))
+        for impl in grouped:
+            max_abs_diff[impl] = max((a - b).abs().max().item() for a, b in zip(warm[impl], warm["sliced_loop"]))
+        max_abs_diff["sliced_loop"] = max(max_abs_diff.values())
     del warm
 
     times = {impl: [] for impl in impls}
@@ -137,10 +165,14 @@ def bench_one(num_experts: int, args: argparse.Namespace) -> list[dict]:
     ms = {impl: 1e3 * statistics.median(ts) for impl, ts in times.items()}
 
     base = {"experts": num_experts, "k": args.k, "tokens": args.tokens, "rows": n_rows, "d": args.d, "h": args.h}
+    layout = GroupLayout(counts_E, x_RD.detach())
     lines = []
-    for impl in IMPLS:
-        line = {**base, "impl": impl, "ms_per_step": None, "speedup_vs_sliced_loop": None,
+    for impl in grouped + ["sliced_loop", "dense"]:
+        name, kernel = (impl.split("[")[0], impl[len("grouped["):-1]) if impl in grouped else (impl, None)
+        line = {**base, "impl": name, "kernel": kernel, "ms_per_step": None, "speedup_vs_sliced_loop": None,
                 "ratio_to_dense": None, "max_abs_diff": None, "skipped": None}
+        if kernel == "auto":   # what GroupLayout picked: the row products' kernel and the weight gradients'
+            line["kernel"] = f"auto: {layout.matmul_kernel}/{layout.outer_kernel}"
         if impl not in ms:
             line["skipped"] = f"experts {num_experts} > --max-naive-experts {args.max_naive_experts}"
         else:
@@ -148,8 +180,7 @@ def bench_one(num_experts: int, args: argparse.Namespace) -> list[dict]:
             if "sliced_loop" in ms:
                 line["speedup_vs_sliced_loop"] = round(ms["sliced_loop"] / ms[impl], 3)
             line["ratio_to_dense"] = round(ms[impl] / ms["dense"], 3)
-            if impl != "dense":
-                line["max_abs_diff"] = max_abs_diff
+            line["max_abs_diff"] = max_abs_diff.get(impl)
         line.update(repeats=args.repeats, threads=torch.get_num_threads(), device=str(dev))
         lines.append(line)
     return lines

@@ -19,7 +19,7 @@ def torch_expert_kernels(monkeypatch):
     """FlopCounterMode counts the padded kernel's zero rows too, and does not see the native kernels (they are
     not torch ops); the analytic count is of the real rows, so the experts run on torch's grouped GEMM."""
     monkeypatch.setattr(experts, "_PADDED_OUTER_MAX_ROWS", 0)
-    monkeypatch.setattr(experts, "_NATIVE_MAX_MEAN_ROWS", 0)
+    monkeypatch.setattr(experts.cpu_kernels, "available", lambda like: False)
 
 B, T, V = 4, 8, 97
 
