@@ -3,7 +3,8 @@
  *
  * Legend: W is [E, N, K] row-major; expert e owns rows [offsets[e], offsets[e + 1]) of the row operands.
  *   rows_times_wt  out[M, N] = a[rows of e] . W[e]^T      (x . w_in^T forward, g . w_out^T backward); `relu`
- *                  clamps the result at 0 (the experts' hidden layer)
+ *                  clamps the result at 0 (the experts' hidden layer); with `relu_hidden`, the ReLU's
+ *                  backward and the gate's gradient on each finished row (relu_backward_rows)
  *   rows_times_w   out[M, K] = a[rows of e] . W[e]          (h . w_out forward, g . w_in backward)
  *   rows_outer     W[e]      = a[rows of e]^T . b[rows of e] (weight gradients; zeros for an expert with no rows;
  *                  `streaming`: W's pages are already mapped, see store_streaming)
@@ -11,21 +12,21 @@
  * index[r] of its operand: the experts' gather of each (token, expert) pair's row, done while reading.
  *
  * Why the work has these shapes. An expert with m rows costs 2 m N K FLOPs against N K weights moved; with
- * d=256, h=512 this machine's balance (~13 FLOP per byte) puts the crossover near 25 rows. MoE layers with
- * 64..4096 experts sit on both sides, so both halves matter:
- *  - Arithmetic: TILE_ROWS x TILE_VECS register tiles of accumulators (6 x 4 vectors with 32 registers); per
- *    step TILE_VECS vector loads and TILE_ROWS scalars broadcast from memory (a load, no shuffle) feed
- *    TILE_ROWS x TILE_VECS multiply-adds. rows_times_wt would need a horizontal sum per dot product, so its
- *    rows go in blocks of LANES, transposed into a scratch [K, LANES]: a tile then takes WT_TILE rows of W
- *    by broadcast against LANES rows at once, and the tile is transposed back in registers. A remainder
- *    of at most DOT_MAX_ROWS rows takes dot products instead of a half-empty block.
+ * d=256, h=512 this machine's balance (~13 FLOP per byte) puts the crossover near 25 rows, and MoE layers
+ * with 8..4096 experts sit on both sides:
+ *  - Arithmetic: broadcast tiles of TILE_ROWS x TILE_VECS vectors of accumulators (6 x 4 with 32 registers):
+ *    per step TILE_VECS vector loads and TILE_ROWS scalars broadcast from L1 (a load, no shuffle) feed
+ *    TILE_ROWS x TILE_VECS multiply-adds. rows_times_wt has no vectors of W^T to load, so an item of
+ *    PANEL_MIN_ROWS+ rows transposes PANEL x PANEL_K blocks of W into a panel in L1 that its rows then take
+ *    as above; fewer rows are transposed themselves (blocks of LANES rows into a scratch [K, LANES], WT_TILE
+ *    rows of W broadcast against them, the tile transposed back in registers); at most DOT_MAX_ROWS rows
+ *    take dot products. rows_outer sums many rows in passes of at most OUTER_PASS_ROWS, which stay in L2.
  *  - Memory: experts go in contiguous runs (chunks of similar cost, handed to threads dynamically), and
  *    within a run the weights are prefetched PREFETCH_AHEAD bytes ahead of use, across expert boundaries
- *    (skipping experts without rows), so the next expert's weights arrive while this one computes.
- *    rows_outer writes W; it prefetches the next expert's rows instead.
- * Measured here (2 threads, E=256, 16 rows per expert, d=256, h=512): rows_times_w 10.1 -> 6.2 ms against a
- * 4.3 ms memory bound, from the prefetch; at E=64, 64 rows: 76-85% of the FLOP peak, where MKL's grouped
- * GEMM gave 45-70% (its weight gradient 20-50%).
+ *    (skipping experts without rows), so the next expert's weights arrive while this one computes;
+ *    rows_outer, which writes W, prefetches the next expert's rows instead. (E=256, 16 rows per expert:
+ *    rows_times_w 10.3 -> 7.3 ms from the prefetch, against a 5 ms memory bound on cold weights.)
+ * Measured against torch's grouped GEMM (MKL) on the experts' forward and backward, see experts.py.
  *
  * Each output is computed by one thread in a fixed order, so results do not depend on the thread count.
  * Threads come from OpenMP: linked by soname, libgomp resolves to the copy torch has already loaded, so
