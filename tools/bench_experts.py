@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--kernels native: the native kernels take CPU float32 and a built library, not available here "
                 f"(device {device}); choose from auto,grouped,padded,loop")
     if "grouped" in args.kernels and not _grouped_mm_available(like):
-        p.error(f"--kernels grouped: torch's grouped GEMM is CPU-only here; choose from auto,padded,loop")
+        p.error("--kernels grouped: torch's grouped GEMM is CPU-only here; choose from auto,padded,loop")
     return args
 
 
