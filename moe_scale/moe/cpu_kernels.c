@@ -220,20 +220,21 @@ static int64_t make_chunks(const item* items, int64_t count, int64_t N, int64_t 
  * for `used` more bytes of use. */
 typedef struct {
     const item* items;
-    int64_t end, next;             /* items [next, end) still to request; `next` is requested up to `offset` */
+    int64_t first, end, next;      /* the run's items; [next, end) still to request, `next` up to `offset` */
     int64_t offset, w_bytes;       /* bytes of W[items[next].expert] requested; bytes of one expert's W */
     int64_t requested, used;       /* bytes requested and used so far */
     const float* w;
 } prefetcher;
 
 static prefetcher prefetcher_for(const item* items, int64_t first, int64_t end, const float* w, int64_t N, int64_t K) {
-    return (prefetcher){items, end, first, 0, N * K * (int64_t)sizeof(float), 0, 0, w};
+    return (prefetcher){items, first, end, first, 0, N * K * (int64_t)sizeof(float), 0, 0, w};
 }
 
 static int64_t take(prefetcher* p, int64_t used, const char** at) {
     p->used += used;
     while (p->next < p->end && (p->offset >= p->w_bytes ||
-                                (p->next > 0 && p->offset == 0 && p->items[p->next - 1].expert == p->items[p->next].expert))) {
+                                (p->next > p->first && p->offset == 0 &&
+                                 p->items[p->next - 1].expert == p->items[p->next].expert))) {
         p->next++;      /* an expert's W is streamed once, however many items its rows make */
         p->offset = 0;
     }
@@ -373,7 +374,7 @@ static void wt_tile(const float* aT, const float* w, int64_t K, int w_rows, floa
     for (int i = 0; i < WT_TILE; i++) acc[i] = (vec){0};
     for (int64_t k = 0; k < K; k++) {
         if ((k & (LANES - 1)) == 0) {
-            /* the next line of each row into L1: these 16 interleaved streams defeat the core's own prefetcher */
+            /* the next line of each row into L1: one stream per row of W, too many for the core's own prefetcher */
             for (int i = 0; i < WT_TILE; i++) __builtin_prefetch(wr[i] + k + LANES, 0, 3);
             if (pf_lines > 0) { prefetch_lines(pf, pf_step); pf += pf_step * LINE; pf_lines -= pf_step; }
         }
