@@ -123,24 +123,39 @@ static inline void fence_streaming_stores(void) {}
             r[i] = SHUFFLE(x, y, UNPAREN LO);                                                                   \
             r[i | (B)] = SHUFFLE(x, y, UNPAREN HI);                                                             \
         }
-static inline void transpose(vec* r) {
+/* The same rounds summing each pair's two halves instead of keeping both: rows i < B stay, the others are
+ * folded into them. Sums commute with the shuffles, so after all rounds lane c of r[0] is the sum of row c. */
+#define FOLD(r, B, LO, HI)                                                                                      \
+    for (int i = 0; i < (B); i++) {                                                                             \
+        const vec x = r[i], y = r[i | (B)];                                                                     \
+        r[i] = SHUFFLE(x, y, UNPAREN LO) + SHUFFLE(x, y, UNPAREN HI);                                           \
+    }
 #if LANES == 16
-    ROUND(r, 8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-                (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
-    ROUND(r, 4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
-                (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
-    ROUND(r, 2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
-                (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
-    ROUND(r, 1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
-                (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#define ROUNDS(OP)                                                                                              \
+    OP(r, 8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),                                          \
+             (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))                                    \
+    OP(r, 4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),                                        \
+             (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))                                      \
+    OP(r, 2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),                                        \
+             (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))                                      \
+    OP(r, 1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),                                       \
+             (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
 #elif LANES == 8
-    ROUND(r, 4, (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
-    ROUND(r, 2, (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15))
-    ROUND(r, 1, (0, 8, 2, 10, 4, 12, 6, 14), (1, 9, 3, 11, 5, 13, 7, 15))
+#define ROUNDS(OP)                                                                                              \
+    OP(r, 4, (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))                                          \
+    OP(r, 2, (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15))                                          \
+    OP(r, 1, (0, 8, 2, 10, 4, 12, 6, 14), (1, 9, 3, 11, 5, 13, 7, 15))
 #else
-    ROUND(r, 2, (0, 1, 4, 5), (2, 3, 6, 7))
-    ROUND(r, 1, (0, 4, 2, 6), (1, 5, 3, 7))
+#define ROUNDS(OP)                                                                                              \
+    OP(r, 2, (0, 1, 4, 5), (2, 3, 6, 7))                                                                        \
+    OP(r, 1, (0, 4, 2, 6), (1, 5, 3, 7))
 #endif
+static inline void transpose(vec* r) { ROUNDS(ROUND) }
+
+/* Lane c of the result is the sum of r[c]'s lanes (r is overwritten): half the shuffles of a transpose. */
+static inline vec sum_rows(vec* r) {
+    ROUNDS(FOLD)
+    return r[0];
 }
 
 /* ---------------------------------------------------------------- work items and their order */
@@ -410,16 +425,15 @@ static inline __attribute__((always_inline)) void wt_dots(const float* const* x,
             for (int i = 0; i < rows; i++) { const vec xi = load(x[i] + k); c0[i] += xi * v0; c1[i] += xi * v1; }
         }
         if (lines > 0) prefetch_lines(at, (int)lines);
-        vec all[LANES];   /* 2 DOT_MAX_ROWS = LANES sums at once: transposed, lane q of the total is sum q */
+        vec all[LANES];   /* 2 DOT_MAX_ROWS = LANES sums at once: lane q of their fold is sum q */
         for (int q = 0; q < LANES; q++) all[q] = q < 2 * rows ? (q & 1 ? c1[q / 2] : c0[q / 2]) : (vec){0};
-        transpose(all);
-        vec sums = all[0];
-        for (int q = 1; q < LANES; q++) sums += all[q];
+        vec sums = sum_rows(all);
+        for (int i = 0; i < rows; i++)
+            for (int64_t k = K_vec; k < K; k++) { sums[2 * i] += x[i][k] * w0[k]; sums[2 * i + 1] += x[i][k] * w1[k]; }
+        if (apply_relu) sums = relu(sums);   /* on the vector: a branch per output would mispredict half the time */
         for (int i = 0; i < rows; i++) {
-            float s0 = sums[2 * i], s1 = sums[2 * i + 1];
-            for (int64_t k = K_vec; k < K; k++) { s0 += x[i][k] * w0[k]; s1 += x[i][k] * w1[k]; }
-            out[i * ldo + n] = apply_relu && s0 < 0.f ? 0.f : s0;
-            if (n + 1 < N) out[i * ldo + n + 1] = apply_relu && s1 < 0.f ? 0.f : s1;
+            out[i * ldo + n] = sums[2 * i];
+            if (n + 1 < N) out[i * ldo + n + 1] = sums[2 * i + 1];
         }
     }
 }
