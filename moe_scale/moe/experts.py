@@ -67,7 +67,7 @@ class GroupLayout:
 
     On CPU float32 every product takes the native kernels where they are built: the FFN's forward and
     backward against torch's grouped GEMM (`tools/bench_experts.py --kernels native,grouped`, 2048 tokens x 2,
-    D=256, H=512, 2 threads) ran 1.6x faster at E=64, 2.2x at 256, 2.5x at 1024, 3.6x at 4096, and 8% slower
+    D=256, H=512, 2 threads) ran 1.6x faster at E=64, 2.2x at 256, 2.6x at 1024, 3.5x at 4096, and 5% slower
     at E=8 (512 rows per expert, MKL's best case), where inside the MoE layer the kernels' fused gathers make
     up for it. Otherwise (other dtypes or devices, no compiler), measured here: a weight gradient
     x[rows of e].T @ g with few rows per expert is a rank-few update that MKL's GEMM writes slowly; bmm over
