@@ -37,7 +37,6 @@ from torch import nn
 from moe_scale.moe import cpu_kernels
 from moe_scale.moe.experts import KERNELS, GroupedExperts, GroupLayout, _grouped_mm_available, expert_ffn
 
-IMPLS = ("grouped", "sliced_loop", "dense")
 KERNEL_CHOICES = ("auto",) + KERNELS
 
 
@@ -116,7 +115,9 @@ def bench_one(num_experts: int, args: argparse.Namespace) -> list[dict]:
     experts = GroupedExperts(num_experts, args.d, args.h, seed=args.seed).to(dev)
     scale = experts.output_scale
     run_naive = num_experts <= args.max_naive_experts
-    grouped = [f"grouped[{kernel}]" for kernel in args.kernels]
+    kernel_of = {f"grouped[{kernel}]": kernel for kernel in args.kernels}   # one grouped impl per kernel
+    grouped = list(kernel_of)
+    order = grouped + ["sliced_loop", "dense"]
     params = {impl: [experts.w_in, experts.w_out] for impl in grouped}
     if run_naive:
         params["sliced_loop"] = [nn.Parameter(experts.w_in.detach().clone()),
@@ -130,11 +131,11 @@ def bench_one(num_experts: int, args: argparse.Namespace) -> list[dict]:
                                   kernel=None if kernel == "auto" else kernel, grad_buffers=experts.grad_buffers)
 
     forwards = {
-        **{impl: grouped_forward(kernel) for impl, kernel in zip(grouped, args.kernels)},
+        **{impl: grouped_forward(kernel) for impl, kernel in kernel_of.items()},
         "sliced_loop": lambda: sliced_loop_forward(x_RD, *params["sliced_loop"], counts_E, scale),
         "dense": lambda: torch.relu(x_RD @ dense_in) @ dense_out * scale,
     }
-    impls = [i for i in grouped + ["sliced_loop", "dense"] if i in params]
+    impls = [i for i in order if i in params]
 
     def step(impl: str):
         for t in [x_RD, *params[impl]]:
@@ -167,8 +168,8 @@ def bench_one(num_experts: int, args: argparse.Namespace) -> list[dict]:
     base = {"experts": num_experts, "k": args.k, "tokens": args.tokens, "rows": n_rows, "d": args.d, "h": args.h}
     layout = GroupLayout(counts_E, x_RD.detach())
     lines = []
-    for impl in grouped + ["sliced_loop", "dense"]:
-        name, kernel = (impl.split("[")[0], impl[len("grouped["):-1]) if impl in grouped else (impl, None)
+    for impl in order:
+        name, kernel = ("grouped", kernel_of[impl]) if impl in kernel_of else (impl, None)
         line = {**base, "impl": name, "kernel": kernel, "ms_per_step": None, "speedup_vs_sliced_loop": None,
                 "ratio_to_dense": None, "max_abs_diff": None, "skipped": None}
         if kernel == "auto":   # what GroupLayout picked: the row products' kernel and the weight gradients'

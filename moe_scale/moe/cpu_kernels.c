@@ -263,6 +263,13 @@ static int64_t take(prefetcher* p, int64_t used, const char** at) {
     return lines;
 }
 
+/* Past the lines a tile has issued (at most `issued`) of the `lines` still to request from `at`. */
+static inline void advance(const char** at, int64_t* lines, int64_t issued) {
+    if (issued > *lines) issued = *lines;
+    *at += issued * LINE;
+    *lines -= issued;
+}
+
 /* Lines to request per inner step, for `lines` over `steps` steps. */
 static inline int per_step(int64_t lines, int64_t steps) {
     const int64_t q = steps > 0 ? (lines + steps - 1) / steps : lines;
@@ -336,9 +343,7 @@ static void w_chunk(const item* items, int64_t first, int64_t end, const float* 
                     const int rows = it.rows - r < TILE_ROWS ? it.rows - r : TILE_ROWS;
                     w_tile_any(a_t + r * N + n0, N, w_e + n0 * K + c, K, out_t + r * K + c, K, steps, rows, vecs,
                                n0 > 0, 0, at, step_lines, lines);
-                    const int64_t issued = step_lines * steps < lines ? step_lines * steps : lines;
-                    at += issued * LINE;
-                    lines -= issued;
+                    advance(&at, &lines, step_lines * steps);
                 }
             }
             if (lines > 0) prefetch_lines(at, (int)lines);
@@ -498,9 +503,7 @@ static void wt_by_panels(const item it, const float* a, const int64_t* a_index, 
                 float* o = whole ? out + (it.first + r) * N + n0 : ragged + r * PANEL;
                 w_tile_any(x + r * K + k0, K, panel, PANEL, o, whole ? N : PANEL, cols, rows, vecs, k0 > 0,
                            apply_relu && k0 + cols == K, at, step_lines, lines);
-                const int64_t issued = step_lines * cols < lines ? step_lines * cols : lines;
-                at += issued * LINE;
-                lines -= issued;
+                advance(&at, &lines, step_lines * cols);
             }
         }
         if (lines > 0) prefetch_lines(at, (int)lines);
@@ -565,9 +568,7 @@ static void wt_chunk(const item* items, int64_t first, int64_t end, const float*
                 const int64_t first_row = b * LANES, rows = it.rows - first_row < LANES ? it.rows - first_row : LANES;
                 wt_tile(aT + b * K * LANES, w_e + n * K, K, w_rows, out + (it.first + first_row) * N + n, N, rows,
                         apply_relu, at, step_lines, lines);
-                const int64_t issued = step_lines * ((K + LANES - 1) / LANES) < lines ? step_lines * ((K + LANES - 1) / LANES) : lines;
-                at += issued * LINE;
-                lines -= issued;
+                advance(&at, &lines, step_lines * ((K + LANES - 1) / LANES));
             }
             if (lines > 0) prefetch_lines(at, (int)lines);
         }

@@ -290,7 +290,7 @@ class _ExpertFFN(torch.autograd.Function):
             grad_gate = dot_M.mul_(scale).to(gate_M.dtype)
         del dot_M
         if need_w_out:
-            grad_y_MD = grad_out.contiguous() if row_of_pair_M is None else grad_out.index_select(0, row_of_pair_M)
+            grad_y_MD = _per_pair(grad_out, row_of_pair_M)
             grad_y_MD = grad_y_MD.mul_(coef_M[:, None]) if row_of_pair_M is not None else grad_y_MD * coef_M[:, None]
             grad_w_out = per_expert_outer(hidden_MH, grad_y_MD, layout, _buffer(ctx, "w_out", w_out))
             del grad_y_MD
@@ -312,7 +312,7 @@ def _hidden_gradient(grad_out, row_of_pair_M, w_out_EHD, hidden_MH, coef_M, layo
     if layout.matmul_kernel == "native":
         return cpu_kernels.rows_times_wt(grad_out, w_out_EHD, layout.offsets_E1, row_of_pair_M,
                                          relu_grad=(hidden_MH, coef_M))
-    grad_y_MD = grad_out.contiguous() if row_of_pair_M is None else grad_out.index_select(0, row_of_pair_M)
+    grad_y_MD = _per_pair(grad_out, row_of_pair_M)
     grad_hidden_MH = rows_times_expert(grad_y_MD, w_out_EHD.transpose(1, 2), layout)   # per unit of coef
     del grad_y_MD
     dot_M = row_dot(grad_hidden_MH, hidden_MH) if need_dot else None
@@ -320,6 +320,11 @@ def _hidden_gradient(grad_out, row_of_pair_M, w_out_EHD, hidden_MH, coef_M, layo
     torch.ops.aten.threshold_backward.grad_input(grad_hidden_MH.mul_(coef_M[:, None]), hidden_MH, 0,
                                                  grad_input=grad_hidden_MH)
     return grad_hidden_MH, dot_M
+
+
+def _per_pair(t_RD: torch.Tensor, row_of_pair_M: torch.Tensor | None) -> torch.Tensor:
+    """t[row_of_pair[m]] for each pair m ([M, D], a copy), or t itself when its rows are the pairs."""
+    return t_RD.contiguous() if row_of_pair_M is None else t_RD.index_select(0, row_of_pair_M)
 
 
 def _buffer(ctx, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
