@@ -289,7 +289,7 @@ class _ExpertFFN(torch.autograd.Function):
         if need_gate:   # dL/dg_m = scale * <G_m @ w_out[e].T, hidden_m> (see the class docstring)
             grad_gate = dot_M.mul_(scale).to(gate_M.dtype)
         del dot_M
-        if need_w_out:
+        if need_w_out:   # a gathered copy is ours to scale in place; the incoming gradient is not
             grad_y_MD = _per_pair(grad_out, row_of_pair_M)
             grad_y_MD = grad_y_MD.mul_(coef_M[:, None]) if row_of_pair_M is not None else grad_y_MD * coef_M[:, None]
             grad_w_out = per_expert_outer(hidden_MH, grad_y_MD, layout, _buffer(ctx, "w_out", w_out))
