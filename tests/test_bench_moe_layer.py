@@ -84,3 +84,27 @@ def test_gate_logit_std_spreads_our_routers_logits(monkeypatch):
         router = bench.build("dropless", 16, 2, args).router
         for weight in (router.w_gate, router.w_noise):
             assert (x @ weight.detach()).std().item() == pytest.approx(std, rel=0.1, abs=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["dropless", "capacity", "deepspeed_dropless", "dense"])
+def test_step_gives_the_gradients_of_the_probe_loss(impl, monkeypatch):
+    """The timed step feeds the output gradient in directly; the gradients are those of the loss
+    (y * probe).sum() + aux, the layer's own and the input's."""
+    import torch
+    bench = _import_bench(monkeypatch)
+    args = bench.parse_args(["--tokens", "64", "--d", "16", "--h", "32", "--gate-logit-std", "1"])
+    x, probe = bench.make_inputs(args)
+    layer = bench.build(impl, 8, 2, args)
+    torch.manual_seed(0)   # the noisy gate's noise and DeepSpeed's gate draw from the global generator
+    bench.step(layer, x, probe)
+    fed = [p.grad.clone() for p in layer.parameters() if p.grad is not None] + [x.grad.clone()]
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+    torch.manual_seed(0)
+    y, aux = layer(x)
+    ((y * probe).sum() + aux).backward()
+    from_loss = [p.grad for p in layer.parameters() if p.grad is not None] + [x.grad]
+    assert len(fed) == len(from_loss) > 1
+    for a, b in zip(fed, from_loss):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

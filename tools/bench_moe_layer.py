@@ -186,7 +186,10 @@ def step(layer: nn.Module, x: torch.Tensor, probe: torch.Tensor) -> None:
         p.grad = None
     x.grad = None
     y, aux = layer(x)
-    ((y * probe).sum() + aux).backward()
+    # The gradient of the loss (y * probe).sum() + aux, fed straight in: the step times the layer's forward and
+    # backward only, not a loss's [tokens, d] product and its backward (0.6-1.5 ms here, every layer alike).
+    outputs, grads = ([y, aux], [probe, torch.ones_like(aux)]) if aux.requires_grad else ([y], [probe])
+    torch.autograd.backward(outputs, grads)
 
 
 def make_inputs(args) -> tuple[torch.Tensor, torch.Tensor]:
