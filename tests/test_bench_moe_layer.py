@@ -96,7 +96,7 @@ def test_step_gives_the_gradients_of_the_probe_loss(impl, monkeypatch):
     args = bench.parse_args(["--tokens", "64", "--d", "16", "--h", "32", "--gate-logit-std", "1"])
     x, probe = bench.make_inputs(args)
     layer = bench.build(impl, 8, 2, args)
-    torch.manual_seed(0)   # the noisy gate's noise and DeepSpeed's gate draw from the global generator
+    torch.manual_seed(0)   # the noisy gate's noise draws from the global generator: the same noise twice
     bench.step(layer, x, probe)
     fed = [p.grad.clone() for p in layer.parameters() if p.grad is not None] + [x.grad.clone()]
     for p in layer.parameters():
