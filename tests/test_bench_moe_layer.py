@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench_moe_layer.py"
-TINY = ["--tokens", "64", "--d", "16", "--h", "32", "--repeats", "1", "--threads", "1"]
+TINY = ["--tokens", "64", "--d", "16", "--h", "32", "--repeats", "1", "--min-time", "0", "--warmup", "1",
+        "--threads", "1"]
 IMPLS = {"dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "dense"}
 
 
@@ -63,7 +64,8 @@ def test_two_ranks_report_the_all_to_all_share():
 @pytest.mark.parametrize("flags", [["--k", "16", "--experts", "8"], ["--ranks", "3", "--experts", "8"],
                                    ["--impls", "dropless,tutel"], ["--capacity-factor", "0"], ["--tokens", "0"],
                                    ["--out", "/nonexistent/dir/x.jsonl"], ["--gate-logit-std", "-1"],
-                                   ["--gate-logit-std", "nan"], ["--capacity-factor", "nan"]])
+                                   ["--gate-logit-std", "nan"], ["--capacity-factor", "nan"], ["--min-time", "-1"],
+                                   ["--warmup", "0"]])
 def test_bad_flags_exit_2_with_one_line(flags, capsys, monkeypatch):
     bench = _import_bench(monkeypatch)
     with pytest.raises(SystemExit) as exc:
@@ -109,3 +111,28 @@ def test_step_gives_the_gradients_of_the_probe_loss(impl, monkeypatch):
     assert len(fed) == len(from_loss) > 1
     for a, b in zip(fed, from_loss):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("repeats, min_time, timed", [(3, 0.0, 3), (3, 1.0, 8), (12, 1.0, 12), (3, 0.9, 8)])
+def test_timed_steps_run_the_warmup_then_enough_steps(repeats, min_time, timed, monkeypatch):
+    """--warmup untimed steps, then at least --repeats timed ones and on until they add up to --min-time (a fake
+    step of 0.125 s)."""
+    bench = _import_bench(monkeypatch)
+    args = bench.parse_args(["--warmup", "2", "--repeats", str(repeats), "--min-time", str(min_time)])
+    calls = []
+
+    def one_step():
+        calls.append(1)
+        return 0.125
+
+    times = bench.timed_steps(one_step, args)
+    assert len(times) == timed and len(calls) == 2 + timed
+
+
+def test_timed_steps_stop_only_when_every_rank_agrees(monkeypatch):
+    """Ranks step together: a rank whose own steps are done goes on while another still wants more."""
+    bench = _import_bench(monkeypatch)
+    args = bench.parse_args(["--warmup", "1", "--repeats", "2", "--min-time", "0"])
+    other_rank_wants = iter([True, True, False])   # asked once this rank has its 2 steps
+    times = bench.timed_steps(lambda: 0.1, args, lambda more: more or next(other_rank_wants))
+    assert len(times) == 4

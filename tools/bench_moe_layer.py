@@ -22,6 +22,8 @@ The matmul peak is the best of fp32 [2048x2048]@[2048x2048]; the bandwidth the b
 frozen so that their gradients are never allocated (the dense FFN's weights likewise): what the step needs
 beyond the expert weights and their gradients. Measured in a child process with glibc's mmap threshold at
 64 KiB, so freed tensors leave the resident set at once and the peak is the peak of live tensors.
+Each time is the median over the timed steps of a freshly built layer, after --warmup untimed ones: at least
+--repeats, and on until they add up to --min-time seconds (see timed_steps).
 
     python tools/bench_moe_layer.py --experts 1024 --k 2          # one configuration
     python tools/bench_moe_layer.py --out bench.jsonl               # the whole sweep (E 8..4096, K 1,2,4)
@@ -40,6 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")   # as moe_scale sets it; here before torch is imported
@@ -74,7 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d", type=positive_int, default=256, help="model dim D (default 256)")
     p.add_argument("--h", type=positive_int, default=512, help="expert hidden dim H (default 512)")
     p.add_argument("--capacity-factor", type=positive_float, default=1.0, help="capacity modes (default 1.0)")
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed steps after 1 warm-up (default 3)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed steps at least (default 3)")
+    p.add_argument("--min-time", type=non_negative_float, default=1.0,
+                   help="... and more until they add up to this many seconds (default 1.0; 0: exactly --repeats)")
+    p.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--ranks", type=positive_int, default=1,
                    help="1: the single-process sweep; R > 1: moe_scale's layer on R gloo ranks, ep_size R")
     p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
@@ -299,17 +305,34 @@ def _free_port() -> int:
 # ---------------------------------------------------------------- the sweep
 
 
-def time_impl(impl: str, e: int, k: int, args, x, probe) -> float:
-    layer = build(impl, e, k, args)
-    step(layer, x, probe)   # warm-up
+def timed_steps(one_step: Callable[[], float], args, all_agree: Callable[[bool], bool] = bool) -> list[float]:
+    """The seconds of timed steps (`one_step` runs one and returns its time), after --warmup untimed ones: at
+    least --repeats, and more until they add up to --min-time. The first steps after a layer is built run up
+    to 20% slower here while memory settles, and this shared machine adds the odd slow step: a median over
+    a second of steps is steady where one over three is not. `all_agree(more)`: every rank's decision, so
+    that ranks stepping together stop together."""
+    for _ in range(args.warmup):
+        one_step()
     times = []
-    for _ in range(args.repeats):
+    while all_agree(len(times) < args.repeats or sum(times) < args.min_time):
+        times.append(one_step())
+    return times
+
+
+def time_impl(impl: str, e: int, k: int, args, x, probe) -> tuple[float, int]:
+    """(median seconds per step, timed steps) of a freshly built layer, freed before the next is built."""
+    times = _time_layer(build(impl, e, k, args), args, x, probe)
+    gc.collect()
+    return statistics.median(times), len(times)
+
+
+def _time_layer(layer: nn.Module, args, x, probe) -> list[float]:
+    def one_step() -> float:
         start = time.perf_counter()
         step(layer, x, probe)
-        times.append(time.perf_counter() - start)
-    del layer
-    gc.collect()
-    return statistics.median(times)
+        return time.perf_counter() - start
+
+    return timed_steps(one_step, args)
 
 
 def sweep(args) -> list[dict]:
@@ -321,9 +344,11 @@ def sweep(args) -> list[dict]:
         for k in args.k:
             flops, bandwidth = measure_peaks()
             peak_flops, peak_bandwidth = max(peak_flops, flops), max(peak_bandwidth, bandwidth)
-            times = {impl: time_impl(impl, e, k, args, x, probe) for impl in args.impls}
+            timed = {impl: time_impl(impl, e, k, args, x, probe) for impl in args.impls}
+            times = {impl: seconds for impl, (seconds, _) in timed.items()}
             for impl in args.impls:
                 rows.append(_row(impl, e, k, args, times, memory, peak_flops, peak_bandwidth))
+                rows[-1]["steps"] = timed[impl][1]
                 emit(rows[-1], args.out)
     return rows
 
@@ -387,23 +412,43 @@ def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
                 torch.manual_seed(args.seed)   # the same router on every rank
                 _spread_gate_logits(layer, args)
                 layer.set_deepspeed_parallelism()
-                timer = layer.dispatcher.exchange.timer
-                step(layer, x, probe)
-                times, shares = [], []
-                for _ in range(args.repeats):
-                    dist.barrier()
-                    timer.reset()
-                    start = time.perf_counter()
-                    step(layer, x, probe)
-                    times.append(time.perf_counter() - start)
-                    shares.append(timer.seconds / times[-1])
+                times, shares = _time_ranked_layer(layer, args, x, probe)
                 if rank == 0:
                     queue.put({"impl": mode, "ranks": world, "ep_size": world, "experts": e, "k": k,
                                "tokens_per_rank": args.tokens, "d": args.d, "h": args.h,
                                "gate_logit_std": args.gate_logit_std, "time_s": _sig(statistics.median(times)),
-                               "all_to_all_share": round(statistics.median(shares), 3)})
+                               "steps": len(times), "all_to_all_share": round(statistics.median(shares), 3)})
                 del layer
     queue.put(None) if rank == 0 else None
+    dist.destroy_process_group()   # left up after an all_reduce, gloo aborted the rank at exit (status -6)
+
+
+def _time_ranked_layer(layer, args, x, probe) -> tuple[list[float], list[float]]:
+    """(seconds, all-to-all share) of each timed step, the ranks starting every step together."""
+    import torch.distributed as dist
+
+    timer = layer.dispatcher.exchange.timer
+    shares = []
+
+    def one_step() -> float:
+        dist.barrier()
+        timer.reset()
+        start = time.perf_counter()
+        step(layer, x, probe)
+        seconds = time.perf_counter() - start
+        shares.append(timer.seconds / seconds)
+        return seconds
+
+    times = timed_steps(one_step, args, _any_rank_wants_more)
+    return times, shares[args.warmup:]
+
+
+def _any_rank_wants_more(more: bool) -> bool:
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(more)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def multi_rank(args) -> None:
