@@ -307,10 +307,8 @@ def _free_port() -> int:
 
 def timed_steps(one_step: Callable[[], float], args, all_agree: Callable[[bool], bool] = bool) -> list[float]:
     """The seconds of timed steps (`one_step` runs one and returns its time), after --warmup untimed ones: at
-    least --repeats, and more until they add up to --min-time. The first steps after a layer is built run up
-    to 20% slower here while memory settles, and this shared machine adds the odd slow step: a median over
-    a second of steps is steady where one over three is not. `all_agree(more)`: every rank's decision, so
-    that ranks stepping together stop together."""
+    least --repeats, and more until they add up to --min-time (why: tools/README.md). `all_agree(more)`:
+    every rank's decision, so that ranks stepping together stop together."""
     for _ in range(args.warmup):
         one_step()
     times = []
@@ -319,11 +317,11 @@ def timed_steps(one_step: Callable[[], float], args, all_agree: Callable[[bool],
     return times
 
 
-def time_impl(impl: str, e: int, k: int, args, x, probe) -> tuple[float, int]:
-    """(median seconds per step, timed steps) of a freshly built layer, freed before the next is built."""
+def time_impl(impl: str, e: int, k: int, args, x, probe) -> list[float]:
+    """The timed steps' seconds of a freshly built layer, freed before the next is built."""
     times = _time_layer(build(impl, e, k, args), args, x, probe)
     gc.collect()
-    return statistics.median(times), len(times)
+    return times
 
 
 def _time_layer(layer: nn.Module, args, x, probe) -> list[float]:
@@ -344,23 +342,22 @@ def sweep(args) -> list[dict]:
         for k in args.k:
             flops, bandwidth = measure_peaks()
             peak_flops, peak_bandwidth = max(peak_flops, flops), max(peak_bandwidth, bandwidth)
-            timed = {impl: time_impl(impl, e, k, args, x, probe) for impl in args.impls}
-            times = {impl: seconds for impl, (seconds, _) in timed.items()}
+            samples = {impl: time_impl(impl, e, k, args, x, probe) for impl in args.impls}
+            times = {impl: statistics.median(seconds) for impl, seconds in samples.items()}
             for impl in args.impls:
-                rows.append(_row(impl, e, k, args, times, memory, peak_flops, peak_bandwidth))
-                rows[-1]["steps"] = timed[impl][1]
+                rows.append(_row(impl, e, k, args, times, len(samples[impl]), memory, peak_flops, peak_bandwidth))
                 emit(rows[-1], args.out)
     return rows
 
 
-def _row(impl, e, k, args, times, memory, peak_flops, peak_bandwidth) -> dict:
+def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth) -> dict:
     flops = 6 * forward_macs(impl, e, k, args)
     weight_bytes = 4 * expert_params(impl, e, k, args)
     roofline_s = max(flops / peak_flops, 2 * weight_bytes / peak_bandwidth)
     t = times[impl]
     row = {"impl": impl, "experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h,
            "gate_logit_std": args.gate_logit_std,
-           "time_s": _sig(t), "roofline_s": _sig(roofline_s), "roofline_fraction": _sig(roofline_s / t),
+           "time_s": _sig(t), "steps": steps, "roofline_s": _sig(roofline_s), "roofline_fraction": _sig(roofline_s / t),
            "bound": "compute" if flops / peak_flops >= 2 * weight_bytes / peak_bandwidth else "memory",
            "matmul_peak_gflops": round(peak_flops / 1e9, 1), "bandwidth_gbs": round(peak_bandwidth / 1e9, 2)}
     reference = {"dropless": "deepspeed_dropless", "capacity": "deepspeed_capacity"}.get(impl)
