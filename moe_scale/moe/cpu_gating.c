@@ -54,6 +54,8 @@ static inline float gaussian(float zz) {
 static inline float noisy_logit(float clean, float noise, float std) { return fmaf(noise, std, clean); }
 static inline float denominator(float std) { return std * SQRT2 + 1e-20f; }
 
+#define SCAN_BLOCK 16   /* values compared with the top list's last entry at once (a vector) */
+
 /* Inserts (value, index) into the descending top list of `kept` (< M or better than the last) entries. */
 static inline int64_t keep_top(float* values, int64_t* indices, int64_t kept, int64_t M, float v, int64_t e) {
     if (kept == M && !(v > values[M - 1])) return kept;
@@ -80,8 +82,20 @@ void noisy_top_k_forward(const float* clean, const float* z, const float* noise,
             int64_t* ti = top_idx + n * M;
             #pragma omp simd
             for (int64_t e = 0; e < E; e++) s[e] = softplus(zn[e]) + eps;
-            int64_t kept = 0;
-            for (int64_t e = 0; e < E; e++) kept = keep_top(tv, ti, kept, M, noisy_logit(c[e], g[e], s[e]), e);
+            int64_t kept = 0, e = 0;
+            for (; e < M; e++) kept = keep_top(tv, ti, kept, M, noisy_logit(c[e], g[e], s[e]), e);
+            /* The list is full: a value joins it only if it beats the last kept one, which only rises, so a
+             * block in which no value beats it now can be skipped whole (most blocks, once a few have passed). */
+            for (; e + SCAN_BLOCK <= E; e += SCAN_BLOCK) {
+                const float last_kept = tv[M - 1];
+                int beats = 0;
+                #pragma omp simd reduction(|:beats)
+                for (int64_t j = e; j < e + SCAN_BLOCK; j++) beats |= noisy_logit(c[j], g[j], s[j]) > last_kept;
+                if (beats)
+                    for (int64_t j = e; j < e + SCAN_BLOCK; j++)
+                        kept = keep_top(tv, ti, kept, M, noisy_logit(c[j], g[j], s[j]), j);
+            }
+            for (; e < E; e++) kept = keep_top(tv, ti, kept, M, noisy_logit(c[e], g[e], s[e]), e);
             if (!smooth_load) continue;
             const float thr_in = tv[K], thr_out = tv[K - 1];   /* the (K+1)-th and K-th noisy values */
             #pragma omp simd
