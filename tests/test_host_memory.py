@@ -36,11 +36,11 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 12)
 """
 
 
-def _faults_per_step(env_update: dict) -> float:
+def _faults_per_step(env_update: dict, script: str = _FAULTS_PER_STEP) -> float:
     """4 KiB pages (no transparent huge pages for torch's blocks), so that faults count fresh memory alike."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != host_memory.OPT_OUT}
     env["THP_MEM_ALLOC_ENABLE"] = "0"
-    result = subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP], env={**env, **env_update},
+    result = subprocess.run([sys.executable, "-c", script], env={**env, **env_update},
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return float(result.stdout.split()[-1])
@@ -51,6 +51,32 @@ def test_steps_after_warm_up_reuse_freed_memory_instead_of_fresh_pages():
     kept = min(_faults_per_step({}) for _ in range(2))   # the policy's occasional heap growth, not twice
     returned = _faults_per_step({host_memory.OPT_OUT: "0"})
     assert kept < 0.25 * returned, (kept, returned)   # measured here: 0-260 against 1100-2200 per step
+
+
+# The router's [tokens, experts] tensors at 2048 tokens and 4096 experts: 32 MiB each, glibc's usual mmap ceiling.
+_FAULTS_PER_ROUTER_STEP = """
+import resource, torch
+from moe_scale.moe.routers import NoisyTopKRouter
+torch.manual_seed(0)
+router = NoisyTopKRouter(64, 4096, 2)
+x = torch.randn(2048, 64, requires_grad=True)
+def step():
+    out = router(x)
+    (out.gates_NK.sum() + out.aux_loss).backward()
+for _ in range(3):
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(8):
+    step()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 8)
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="the policy is glibc's mallopt")
+def test_blocks_of_32_mib_and_more_are_reused_too():
+    kept = _faults_per_step({}, _FAULTS_PER_ROUTER_STEP)
+    at_glibcs_ceiling = _faults_per_step({"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}, _FAULTS_PER_ROUTER_STEP)
+    assert kept < 0.1 * at_glibcs_ceiling, (kept, at_glibcs_ceiling)   # measured here: 0-1000 against 49000
 
 
 @pytest.mark.parametrize("env", [{host_memory.OPT_OUT: "0"}, {"MALLOC_MMAP_THRESHOLD_": "65536"},
@@ -67,3 +93,21 @@ def test_applied_on_glibc_only(monkeypatch):
     assert host_memory.keep_freed_memory({}) is GLIBC
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("musl", "1.2"))
     assert host_memory.keep_freed_memory({}) is False
+
+
+@pytest.mark.skipif(not GLIBC, reason="the policy is glibc's mallopt")
+def test_a_glibc_that_refuses_thresholds_above_32_mib_gets_32_mib(monkeypatch):
+    class OlderGlibc:
+        def __init__(self):
+            self.settings = {}
+
+        def mallopt(self, param, value):
+            if param == -3 and value > 32 * 2**20:   # M_MMAP_THRESHOLD above HEAP_MAX_SIZE / 2: refused
+                return 0
+            self.settings[param] = value
+            return 1
+
+    libc = OlderGlibc()
+    monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda *a: libc)
+    assert host_memory.keep_freed_memory({}) is True
+    assert libc.settings == {-3: 32 * 2**20, -1: 2**31 - 1}
