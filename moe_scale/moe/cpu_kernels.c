@@ -14,9 +14,9 @@
  * Why the work has these shapes. An expert with m rows costs 2 m N K FLOPs against N K weights moved; with
  * d=256, h=512 this machine's balance (~13 FLOP per byte) puts the crossover near 25 rows, and MoE layers
  * with 8..4096 experts sit on both sides:
- *  - Arithmetic: broadcast tiles of TILE_ROWS x TILE_VECS vectors of accumulators (6 x 4 with 32 registers, 6 x 2 with 16):
- *    per step TILE_VECS vector loads and TILE_ROWS scalars broadcast from L1 (a load, no shuffle) feed
- *    TILE_ROWS x TILE_VECS multiply-adds. rows_times_wt has no vectors of W^T to load, so an item of
+ *  - Arithmetic: broadcast tiles of TILE_ROWS x TILE_VECS vectors of accumulators (6 x 4 with 32 registers,
+ *    6 x 2 with 16): per step TILE_VECS vector loads and TILE_ROWS scalars broadcast from L1 (a load, no
+ *    shuffle) feed TILE_ROWS x TILE_VECS multiply-adds. rows_times_wt has no vectors of W^T to load, so an item of
  *    PANEL_MIN_ROWS+ rows transposes PANEL x PANEL_K blocks of W into a panel in L1 that its rows then take
  *    as above; fewer rows are transposed themselves (blocks of LANES rows into a scratch [K, LANES], WT_TILE
  *    rows of W broadcast against them, the tile transposed back in registers); at most DOT_MAX_ROWS rows
