@@ -20,6 +20,8 @@ from moe_scale.moe.losses import cv_squared
 
 NoiseSampler = Callable[[int, int, torch.device], Tensor]
 
+_FUSED_GATE_MAX_EXPERTS = 16   # w_gate and w_noise multiply x as one matrix up to this many experts
+
 
 @dataclass
 class RouterOutput:
@@ -122,16 +124,29 @@ class NoisyTopKRouter(nn.Module):
     def _sample_noise(self, n: int, e: int, device: torch.device) -> Tensor:
         return sample_noise(self.noise_sampler, n, e, device)
 
+    def _gate_and_noise_logits(self, x_ND: Tensor) -> tuple[Tensor, Tensor]:
+        """(x @ w_gate, x @ w_noise) in x's dtype. With few experts, as one product with both matrices side by
+        side: MKL multiplies by 8 columns at a quarter of the speed it reaches with 16 (2048 x 256 tokens, E=8:
+        forward and backward of both 3.1 ms apart, 0.8 ms together); from 32 experts on, apart is as fast and
+        copies nothing."""
+        w_gate, w_noise = self.w_gate.to(x_ND.dtype), self.w_noise.to(x_ND.dtype)
+        e = self.num_experts
+        if e > _FUSED_GATE_MAX_EXPERTS:
+            return x_ND @ w_gate, x_ND @ w_noise
+        both_N2E = x_ND @ torch.cat([w_gate, w_noise], dim=1)
+        return both_N2E[:, :e].contiguous(), both_N2E[:, e:].contiguous()
+
     def compute_logits(self, x_ND: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """(clean_NE, logits_NE, std_NE): logits are noisy in training with noise on, else clean (std None)."""
         # At least float32 (float64 stays float64, for gradcheck); autocast off so bf16 autocast cannot undo it.
         dtype = torch.promote_types(x_ND.dtype, torch.float32)
         with torch.autocast(device_type=x_ND.device.type, enabled=False):
             x_ND = x_ND.to(dtype)
-            clean_NE = x_ND @ self.w_gate.to(dtype)
             if not (self.training and self.noisy):
+                clean_NE = x_ND @ self.w_gate.to(dtype)
                 return clean_NE, clean_NE, None
-            std_NE = F.softplus(x_ND @ self.w_noise.to(dtype)) + self.noise_epsilon
+            clean_NE, raw_noise_NE = self._gate_and_noise_logits(x_ND)
+            std_NE = F.softplus(raw_noise_NE) + self.noise_epsilon
             n, e = clean_NE.shape
             noise_NE = self._sample_noise(n, e, x_ND.device).to(dtype)
             return clean_NE, clean_NE + noise_NE * std_NE, std_NE
@@ -142,13 +157,14 @@ class NoisyTopKRouter(nn.Module):
         dtype = torch.promote_types(x_ND.dtype, torch.float32)
         with torch.autocast(device_type=x_ND.device.type, enabled=False):
             x_ND = x_ND.to(dtype)
-            clean_NE = x_ND @ self.w_gate.to(dtype)
             noisy = self.training and self.noisy
             if noisy:
+                clean_NE, raw_noise_NE = self._gate_and_noise_logits(x_ND)
                 noise_NE = self._sample_noise(*clean_NE.shape, x_ND.device).to(dtype)
                 top_values_NM, top_idx_NM, smooth_load_E = noisy_top_k(
-                    clean_NE, x_ND @ self.w_noise.to(dtype), noise_NE, self.noise_epsilon, k, smooth_load=k < e)
+                    clean_NE, raw_noise_NE, noise_NE, self.noise_epsilon, k, smooth_load=k < e)
             else:
+                clean_NE = x_ND @ self.w_gate.to(dtype)
                 top_values_NM, top_idx_NM = clean_NE.topk(min(k + 1, e), dim=1)  # values keep their gradient
             gates_NK = torch.softmax(top_values_NM[:, :k], dim=1)
             experts_NK = top_idx_NM[:, :k]

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.empty(0)),
                                 reason="native kernels not built (see the warning); torch's GEMMs are used")
 
 # Rows per expert on both sides of every split: 1-8 (dot products with AVX-512; 1-4 with AVX, 1-2 with SSE),
-# 9-15 (one transposed tile), 16-19 (panels), 97 and 200 (items of at most 96 rows), 400 (rows_outer in
-# passes of at most 384 rows), and experts with none.
+# 9-15 (one transposed tile), 16-19 (panels), 97 and 200 (items of at most 96 rows), 200 and 400 (rows_outer
+# in passes: at most 384 rows, fewer for wide rows, e.g. 120 of 256 columns), and experts with none.
 COUNTS = [0, 1, 2, 3, 4, 5, 0, 8, 9, 0, 11, 12, 15, 16, 19, 33, 97, 200, 0, 400]
 
 

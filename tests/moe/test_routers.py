@@ -210,6 +210,26 @@ def test_aux_loss_gradient_matches_finite_differences():
     assert torch.autograd.gradcheck(aux, params, eps=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("e", [8, 64])
+def test_gate_and_noise_logits_as_one_product_equal_two(e, monkeypatch):
+    """With few experts x multiplies w_gate and w_noise side by side in one product: same gates, experts,
+    aux loss and gradients as the two products apart (forced either way at both sizes)."""
+    from moe_scale.moe import routers
+
+    x, noise, y_E = torch.randn(40, 8), torch.randn(40, e), torch.randn(e)
+    results = []
+    for fused_max in (0, 10_000):
+        monkeypatch.setattr(routers, "_FUSED_GATE_MAX_EXPERTS", fused_max)
+        router = make_router(e=e, k=2).train()
+        router.noise_sampler = fixed_noise(noise)
+        out = router(x)
+        (task_loss(out, y_E) + out.aux_loss).backward()
+        results.append((out.gates_NK, out.experts_NK, out.aux_loss, router.w_gate.grad, router.w_noise.grad,
+                        *router.compute_logits(x)))
+    for apart, together in zip(*results):
+        torch.testing.assert_close(together, apart, rtol=1e-6, atol=1e-6)
+
+
 def task_loss(out, y_E):
     """Σ_n Σ_k gate · y[expert]: what a combine of scalar expert outputs gives."""
     return (out.gates_NK * y_E[out.experts_NK]).sum()
