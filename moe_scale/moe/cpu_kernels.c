@@ -81,6 +81,7 @@ typedef int32_t ivec __attribute__((vector_size(VEC_BYTES), aligned(4)));
 #define OUTER_PASS_ROWS 384       /* rows_outer: rows summed per pass over W's tiles, at most */
 #define OUTER_PACK_BYTES (128 * 1024)   /* ... and as many as keep the pass's packed rows of b within this */
 #define OUTER_TILE_COLS (TILE_VECS * LANES)   /* rows_outer: columns of W per tile */
+#define OUTER_ROW_MAX_ROWS 4      /* rows_outer: experts with at most this many rows write W row by row */
 
 static inline vec load(const float* p) { return *(const vec*)p; }
 static inline void store(float* p, vec v) { *(vec*)p = v; }
@@ -666,47 +667,83 @@ static int64_t outer_scratch_floats(int64_t K) {
     return outer_pass_rows(K) * (col_tiles * OUTER_TILE_COLS + TILE_ROWS);
 }
 
-static void outer_chunk(const item* items, int64_t first, int64_t end, const float* a, const float* b,
-                        const int64_t* b_index, float* w, int64_t N, int64_t K, int streaming, float* scratch) {
-    const int64_t K_vec = K - K % LANES, max_pass_rows = outer_pass_rows(K);
-    const int64_t col_tiles = (K_vec + OUTER_TILE_COLS - 1) / OUTER_TILE_COLS;
+/* W[n][...] = sum over the m (at most OUTER_ROW_MAX_ROWS) rows r of a[r][n] b_rows[r][...], a row of W at a
+ * time. With so few rows W's tiles are bound by writing W, and the tiles wrote TILE_ROWS lines a row of W apart
+ * between bursts of arithmetic; row by row the stores are one sequential stream, which write-combining takes
+ * at close to the machine's store bandwidth (E=1024..4096, 1-4 rows per expert: 15-21 -> 23-24 GB/s of W,
+ * against 26-28 GB/s for a fill). Each element is the same sum in the same order as in a tile. */
+static void outer_rows(const item* it, const float* a_t, const float* const* b_rows, float* w_e, int64_t N,
+                       int64_t K, int64_t K_vec, int streaming, row_prefetch* next, int64_t next_lines) {
+    const int64_t m = it->rows, width = it->n1 > it->n0 ? it->n1 - it->n0 : 1;
+    const int64_t per_row = (next_lines + width - 1) / width;
+    for (int64_t n = it->n0; n < it->n1; n++) {
+        float x[OUTER_ROW_MAX_ROWS];
+        for (int64_t r = 0; r < m; r++) x[r] = a_t[r * N + n];
+        prefetch_rows(next, per_row);
+        float* out = w_e + n * K;
+        for (int64_t c = 0; c < K_vec; c += LANES) {
+            vec acc = (vec){0};
+            for (int64_t r = 0; r < m; r++) acc += splat(x[r]) * load(b_rows[r] + c);
+            if (streaming) store_streaming(out + c, acc);
+            else store(out + c, acc);
+        }
+    }
+}
+
+/* W[n0..n1][...] = a[rows]^T . b[rows] in tiles. Many rows are summed in passes; W's tiles carry the partial
+ * sums (ordinary stores) until the last. The tiles read packed copies: the pass's b rows (gathered through
+ * b_index once, not once per tile) in OUTER_TILE_COLS-wide panels, and a tile's TILE_ROWS columns of a. Read
+ * in place, each step of a tile touched two cache lines a row apart, and a pass did not fit in a 512 KiB L2:
+ * 30% slower with 512 rows per expert. Each element is still the sum over the rows in order, whatever the
+ * pass size. */
+static void outer_tiles(const item* it, const float* a_t, const float* b, const int64_t* b_index, float* w_e,
+                        int64_t N, int64_t K, int64_t K_vec, int streaming, row_prefetch* next, int64_t next_lines,
+                        float* scratch) {
+    const int64_t max_pass_rows = outer_pass_rows(K), col_tiles = (K_vec + OUTER_TILE_COLS - 1) / OUTER_TILE_COLS;
     float* b_packed = scratch;
     float* a_packed = scratch + max_pass_rows * col_tiles * OUTER_TILE_COLS;
+    const int64_t tiles = (it->n1 - it->n0 + TILE_ROWS - 1) / TILE_ROWS * col_tiles;
+    const int64_t per_tile = tiles ? (next_lines + tiles - 1) / tiles : 0;
+    const int64_t passes = (it->rows + max_pass_rows - 1) / max_pass_rows;
+    const int64_t pass_rows = (it->rows + passes - 1) / passes;
+    for (int64_t m0 = 0; m0 < it->rows; m0 += pass_rows) {
+        const int64_t m = it->rows - m0 < pass_rows ? it->rows - m0 : pass_rows;
+        const int last = m0 + pass_rows >= it->rows;
+        for (int64_t r = 0; r < m; r++) {
+            const float* b_r = row_of(b, b_index, it->first + m0 + r, K);
+            for (int64_t c = 0; c < K_vec; c += LANES)
+                store(b_packed + (c / OUTER_TILE_COLS * m + r) * OUTER_TILE_COLS + c % OUTER_TILE_COLS, load(b_r + c));
+        }
+        for (int64_t n = it->n0; n < it->n1; n += TILE_ROWS) {
+            const int rows = it->n1 - n < TILE_ROWS ? (int)(it->n1 - n) : TILE_ROWS;
+            for (int64_t r = 0; r < m; r++)
+                for (int i = 0; i < rows; i++) a_packed[r * TILE_ROWS + i] = a_t[(m0 + r) * N + n + i];
+            for (int64_t c = 0; c < K_vec; c += OUTER_TILE_COLS) {
+                const int vecs = (K_vec - c) / LANES < TILE_VECS ? (K_vec - c) / LANES : TILE_VECS;
+                if (last) prefetch_rows(next, per_tile);
+                outer_tile_any(a_packed, b_packed + c * m, m, w_e + n * K + c, K, rows, vecs, m0 > 0,
+                               last && streaming);
+            }
+        }
+    }
+}
+
+static void outer_chunk(const item* items, int64_t first, int64_t end, const float* a, const float* b,
+                        const int64_t* b_index, float* w, int64_t N, int64_t K, int streaming, float* scratch) {
+    const int64_t K_vec = K - K % LANES;
     for (int64_t t = first; t < end; t++) {
         const item it = items[t];
         float* w_e = w + it.expert * N * K;
         const float* a_t = a + it.first * N;
-        row_prefetch next = {a, b, b_index, 0, 0, N, K, 0};
+        row_prefetch next = {a, b, b_index, 0, 0, N, K, 0};   /* the next expert's rows, requested meanwhile */
         if (t + 1 < end && items[t + 1].expert != it.expert) { next.first = items[t + 1].first; next.rows = items[t + 1].rows; }
-        const int64_t tiles = (it.n1 - it.n0 + TILE_ROWS - 1) / TILE_ROWS * col_tiles;
         const int64_t next_lines = (next.rows * (N + K) * (int64_t)sizeof(float)) / LINE + next.rows;
-        const int64_t per_tile = tiles ? (next_lines + tiles - 1) / tiles : 0;
-        /* Many rows are summed in passes; W's tiles carry the partial sums (ordinary stores) until the last. The
-         * tiles read packed copies: the pass's b rows (gathered through b_index once, not once per tile) in
-         * OUTER_TILE_COLS-wide panels, and a tile's TILE_ROWS columns of a. Read in place, each step of a tile
-         * touched two cache lines a row apart, and a pass did not fit in a 512 KiB L2: 30% slower with 512 rows
-         * per expert. Each element is still the sum over the rows in order, whatever the pass size. */
-        const int64_t passes = (it.rows + max_pass_rows - 1) / max_pass_rows;
-        const int64_t pass_rows = passes > 1 ? (it.rows + passes - 1) / passes : it.rows + 1;
-        for (int64_t m0 = 0; m0 < it.rows || m0 == 0; m0 += pass_rows) {   /* once with no rows: zeros */
-            const int64_t m = it.rows - m0 < pass_rows ? it.rows - m0 : pass_rows;
-            const int last = m0 + pass_rows >= it.rows;
-            for (int64_t r = 0; r < m; r++) {
-                const float* b_r = row_of(b, b_index, it.first + m0 + r, K);
-                for (int64_t c = 0; c < K_vec; c += LANES)
-                    store(b_packed + (c / OUTER_TILE_COLS * m + r) * OUTER_TILE_COLS + c % OUTER_TILE_COLS, load(b_r + c));
-            }
-            for (int64_t n = it.n0; n < it.n1; n += TILE_ROWS) {
-                const int rows = it.n1 - n < TILE_ROWS ? (int)(it.n1 - n) : TILE_ROWS;
-                for (int64_t r = 0; r < m; r++)
-                    for (int i = 0; i < rows; i++) a_packed[r * TILE_ROWS + i] = a_t[(m0 + r) * N + n + i];
-                for (int64_t c = 0; c < K_vec; c += OUTER_TILE_COLS) {
-                    const int vecs = (K_vec - c) / LANES < TILE_VECS ? (K_vec - c) / LANES : TILE_VECS;
-                    if (last) prefetch_rows(&next, per_tile);
-                    outer_tile_any(a_packed, b_packed + c * m, m, w_e + n * K + c, K, rows, vecs, m0 > 0,
-                                   last && streaming);
-                }
-            }
+        if (it.rows <= OUTER_ROW_MAX_ROWS) {   /* also an expert without rows: its zeros */
+            const float* b_rows[OUTER_ROW_MAX_ROWS];
+            for (int64_t r = 0; r < it.rows; r++) b_rows[r] = row_of(b, b_index, it.first + r, K);
+            outer_rows(&it, a_t, b_rows, w_e, N, K, K_vec, streaming, &next, next_lines);
+        } else {
+            outer_tiles(&it, a_t, b, b_index, w_e, N, K, K_vec, streaming, &next, next_lines, scratch);
         }
         for (int64_t n = it.n0; n < it.n1; n++)          /* columns past the last whole vector */
             for (int64_t k = K_vec; k < K; k++) {
