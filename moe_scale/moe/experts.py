@@ -68,13 +68,14 @@ class GroupLayout:
     On CPU float32 every product takes the native kernels where they are built: the FFN's forward and
     backward against torch's grouped GEMM (`tools/bench_experts.py --kernels native,grouped`, 2048 tokens x 2,
     D=256, H=512, 2 threads) ran 1.6x faster at E=64, 2.2x at 256, 2.6x at 1024, 3.5x at 4096, and 5% slower
-    at E=8 (512 rows per expert, MKL's best case) on an AVX-512 CPU; on an AVX2 one (AMD EPYC, Zen 3) as fast
-    at E=64, 1.7x faster at 256, 3.5x at 1024 and 1.2x slower at E=8. Inside the MoE layer the kernels' fused
-    gathers make up for some of that. Otherwise (other dtypes or devices, no compiler), measured here: a weight gradient
-    x[rows of e].T @ g with few rows per expert is a rank-few update that MKL's GEMM writes slowly; bmm over
-    the padded batch writes it 1.5-1.9x faster at E = 256..4096, so `outer_kernel` is padded while no expert
-    has more than _PADDED_OUTER_MAX_ROWS rows. The row products (forward, input gradient) gain at most a few
-    percent from padding, less than the padded copies cost in time and memory, so they stay grouped.
+    at E=8 (512 rows per expert, MKL's best case) on an AVX-512 CPU; on an AVX2 one (AMD EPYC, Zen 3, 512 KiB
+    of L2) 1.2x faster at E=64, 1.7x at 256, 2.1-3.4x at 1024, 3.0-3.4x at 4096 and 2-13% slower at E=8.
+    Inside the MoE layer the kernels' fused gathers make up for some of that. Otherwise (other dtypes or
+    devices, no compiler), measured here: a weight gradient x[rows of e].T @ g with few rows per expert is a
+    rank-few update that MKL's GEMM writes slowly; bmm over the padded batch writes it 1.5-1.9x faster at
+    E = 256..4096, so `outer_kernel` is padded while no expert has more than _PADDED_OUTER_MAX_ROWS rows. The
+    row products (forward, input gradient) gain at most a few percent from padding, less than the padded
+    copies cost in time and memory, so they stay grouped.
     """
 
     def __init__(self, counts: list[int], like: torch.Tensor, kernel: str | None = None):
