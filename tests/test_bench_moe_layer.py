@@ -16,7 +16,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench_moe_layer.py"
 TINY = ["--tokens", "64", "--d", "16", "--h", "32", "--repeats", "1", "--min-time", "0", "--warmup", "1",
         "--threads", "1"]
-IMPLS = {"dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "dense"}
+IMPLS = {"dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "naive_loop", "dense"}
 
 
 def _import_bench(monkeypatch):
@@ -49,6 +49,25 @@ def test_single_process_sweep(tmp_path):
     # The roofline counts what each layer must do: DeepSpeed's gate has one matrix, ours two.
     by = {(r["impl"], r["k"]): r for r in rows}
     assert by[("dropless", 2)]["roofline_s"] >= by[("deepspeed_dropless", 2)]["roofline_s"]
+    assert by[("naive_loop", 2)]["roofline_s"] == by[("dropless", 2)]["roofline_s"]
+
+
+def test_roofline_counts_the_flops_and_three_passes_over_the_expert_weights(monkeypatch):
+    """bound = max(6 x forward multiply-adds / peak, 3 x expert weight bytes / bandwidth): the forward reads the
+    weights, the backward reads them again and writes their gradients. By hand at E=64, k=2, 2048 tokens, d=256,
+    h=512: 6 * (2048*2*2*256*512 + 2*2048*256*64) = 6845104128 FLOPs; 64*2*256*512 floats = 67108864 bytes."""
+    bench = _import_bench(monkeypatch)
+    args = bench.parse_args(["--experts", "64", "--k", "2"])
+    times = {"dropless": 0.1}
+    compute_bound = bench._row("dropless", 64, 2, args, times, 3, {}, peak_flops=1e11, peak_bandwidth=1e12)
+    assert compute_bound["roofline_gflop"] == pytest.approx(6.845104128, rel=1e-3)
+    assert compute_bound["roofline_gbytes"] == pytest.approx(3 * 0.067108864, rel=1e-3)
+    assert compute_bound["bound"] == "compute"
+    assert compute_bound["roofline_s"] == pytest.approx(6845104128 / 1e11, rel=1e-3)
+    memory_bound = bench._row("dropless", 64, 2, args, times, 3, {}, peak_flops=1e13, peak_bandwidth=1e9)
+    assert memory_bound["bound"] == "memory"
+    assert memory_bound["roofline_s"] == pytest.approx(3 * 67108864 / 1e9, rel=1e-3)
+    assert memory_bound["roofline_fraction"] == pytest.approx(memory_bound["roofline_s"] / 0.1, rel=1e-3)
 
 
 def test_two_ranks_report_the_all_to_all_share():
@@ -88,7 +107,7 @@ def test_gate_logit_std_spreads_our_routers_logits(monkeypatch):
             assert (x @ weight.detach()).std().item() == pytest.approx(std, rel=0.1, abs=1e-12)
 
 
-@pytest.mark.parametrize("impl", ["dropless", "capacity", "dense"])
+@pytest.mark.parametrize("impl", ["dropless", "capacity", "naive_loop", "dense"])
 def test_step_gives_the_gradients_of_the_probe_loss(impl, monkeypatch):
     """The timed step feeds the output gradient in directly; the gradients are those of the loss
     (y * probe).sum() + aux, the layer's own and the input's: with an auxiliary loss (ours) and without (dense).
@@ -136,3 +155,21 @@ def test_timed_steps_stop_only_when_every_rank_agrees(monkeypatch):
     other_rank_wants = iter([True, True, False])   # asked once this rank has its 2 steps
     times = bench.timed_steps(lambda: 0.1, args, lambda more: more or next(other_rank_wants))
     assert len(times) == 4
+
+
+def test_naive_loop_sums_each_tokens_gated_expert_outputs(monkeypatch):
+    """The naive reference layer computes the MoE output: y[t] = sum over t's k experts e of gate * FFN_e(x[t])."""
+    import torch
+    bench = _import_bench(monkeypatch)
+    args = bench.parse_args(["--tokens", "64", "--d", "16", "--h", "32", "--gate-logit-std", "1"])
+    x, _ = bench.make_inputs(args)
+    layer = bench.build("naive_loop", 8, 2, args)
+    torch.manual_seed(0)   # the same gate noise for the layer and the route below
+    y, aux = layer(x)
+    torch.manual_seed(0)
+    route = layer.router(x)
+    expected = torch.stack([sum(gate * layer.experts[e](x[t])
+                                for gate, e in zip(route.gates_NK[t], route.experts_NK[t].tolist()))
+                            for t in range(x.shape[0])])
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(aux, route.aux_loss)

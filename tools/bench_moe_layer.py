@@ -10,15 +10,20 @@ Implementations (one JSON line each per (E, K), on stdout and in --out):
   capacity            the same layer in capacity mode (--capacity-factor, lowest gates dropped)
   deepspeed_dropless  deepspeed.moe.layer.MoE with the same experts, drop_tokens=False
   deepspeed_capacity  deepspeed.moe.layer.MoE, capacity_factor=--capacity-factor, drop_tokens=True
+  naive_loop          the issue's reference point, a naive sort-and-loop layer: moe_scale's router, then the
+                      pairs sorted by expert and a Python loop over E nn.Sequential FFNs on their tokens' rows
   dense               one D -> H' -> D ReLU FFN with the same active FLOPs as `dropless`:
                       H' = K*H + 2*E (2*D*E multiply-adds per token for the two gating matrices)
 
 Roofline (per implementation, from peaks measured in this run, before every configuration; the best seen is
 used): max(FLOPs / matmul peak, bytes / memory bandwidth) with FLOPs = 3 x 2 x forward multiply-adds of the
 experts and the gating matrices (DeepSpeed's gate has one matrix, ours two; the dense FFN its own), and
-bytes = the expert weights read once plus their gradients written once (dense: its weights and gradients).
-The matmul peak is the best of fp32 [2048x2048]@[2048x2048]; the bandwidth the best of a 256 MiB copy (read
-+ write). Working memory = peak resident memory during one step above the memory before it, with the expert weights
+bytes = what a forward and backward must move of the expert weights and their gradients: the weights read by
+the forward, read again by the backward, and their gradients written (3 x the weights' bytes; the least
+possible once the weights outgrow the last-level cache, which they do from E = 64 here; below that the FLOPs
+set the bound). The matmul peak is the best of fp32 [2048x2048]@[2048x2048] after a warm-up product; the
+bandwidth the best of a 256 MiB copy, counting its bytes read and written, as STREAM does. Working memory =
+peak resident memory during one step above the memory before it, with the expert weights
 frozen so that their gradients are never allocated (the dense FFN's weights likewise): what the step needs
 beyond the expert weights and their gradients. Measured in a child process with glibc's mmap threshold at
 64 KiB, so freed tensors leave the resident set at once and the peak is the peak of live tensors.
@@ -55,7 +60,8 @@ from torch import nn
 
 from moe_scale.distributed.launch import release_deepspeed_shm_name
 
-IMPLS = ("dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "dense")
+IMPLS = ("dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "naive_loop", "dense")
+WEIGHT_PASSES = 3   # forward reads the weights, backward reads them again and writes their gradients
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
@@ -142,11 +148,41 @@ class _DeepSpeedLayer(nn.Module):
         return y, aux
 
 
+class _NaiveLoopLayer(nn.Module):
+    """A naive sort-and-loop MoE layer (the issue quotes one at about 12% of its roofline at E=4096, k=2):
+    moe_scale's router, then the (token, expert) pairs sorted by expert and a Python loop over the experts,
+    each an nn.Sequential FFN of its own applied to its tokens' rows; one index_add sums the gated outputs."""
+
+    def __init__(self, d, h, e, k):
+        super().__init__()
+        from moe_scale.moe.routers import NoisyTopKRouter
+
+        self.router = NoisyTopKRouter(d, e, k)
+        self.experts = nn.ModuleList(_ffn(d, h) for _ in range(e))
+
+    def forward(self, x_ND):
+        route = self.router(x_ND)
+        token_P, expert_P, gate_P = route.pairs()
+        order_P = torch.argsort(expert_P, stable=True)
+        token_P, gate_P = token_P[order_P], gate_P[order_P]
+        outputs, start = [], 0
+        for expert, count in zip(self.experts, torch.bincount(expert_P, minlength=len(self.experts)).tolist()):
+            if count:
+                rows = slice(start, start + count)
+                outputs.append(expert(x_ND[token_P[rows]]) * gate_P[rows, None])
+                start += count
+        return x_ND.new_zeros(x_ND.shape).index_add(0, token_P, torch.cat(outputs)), route.aux_loss
+
+
 def build(impl: str, e: int, k: int, args) -> nn.Module:
     torch.manual_seed(args.seed)
     d, h = args.d, args.h
     if impl == "dense":
         return _Dense(d, dense_hidden(e, k, args))
+    if impl == "naive_loop":
+        layer = _NaiveLoopLayer(d, h, e, k)
+        _spread_gate_logits(layer, args)
+        return layer
     if impl.startswith("deepspeed"):
         _init_single_process_dist()
         layer = _DeepSpeedLayer(d, h, e, k, args.capacity_factor, drop_tokens=impl == "deepspeed_capacity")
@@ -208,11 +244,12 @@ def make_inputs(args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def measure_peaks() -> tuple[float, float]:
-    """(matmul FLOP/s, memory bytes/s), best of a few tries each."""
+    """(matmul FLOP/s, memory bytes/s), best of a few tries each, after an untimed one."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     c = torch.empty(2048, 2048)
+    torch.mm(a, b, out=c)   # untimed: MKL's first product after a pause can run slower
     flops = []
-    for _ in range(4):
+    for _ in range(8):   # 8 tries each: a shared machine's single products varied by 25%, its copies by 2x
         start = time.perf_counter()
         torch.mm(a, b, out=c)
         flops.append(2 * 2048**3 / (time.perf_counter() - start))
@@ -220,7 +257,7 @@ def measure_peaks() -> tuple[float, float]:
     dst = torch.empty_like(src)
     dst.copy_(src)
     bandwidth = []
-    for _ in range(4):
+    for _ in range(8):
         start = time.perf_counter()
         dst.copy_(src)
         bandwidth.append(2 * src.numel() * 4 / (time.perf_counter() - start))
@@ -353,12 +390,14 @@ def sweep(args) -> list[dict]:
 def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth) -> dict:
     flops = 6 * forward_macs(impl, e, k, args)
     weight_bytes = 4 * expert_params(impl, e, k, args)
-    roofline_s = max(flops / peak_flops, 2 * weight_bytes / peak_bandwidth)
+    moved_bytes = WEIGHT_PASSES * weight_bytes
+    roofline_s = max(flops / peak_flops, moved_bytes / peak_bandwidth)
     t = times[impl]
     row = {"impl": impl, "experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h,
            "gate_logit_std": args.gate_logit_std,
            "time_s": _sig(t), "steps": steps, "roofline_s": _sig(roofline_s), "roofline_fraction": _sig(roofline_s / t),
-           "bound": "compute" if flops / peak_flops >= 2 * weight_bytes / peak_bandwidth else "memory",
+           "bound": "compute" if flops / peak_flops >= moved_bytes / peak_bandwidth else "memory",
+           "roofline_gflop": _sig(flops / 1e9), "roofline_gbytes": _sig(moved_bytes / 1e9),
            "matmul_peak_gflops": round(peak_flops / 1e9, 1), "bandwidth_gbs": round(peak_bandwidth / 1e9, 2)}
     reference = {"dropless": "deepspeed_dropless", "capacity": "deepspeed_capacity"}.get(impl)
     if reference in times:

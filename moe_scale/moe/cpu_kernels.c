@@ -18,9 +18,10 @@
  *    6 x 2 with 16): per step TILE_VECS vector loads and TILE_ROWS scalars broadcast from L1 (a load, no
  *    shuffle) feed TILE_ROWS x TILE_VECS multiply-adds. rows_times_wt has no vectors of W^T to load, so an item of
  *    PANEL_MIN_ROWS+ rows transposes PANEL x PANEL_K blocks of W into a panel in L1 that its rows then take
- *    as above; fewer rows are transposed themselves (blocks of LANES rows into a scratch [K, LANES], WT_TILE
- *    rows of W broadcast against them, the tile transposed back in registers); at most DOT_MAX_ROWS rows
- *    take dot products. rows_outer sums many rows in passes whose rows of b, packed into panels as wide as a
+ *    as above; at most DOT_MAX_ROWS (= LANES) rows take dot products, a few rows of W at a time against
+ *    groups of rows (see wt_dots); with narrower vectors the rows in between are transposed themselves
+ *    (blocks of LANES rows into a scratch [K, LANES], WT_TILE rows of W broadcast against them, the tile
+ *    transposed back in registers). rows_outer sums many rows in passes whose rows of b, packed into panels as wide as a
  *    tile, stay in L2 (OUTER_PACK_BYTES), each tile reading a packed copy of its columns of a from L1.
  *  - Memory: experts go in contiguous runs (chunks of similar cost, handed to threads dynamically), and
  *    within a run the weights are prefetched PREFETCH_AHEAD bytes ahead of use, across expert boundaries
@@ -66,8 +67,8 @@ typedef int32_t ivec __attribute__((vector_size(VEC_BYTES), aligned(4)));
 #define WT_TILE (LANES >= 8 ? LANES : 2 * LANES)   /* W rows per transposed tile: >= 8 accumulators in flight */
 #define PANEL (TILE_VECS * LANES)  /* rows_times_wt with many rows: W rows per transposed panel */
 #define PANEL_K 64                 /* ... and columns of W per panel */
-#define PANEL_MIN_ROWS 16          /* ... from this many rows of an item */
-#define DOT_MAX_ROWS (LANES / 2)  /* rows_times_wt: a remainder this small takes dot products */
+#define PANEL_MIN_ROWS (DOT_MAX_ROWS >= 16 ? DOT_MAX_ROWS + 1 : 16)   /* ... from this many rows of an item */
+#define DOT_MAX_ROWS LANES        /* rows_times_wt: a remainder this small takes dot products */
 #define ITEM_ROWS 96              /* rows of one expert per work item (a multiple of TILE_ROWS and of LANES) */
 #define CHUNKS_PER_THREAD 4       /* contiguous runs of items per thread: prefetch within, balance across */
 #define STREAM_ROWS 24            /* an item's cost: streaming its weights costs about as much as this many rows */
@@ -88,6 +89,14 @@ static inline void store(float* p, vec v) { *(vec*)p = v; }
 /* x - 0 is x for every float, so this is a plain broadcast; (vec){0} + x would keep a scalar add (0 + -0
  * is +0) in the innermost loops, on the ports the multiply-adds need. */
 static inline vec splat(float x) { return x - (vec){0}; }
+/* v, loaded once into a register: GCC otherwise folds the load into each multiply-add that uses v, reloading
+ * it once per use (a load per multiply-add, where a Zen 4 core sustains about one 64-byte load a cycle). */
+static inline vec in_register(vec v) {
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__("" : "+v"(v));
+#endif
+    return v;
+}
 static inline vec relu(vec v) { return (vec)((ivec)v & ~(ivec)(v < (vec){0})); }   /* keeps NaN, as torch */
 static inline void prefetch_lines(const char* p, int lines) {
     /* into L2 (into L1: 15-35% slower, E=1024 alone) */
@@ -299,7 +308,7 @@ static inline __attribute__((always_inline)) void w_tile(const float* a, int64_t
     for (int64_t n = 0; n < steps; n++) {
         if (pf_lines > 0) { prefetch_lines(pf, pf_step); pf += pf_step * LINE; pf_lines -= pf_step; }
         vec b[TILE_VECS];
-        for (int j = 0; j < vecs; j++) b[j] = load(w + n * ldw + j * LANES);
+        for (int j = 0; j < vecs; j++) b[j] = in_register(load(w + n * ldw + j * LANES));
         for (int i = 0; i < rows; i++) {
             const vec x = splat(a[i * lda + n]);
             for (int j = 0; j < vecs; j++) acc[i][j] += x * b[j];
@@ -418,35 +427,61 @@ static void wt_tile(const float* aT, const float* w, int64_t K, int w_rows, floa
     }
 }
 
-/* Dot products for `rows` <= DOT_MAX_ROWS rows: 2 rows of W at a time against all of them. */
+/* W rows per step of the dot products against a group of `rows` <= LANES / 2 rows (rows x W rows <= LANES
+ * accumulators): 4 from 3 rows up to LANES / 4, else 2. With 1-2 rows the weights' stream from memory sets the
+ * pace, and 4-16 rows of W at a time streamed them 2-10% slower. */
+#define DOT_W_ROWS(rows) ((rows) >= 3 && (rows) <= LANES / 4 ? 4 : 2)
+
+/* out[i][n + j] = x[i] . wr[j] for the `rows` rows x[i] and the `w_rows` real rows wr[j] of a block of WR rows
+ * of W: rows x WR <= LANES accumulators, each step rows x WR independent multiply-adds, and one fold gives all
+ * the sums (lane i * WR + j). `pf`: this block's weights' lines to request meanwhile. */
+static inline __attribute__((always_inline)) void dot_block(const float* const* x, const float* const* wr,
+                                                            int64_t K, float* out, int64_t ldo, int w_rows,
+                                                            const int rows, const int WR, int apply_relu,
+                                                            const char* at, int64_t lines) {
+    const int64_t K_vec = K - K % LANES;
+    const int step_lines = per_step(lines, K_vec / LANES);
+    vec acc[LANES];
+    for (int q = 0; q < LANES; q++) acc[q] = (vec){0};
+    for (int64_t k = 0; k < K_vec; k += LANES) {
+        if (lines > 0) { prefetch_lines(at, step_lines); at += step_lines * LINE; lines -= step_lines; }
+        vec v[LANES];
+        for (int j = 0; j < WR; j++) v[j] = in_register(load(wr[j] + k));
+        for (int i = 0; i < rows; i++) {
+            const vec xi = in_register(load(x[i] + k));
+            for (int j = 0; j < WR; j++) acc[i * WR + j] += xi * v[j];
+        }
+    }
+    if (lines > 0) prefetch_lines(at, (int)lines);
+    vec sums = sum_rows(acc);
+    for (int i = 0; i < rows; i++)
+        for (int64_t k = K_vec; k < K; k++)
+            for (int j = 0; j < WR; j++) sums[i * WR + j] += x[i][k] * wr[j][k];
+    if (apply_relu) sums = relu(sums);   /* on the vector: a branch per output would mispredict half the time */
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < WR; j++)
+            if (j < w_rows) out[i * ldo + j] = sums[i * WR + j];
+}
+
+/* Dot products for `rows` <= DOT_MAX_ROWS rows x against every row of W, a block of rows of W at a time: up to
+ * LANES / 2 rows as one group with DOT_W_ROWS(rows) rows of W per block, more as two groups (the second finds
+ * the block in L1) with 2. Measured on a Zen 4 core, weights in L2, against 2 rows of W for every row count
+ * and transposed tiles from LANES / 2 + 1 rows: 1-4 rows 31-50 -> 38-77 GFLOP/s, 9-12 rows 42-56 -> ... */
 static inline __attribute__((always_inline)) void wt_dots(const float* const* x, const float* w, int64_t N,
                                                           int64_t K, float* out, int64_t ldo, const int rows,
                                                           int apply_relu, prefetcher* pf, int new_weights) {
-    const int64_t K_vec = K - K % LANES;
-    for (int64_t n = 0; n < N; n += 2) {
-        const float* w0 = w + n * K;
-        const float* w1 = n + 1 < N ? w0 + K : w0;
+    const int first_group = rows <= LANES / 2 ? rows : (rows + 1) / 2;
+    const int WR = DOT_W_ROWS(first_group);   /* constants once inlined, as `rows` is */
+    for (int64_t n = 0; n < N; n += WR) {
+        const int w_rows = N - n < WR ? (int)(N - n) : WR;
+        const float* wr[LANES];   /* rows past N repeat row n and are not stored */
+        for (int j = 0; j < WR; j++) wr[j] = w + (n + (j < w_rows ? j : 0)) * K;
         const char* at = NULL;
-        int64_t lines = take(pf, new_weights ? 2 * K * (int64_t)sizeof(float) : 0, &at);
-        const int step_lines = per_step(lines, K_vec / LANES);
-        vec c0[DOT_MAX_ROWS], c1[DOT_MAX_ROWS];
-        for (int i = 0; i < rows; i++) c0[i] = c1[i] = (vec){0};
-        for (int64_t k = 0; k < K_vec; k += LANES) {
-            if (lines > 0) { prefetch_lines(at, step_lines); at += step_lines * LINE; lines -= step_lines; }
-            const vec v0 = load(w0 + k), v1 = load(w1 + k);
-            for (int i = 0; i < rows; i++) { const vec xi = load(x[i] + k); c0[i] += xi * v0; c1[i] += xi * v1; }
-        }
-        if (lines > 0) prefetch_lines(at, (int)lines);
-        vec all[LANES];   /* 2 DOT_MAX_ROWS = LANES sums at once: lane q of their fold is sum q */
-        for (int q = 0; q < LANES; q++) all[q] = q < 2 * rows ? (q & 1 ? c1[q / 2] : c0[q / 2]) : (vec){0};
-        vec sums = sum_rows(all);
-        for (int i = 0; i < rows; i++)
-            for (int64_t k = K_vec; k < K; k++) { sums[2 * i] += x[i][k] * w0[k]; sums[2 * i + 1] += x[i][k] * w1[k]; }
-        if (apply_relu) sums = relu(sums);   /* on the vector: a branch per output would mispredict half the time */
-        for (int i = 0; i < rows; i++) {
-            out[i * ldo + n] = sums[2 * i];
-            if (n + 1 < N) out[i * ldo + n + 1] = sums[2 * i + 1];
-        }
+        const int64_t lines = take(pf, new_weights ? w_rows * K * (int64_t)sizeof(float) : 0, &at);
+        dot_block(x, wr, K, out + n, ldo, w_rows, first_group, WR, apply_relu, at, lines);
+        if (rows > first_group)
+            dot_block(x + first_group, wr, K, out + first_group * ldo + n, ldo, w_rows, rows - first_group, WR,
+                      apply_relu, NULL, 0);
     }
 }
 
@@ -454,12 +489,12 @@ static inline __attribute__((always_inline)) void wt_dots(const float* const* x,
 static void wt_dots_any(const float* const* x, const float* w, int64_t N, int64_t K, float* out, int64_t ldo, int rows,
                         int apply_relu, prefetcher* pf, int new_weights) {
     switch (rows) {
-        DOT_CASE(1) DOT_CASE(2)
-#if DOT_MAX_ROWS >= 4
-        DOT_CASE(3) DOT_CASE(4)
-#endif
+        DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4)
 #if DOT_MAX_ROWS >= 8
         DOT_CASE(5) DOT_CASE(6) DOT_CASE(7) DOT_CASE(8)
+#endif
+#if DOT_MAX_ROWS >= 16
+        DOT_CASE(9) DOT_CASE(10) DOT_CASE(11) DOT_CASE(12) DOT_CASE(13) DOT_CASE(14) DOT_CASE(15) DOT_CASE(16)
 #endif
     }
 }
@@ -612,7 +647,7 @@ static inline __attribute__((always_inline)) void outer_tile(const float* a_pack
     for (int64_t r = 0; r < m; r++) {
         const float* b_r = b_packed + r * OUTER_TILE_COLS;
         vec bv[TILE_VECS];
-        for (int j = 0; j < vecs; j++) bv[j] = load(b_r + j * LANES);
+        for (int j = 0; j < vecs; j++) bv[j] = in_register(load(b_r + j * LANES));
         for (int i = 0; i < rows; i++) {
             const vec x = splat(a_packed[r * TILE_ROWS + i]);
             for (int j = 0; j < vecs; j++) acc[i][j] += x * bv[j];
@@ -638,19 +673,29 @@ static void outer_tile_any(const float* a_packed, const float* b_packed, int64_t
     }
 }
 
-/* Requests the rows of item `next` (a's, then b's) while the tiles of this one run: `lines` per call. */
-typedef struct { const float *a, *b; const int64_t* b_index; int64_t first, rows, N, K, done; } row_prefetch;
+/* Requests the rows of item `next` (a's, then b's) while the tiles of this one run: `lines` per call. The
+ * position is kept as (row, line), not a count to divide: a division per call cost as much as the arithmetic
+ * of outer_rows' row of W it is made for. */
+typedef struct {
+    const float *a, *b;
+    const int64_t* b_index;
+    int64_t first, rows, N, K;
+    int64_t a_lines, b_row_lines;   /* the item's rows of a (contiguous) and one row of b, in lines */
+    int64_t a_done, b_row, b_line;  /* a's lines requested; then the row of b and its line next */
+} row_prefetch;
+
+static row_prefetch rows_of_item(const float* a, const float* b, const int64_t* b_index, int64_t first,
+                                 int64_t rows, int64_t N, int64_t K) {
+    return (row_prefetch){a, b, b_index, first, rows, N, K, (rows * N * (int64_t)sizeof(float) + LINE - 1) / LINE,
+                          (K * (int64_t)sizeof(float) + LINE - 1) / LINE, 0, 0, 0};
+}
 
 static void prefetch_rows(row_prefetch* p, int64_t lines) {
-    const int64_t a_lines = (p->rows * p->N * (int64_t)sizeof(float) + LINE - 1) / LINE;
-    const int64_t b_row_lines = (p->K * (int64_t)sizeof(float) + LINE - 1) / LINE;
-    for (; lines > 0 && p->done < a_lines + p->rows * b_row_lines; lines--, p->done++) {
-        if (p->done < a_lines) {
-            __builtin_prefetch((const char*)(p->a + p->first * p->N) + p->done * LINE, 0, 2);
-        } else {
-            const int64_t r = (p->done - a_lines) / b_row_lines, q = (p->done - a_lines) % b_row_lines;
-            __builtin_prefetch((const char*)row_of(p->b, p->b_index, p->first + r, p->K) + q * LINE, 0, 2);
-        }
+    for (; lines > 0 && p->a_done < p->a_lines; lines--, p->a_done++)
+        __builtin_prefetch((const char*)(p->a + p->first * p->N) + p->a_done * LINE, 0, 2);
+    for (; lines > 0 && p->b_row < p->rows; lines--) {
+        __builtin_prefetch((const char*)row_of(p->b, p->b_index, p->first + p->b_row, p->K) + p->b_line * LINE, 0, 2);
+        if (++p->b_line == p->b_row_lines) { p->b_line = 0; p->b_row++; }
     }
 }
 
@@ -735,8 +780,9 @@ static void outer_chunk(const item* items, int64_t first, int64_t end, const flo
         const item it = items[t];
         float* w_e = w + it.expert * N * K;
         const float* a_t = a + it.first * N;
-        row_prefetch next = {a, b, b_index, 0, 0, N, K, 0};   /* the next expert's rows, requested meanwhile */
-        if (t + 1 < end && items[t + 1].expert != it.expert) { next.first = items[t + 1].first; next.rows = items[t + 1].rows; }
+        const int next_expert = t + 1 < end && items[t + 1].expert != it.expert;   /* its rows, requested meanwhile */
+        row_prefetch next = rows_of_item(a, b, b_index, next_expert ? items[t + 1].first : 0,
+                                         next_expert ? items[t + 1].rows : 0, N, K);
         const int64_t next_lines = (next.rows * (N + K) * (int64_t)sizeof(float)) / LINE + next.rows;
         if (it.rows <= OUTER_ROW_MAX_ROWS) {   /* also an expert without rows: its zeros */
             const float* b_rows[OUTER_ROW_MAX_ROWS];

@@ -1,6 +1,7 @@
 """The native CPU expert kernels (moe/cpu_kernels.c) against per-expert float64 products at the shapes where
-their code paths split: rows_times_wt's three kernels (dot products for <= LANES/2 rows, transposed tiles
-for a block of up to LANES rows, transposed W panels from 16 rows), rows_times_w's row blocks and passes
+their code paths split: rows_times_wt's three kernels (dot products for <= LANES rows, in one group of rows
+up to LANES/2 and two beyond, with 2 or 4 rows of W at a time; transposed tiles for blocks of LANES rows where
+LANES < 16; transposed W panels from 17 rows, 16 with narrower vectors), rows_times_w's row blocks and passes
 over W, rows_outer's passes over many rows; items of at most 96 rows, empty experts, column tails of every
 vector and tile width, gathered rows (a row index) and the fused ReLU; narrower vectors (built for AVX2 and
 plain x86-64); thread counts; streaming stores; and their build: cached per source and CPU, one warning and
@@ -21,10 +22,11 @@ from moe_scale.moe import cpu_kernels
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.empty(0)),
                                 reason="native kernels not built (see the warning); torch's GEMMs are used")
 
-# Rows per expert on both sides of every split: 1-8 (dot products with AVX-512; 1-4 with AVX, 1-2 with SSE),
-# 9-15 (one transposed tile), 16-19 (panels), 97 and 200 (items of at most 96 rows), 200 and 400 (rows_outer
-# in passes: at most 384 rows, fewer for wide rows, e.g. 120 of 256 columns), and experts with none.
-COUNTS = [0, 1, 2, 3, 4, 5, 0, 8, 9, 0, 11, 12, 15, 16, 19, 33, 97, 200, 0, 400]
+# Rows per expert on both sides of every split: dot products with AVX-512 for 1-2 and 5-8 rows (2 rows of W at a
+# time), 3-4 (4 rows of W), 9-16 (two groups); with AVX 1-4, 5-8 (two groups) and 9-15 (a transposed tile, then
+# dot products); 16/17-19 (panels), 97 and 200 (items of at most 96 rows), 200 and 400 (rows_outer in passes: at
+# most 384 rows, fewer for wide rows, e.g. 120 of 256 columns), and experts with none.
+COUNTS = [0, 1, 2, 3, 4, 5, 0, 6, 8, 9, 0, 10, 11, 12, 15, 16, 17, 19, 33, 97, 200, 0, 400]
 
 
 def _offsets(counts):
