@@ -434,7 +434,7 @@ static void wt_tile(const float* aT, const float* w, int64_t K, int w_rows, floa
 
 /* out[i][n + j] = x[i] . wr[j] for the `rows` rows x[i] and the `w_rows` real rows wr[j] of a block of WR rows
  * of W: rows x WR <= LANES accumulators, each step rows x WR independent multiply-adds, and one fold gives all
- * the sums (lane i * WR + j). `pf`: this block's weights' lines to request meanwhile. */
+ * the sums (lane i * WR + j). `lines` lines of weights from `at` are requested meanwhile. */
 static inline __attribute__((always_inline)) void dot_block(const float* const* x, const float* const* wr,
                                                             int64_t K, float* out, int64_t ldo, int w_rows,
                                                             const int rows, const int WR, int apply_relu,
@@ -465,8 +465,9 @@ static inline __attribute__((always_inline)) void dot_block(const float* const* 
 
 /* Dot products for `rows` <= DOT_MAX_ROWS rows x against every row of W, a block of rows of W at a time: up to
  * LANES / 2 rows as one group with DOT_W_ROWS(rows) rows of W per block, more as two groups (the second finds
- * the block in L1) with 2. Measured on a Zen 4 core, weights in L2, against 2 rows of W for every row count
- * and transposed tiles from LANES / 2 + 1 rows: 1-4 rows 31-50 -> 38-77 GFLOP/s, 9-12 rows 42-56 -> ... */
+ * the block in L1) with 2. Against 2 rows of W for every row count and transposed tiles from LANES / 2 + 1
+ * rows, on one Zen 4 core with the weights in L2 (the two builds alternating in one process, 64 experts):
+ * 3-4 rows 0.62-0.71 of the time, 8 rows 0.87, 9-16 rows 0.58-0.85; 1-2 and 5-6 rows within the noise. */
 static inline __attribute__((always_inline)) void wt_dots(const float* const* x, const float* w, int64_t N,
                                                           int64_t K, float* out, int64_t ldo, const int rows,
                                                           int apply_relu, prefetcher* pf, int new_weights) {
@@ -674,8 +675,8 @@ static void outer_tile_any(const float* a_packed, const float* b_packed, int64_t
 }
 
 /* Requests the rows of item `next` (a's, then b's) while the tiles of this one run: `lines` per call. The
- * position is kept as (row, line), not a count to divide: a division per call cost as much as the arithmetic
- * of outer_rows' row of W it is made for. */
+ * position is kept as (row, line) rather than as a count divided into them on every call (outer_rows calls once
+ * per row of W). */
 typedef struct {
     const float *a, *b;
     const int64_t* b_index;
