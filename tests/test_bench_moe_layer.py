@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.multiproc import free_port
+
 BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench_moe_layer.py"
 TINY = ["--tokens", "64", "--d", "16", "--h", "32", "--repeats", "1", "--min-time", "0", "--warmup", "1",
         "--threads", "1"]
@@ -44,6 +46,9 @@ def test_single_process_sweep(tmp_path):
         assert r["time_s"] > 0 and r["roofline_s"] > 0
         assert r["roofline_fraction"] == pytest.approx(r["roofline_s"] / r["time_s"], rel=0.01)
         assert r["bound"] in ("compute", "memory") and r["working_mib"] >= 0
+        assert r["bandwidth_then_gbs"] > 0 and r["roofline_fraction_then"] > 0
+        if r["impl"] != "dense":
+            assert 1 <= r["experts_used"] <= 8
         if r["impl"] in ("dropless", "capacity"):
             assert r["speedup_vs_deepspeed"] > 0 and r["time_vs_dense"] > 0 and r["working_vs_dense"] >= 0
     # The roofline counts what each layer must do: DeepSpeed's gate has one matrix, ours two.
@@ -52,22 +57,68 @@ def test_single_process_sweep(tmp_path):
     assert by[("naive_loop", 2)]["roofline_s"] == by[("dropless", 2)]["roofline_s"]
 
 
-def test_roofline_counts_the_flops_and_three_passes_over_the_expert_weights(monkeypatch):
-    """bound = max(6 x forward multiply-adds / peak, 3 x expert weight bytes / bandwidth): the forward reads the
-    weights, the backward reads them again and writes their gradients. By hand at E=64, k=2, 2048 tokens, d=256,
-    h=512: 6 * (2048*2*2*256*512 + 2*2048*256*64) = 6845104128 FLOPs; 64*2*256*512 floats = 67108864 bytes."""
+def test_roofline_counts_the_flops_and_the_weights_of_the_experts_used(monkeypatch):
+    """bound = max(6 x forward multiply-adds / peak, (2 x used + E) x one expert's bytes / bandwidth): the
+    forward reads the used experts' weights, the backward reads them again, and every expert's gradient is
+    written. By hand at E=64, k=2, 2048 tokens, d=256, h=512: 6 * (2048*2*2*256*512 + 2*2048*256*64) =
+    6845104128 FLOPs; one expert is 2*256*512 floats = 1048576 bytes; with 40 experts used,
+    (2*40 + 64) * 1048576 = 150994944 bytes. The dense FFN reads all of its weights: 3 x them."""
     bench = _import_bench(monkeypatch)
     args = bench.parse_args(["--experts", "64", "--k", "2"])
-    times = {"dropless": 0.1}
-    compute_bound = bench._row("dropless", 64, 2, args, times, 3, {}, peak_flops=1e11, peak_bandwidth=1e12)
+    times = {"dropless": 0.1, "dense": 0.1}
+    compute_bound = bench._row("dropless", 64, 2, args, times, 3, {}, peak_flops=1e11, peak_bandwidth=1e12, used=40)
     assert compute_bound["roofline_gflop"] == pytest.approx(6.845104128, rel=1e-3)
-    assert compute_bound["roofline_gbytes"] == pytest.approx(3 * 0.067108864, rel=1e-3)
-    assert compute_bound["bound"] == "compute"
+    assert compute_bound["roofline_gbytes"] == pytest.approx(0.150994944, rel=1e-3)
+    assert compute_bound["bound"] == "compute" and compute_bound["experts_used"] == 40
     assert compute_bound["roofline_s"] == pytest.approx(6845104128 / 1e11, rel=1e-3)
-    memory_bound = bench._row("dropless", 64, 2, args, times, 3, {}, peak_flops=1e13, peak_bandwidth=1e9)
+    memory_bound = bench._row("dropless", 64, 2, args, times, 3, {}, peak_flops=1e13, peak_bandwidth=1e9, used=40)
     assert memory_bound["bound"] == "memory"
-    assert memory_bound["roofline_s"] == pytest.approx(3 * 67108864 / 1e9, rel=1e-3)
+    assert memory_bound["roofline_s"] == pytest.approx(150994944 / 1e9, rel=1e-3)
     assert memory_bound["roofline_fraction"] == pytest.approx(memory_bound["roofline_s"] / 0.1, rel=1e-3)
+    all_used = bench._row("dropless", 64, 2, args, times, 3, {}, peak_flops=1e13, peak_bandwidth=1e9, used=64)
+    assert all_used["roofline_gbytes"] == pytest.approx(3 * 0.067108864, rel=1e-3)
+    dense = bench._row("dense", 64, 2, args, times, 3, {}, peak_flops=1e13, peak_bandwidth=1e9, used=None)
+    dense_weight_bytes = 4 * 2 * 256 * (2 * 512 + 2 * 64)
+    assert dense["roofline_gbytes"] == pytest.approx(3 * dense_weight_bytes / 1e9, rel=1e-3)
+    assert "experts_used" not in dense
+    # The same bound at the bandwidth measured around the layer's steps, when given.
+    then = bench._row("dropless", 64, 2, args, times, 3, {}, peak_flops=1e13, peak_bandwidth=1e9, used=40,
+                      bandwidth_then=5e8)
+    assert then["roofline_fraction"] == pytest.approx(memory_bound["roofline_fraction"], rel=1e-3)
+    assert then["bandwidth_then_gbs"] == 0.5
+    assert then["roofline_fraction_then"] == pytest.approx(2 * memory_bound["roofline_fraction"], rel=1e-3)
+
+
+# Routes 16 tokens (k=1) over 64 experts with the benchmark's layer, one step, and prints [the distinct experts
+# the router's own output named, experts_used]. A child process: DeepSpeed's layer starts a process group, which
+# would otherwise stay up in the test process (its port and MASTER_* settings leaking into later launches).
+_EXPERTS_USED_CHECK = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import bench_moe_layer as bench
+args = bench.parse_args(["--tokens", "16", "--d", "8", "--h", "16", "--gate-logit-std", "1"])
+layer = bench.build(sys.argv[2], 64, 1, args)
+routed = []
+if sys.argv[2].startswith("deepspeed"):   # its gate's outputs end with the tokens per expert
+    layer.moe.deepspeed_moe.gate.register_forward_hook(lambda m, i, out: routed.append(int((out[-1] > 0).sum())))
+else:
+    layer.router.register_forward_hook(lambda m, i, out: routed.append(int(out.experts_NK.unique().numel())))
+x, probe = bench.make_inputs(args)
+bench.step(layer, x, probe)
+print(json.dumps([routed[-1], bench.experts_used(layer), bench.experts_used(bench.build("dense", 64, 1, args))]))
+"""
+
+
+@pytest.mark.parametrize("impl", ["dropless", "capacity", "deepspeed_dropless", "naive_loop"])
+def test_experts_used_are_the_experts_the_router_sent_tokens_to(impl, tmp_path):
+    """16 tokens, k=1, 64 experts: at most 16 experts get a token, and experts_used counts exactly the
+    distinct experts of the step's routing (read from the router's own output); None for the dense FFN."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", _EXPERTS_USED_CHECK, str(BENCH.parent), impl], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    routed, used, dense_used = json.loads(proc.stdout.splitlines()[-1])
+    assert 1 <= routed <= 16 and used == routed and dense_used is None
 
 
 def test_two_ranks_report_the_all_to_all_share():

@@ -18,11 +18,17 @@ Implementations (one JSON line each per (E, K), on stdout and in --out):
 Roofline (per implementation, from peaks measured in this run, before every configuration; the best seen is
 used): max(FLOPs / matmul peak, bytes / memory bandwidth) with FLOPs = 3 x 2 x forward multiply-adds of the
 experts and the gating matrices (DeepSpeed's gate has one matrix, ours two; the dense FFN its own), and
-bytes = what a forward and backward must move of the expert weights and their gradients: the weights read by
-the forward, read again by the backward, and their gradients written (3 x the weights' bytes; the least
-possible once the weights outgrow the last-level cache, which they do from E = 64 here; below that the FLOPs
-set the bound). The matmul peak is the best of fp32 [2048x2048]@[2048x2048] after a warm-up product; the
-bandwidth the best of a 256 MiB copy, counting its bytes read and written, as STREAM does. Working memory =
+bytes = what a forward and backward must move of the expert weights and their gradients: the weights of the
+experts the step sent tokens to, read by the forward and read again by the backward, and the gradients of all
+experts written ((2 x used + E) x one expert's bytes, "experts_used" counted after the last timed step as the
+experts whose gradient is not all zeros; the least possible once the weights outgrow the last-level cache,
+which they do from E = 64 here; below that the FLOPs set the bound). With 2048 tokens at E = 4096, k = 1, only
+about 39% of the experts receive a token: counting every expert's weights read twice would loosen that bound
+by 1.7x. The matmul peak is the best of fp32 [2048x2048]@[2048x2048] after a warm-up product; the
+bandwidth the best of a 256 MiB copy, counting its bytes read and written, as STREAM does. A shared machine's
+bandwidth moves 2x within a minute, so each row also gives the median of 6 copies timed just before and after
+that layer's steps (bandwidth_then_gbs) and its fraction of the bound at that bandwidth
+(roofline_fraction_then): how much of the gap the machine's moment explains. Working memory =
 peak resident memory during one step above the memory before it, with the expert weights
 frozen so that their gradients are never allocated (the dense FFN's weights likewise): what the step needs
 beyond the expert weights and their gradients. Measured in a child process with glibc's mmap threshold at
@@ -61,8 +67,11 @@ from torch import nn
 from moe_scale.distributed.launch import release_deepspeed_shm_name
 
 IMPLS = ("dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "naive_loop", "dense")
-WEIGHT_PASSES = 3   # forward reads the weights, backward reads them again and writes their gradients
+WEIGHT_READS = 2   # the forward reads a used expert's weights, the backward reads them again
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+# Copies timed just before and just after each layer's steps. On a shared machine the bandwidth moves 2x within
+# a minute, so a layer that streams its weights is also compared with the bandwidth it had (the `_then` fields).
+_COPIES_AROUND = 3
 
 
 def _impl_list(text: str) -> list[str]:
@@ -223,6 +232,23 @@ def forward_macs(impl: str, e: int, k: int, args) -> int:
     return n * k * 2 * d * h + gate_matrices * n * d * e
 
 
+def experts_used(layer: nn.Module) -> int | None:
+    """How many experts the last step sent tokens to: those whose weight gradient is not all zeros (an expert
+    that no token reached gets exact zeros in every implementation). None for the dense FFN."""
+    if isinstance(layer, _Dense):
+        return None
+    if isinstance(layer, (_DeepSpeedLayer, _NaiveLoopLayer)):   # one FFN module per expert
+        experts = layer.moe.deepspeed_moe.experts.deepspeed_experts if isinstance(layer, _DeepSpeedLayer) \
+            else layer.experts
+        return sum(any(p.grad is not None and bool(p.grad.ne(0).any()) for p in expert.parameters())
+                   for expert in experts)
+    reached_E = torch.zeros(layer.experts.w_in.shape[0], dtype=torch.bool)   # stacked [E, H, D] weights
+    for weight in (layer.experts.w_in, layer.experts.w_out):
+        if weight.grad is not None:
+            reached_E |= weight.grad.flatten(1).ne(0).any(1)
+    return int(reached_E.sum())
+
+
 def step(layer: nn.Module, x: torch.Tensor, probe: torch.Tensor) -> None:
     for p in layer.parameters():
         p.grad = None
@@ -253,15 +279,20 @@ def measure_peaks() -> tuple[float, float]:
         start = time.perf_counter()
         torch.mm(a, b, out=c)
         flops.append(2 * 2048**3 / (time.perf_counter() - start))
-    src = torch.ones(64 * 2**20)   # 256 MiB
+    return max(flops), max(copy_bandwidths(8))
+
+
+def copy_bandwidths(tries: int) -> list[float]:
+    """Bytes/s of `tries` 256 MiB copies (bytes read plus written, as STREAM counts them), after an untimed one."""
+    src = torch.ones(64 * 2**20)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    bandwidth = []
-    for _ in range(8):
+    bandwidths = []
+    for _ in range(tries):
         start = time.perf_counter()
         dst.copy_(src)
-        bandwidth.append(2 * src.numel() * 4 / (time.perf_counter() - start))
-    return max(flops), max(bandwidth)
+        bandwidths.append(2 * src.numel() * 4 / (time.perf_counter() - start))
+    return bandwidths
 
 
 # ---------------------------------------------------------------- memory (child process)
@@ -354,11 +385,15 @@ def timed_steps(one_step: Callable[[], float], args, all_agree: Callable[[bool],
     return times
 
 
-def time_impl(impl: str, e: int, k: int, args, x, probe) -> list[float]:
-    """The timed steps' seconds of a freshly built layer, freed before the next is built."""
-    times = _time_layer(build(impl, e, k, args), args, x, probe)
+def time_impl(impl: str, e: int, k: int, args, x, probe) -> tuple[list[float], int | None]:
+    """(the timed steps' seconds, experts_used after the last) of a freshly built layer, freed before the next
+    is built."""
+    layer = build(impl, e, k, args)
+    times = _time_layer(layer, args, x, probe)
+    used = experts_used(layer)
+    del layer
     gc.collect()
-    return times
+    return times, used
 
 
 def _time_layer(layer: nn.Module, args, x, probe) -> list[float]:
@@ -379,18 +414,27 @@ def sweep(args) -> list[dict]:
         for k in args.k:
             flops, bandwidth = measure_peaks()
             peak_flops, peak_bandwidth = max(peak_flops, flops), max(peak_bandwidth, bandwidth)
-            samples = {impl: time_impl(impl, e, k, args, x, probe) for impl in args.impls}
+            samples, used, bandwidth_then = {}, {}, {}
+            for impl in args.impls:   # copies just before and after: the bandwidth while this layer ran
+                before = copy_bandwidths(_COPIES_AROUND)
+                samples[impl], used[impl] = time_impl(impl, e, k, args, x, probe)
+                bandwidth_then[impl] = statistics.median(before + copy_bandwidths(_COPIES_AROUND))
             times = {impl: statistics.median(seconds) for impl, seconds in samples.items()}
             for impl in args.impls:
-                rows.append(_row(impl, e, k, args, times, len(samples[impl]), memory, peak_flops, peak_bandwidth))
+                rows.append(_row(impl, e, k, args, times, len(samples[impl]), memory, peak_flops, peak_bandwidth,
+                                 used[impl], bandwidth_then[impl]))
                 emit(rows[-1], args.out)
     return rows
 
 
-def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth) -> dict:
+def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth, used: int | None,
+         bandwidth_then: float | None = None) -> dict:
+    """One JSON row; `used`: experts_used (None: every weight is read, as the dense FFN's); `bandwidth_then`:
+    the copies' bandwidth around this layer's steps, for the `_then` fields."""
     flops = 6 * forward_macs(impl, e, k, args)
     weight_bytes = 4 * expert_params(impl, e, k, args)
-    moved_bytes = WEIGHT_PASSES * weight_bytes
+    read_bytes = weight_bytes if used is None else weight_bytes * used / e
+    moved_bytes = WEIGHT_READS * read_bytes + weight_bytes   # + the gradients written
     roofline_s = max(flops / peak_flops, moved_bytes / peak_bandwidth)
     t = times[impl]
     row = {"impl": impl, "experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h,
@@ -399,6 +443,12 @@ def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth) -> 
            "bound": "compute" if flops / peak_flops >= moved_bytes / peak_bandwidth else "memory",
            "roofline_gflop": _sig(flops / 1e9), "roofline_gbytes": _sig(moved_bytes / 1e9),
            "matmul_peak_gflops": round(peak_flops / 1e9, 1), "bandwidth_gbs": round(peak_bandwidth / 1e9, 2)}
+    if used is not None:
+        row["experts_used"] = used
+    if bandwidth_then is not None:
+        roofline_then_s = max(flops / peak_flops, moved_bytes / bandwidth_then)
+        row["bandwidth_then_gbs"] = round(bandwidth_then / 1e9, 2)
+        row["roofline_fraction_then"] = _sig(roofline_then_s / t)
     reference = {"dropless": "deepspeed_dropless", "capacity": "deepspeed_capacity"}.get(impl)
     if reference in times:
         row["speedup_vs_deepspeed"] = round(times[reference] / t, 2)
