@@ -237,16 +237,20 @@ def experts_used(layer: nn.Module) -> int | None:
     that no token reached gets exact zeros in every implementation). None for the dense FFN."""
     if isinstance(layer, _Dense):
         return None
-    if isinstance(layer, (_DeepSpeedLayer, _NaiveLoopLayer)):   # one FFN module per expert
-        experts = layer.moe.deepspeed_moe.experts.deepspeed_experts if isinstance(layer, _DeepSpeedLayer) \
-            else layer.experts
-        return sum(any(p.grad is not None and bool(p.grad.ne(0).any()) for p in expert.parameters())
-                   for expert in experts)
-    reached_E = torch.zeros(layer.experts.w_in.shape[0], dtype=torch.bool)   # stacked [E, H, D] weights
+    if isinstance(layer, _DeepSpeedLayer):
+        return _modules_with_gradient(layer.moe.deepspeed_moe.experts.deepspeed_experts)
+    if isinstance(layer, _NaiveLoopLayer):
+        return _modules_with_gradient(layer.experts)
+    reached_E = torch.zeros(layer.experts.w_in.shape[0], dtype=torch.bool)   # ours: stacked [E, H, D] weights
     for weight in (layer.experts.w_in, layer.experts.w_out):
         if weight.grad is not None:
             reached_E |= weight.grad.flatten(1).ne(0).any(1)
     return int(reached_E.sum())
+
+
+def _modules_with_gradient(experts: nn.ModuleList) -> int:
+    return sum(any(p.grad is not None and bool(p.grad.ne(0).any()) for p in expert.parameters())
+               for expert in experts)
 
 
 def step(layer: nn.Module, x: torch.Tensor, probe: torch.Tensor) -> None:
