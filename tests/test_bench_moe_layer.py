@@ -47,6 +47,8 @@ def test_single_process_sweep(tmp_path):
         assert r["roofline_fraction"] == pytest.approx(r["roofline_s"] / r["time_s"], rel=0.01)
         assert r["bound"] in ("compute", "memory") and r["working_mib"] >= 0
         assert r["bandwidth_then_gbs"] > 0 and r["roofline_fraction_then"] > 0
+        assert r["roofline_s"] <= r["serial_bound_s"] <= 2 * r["roofline_s"] and 0.5 <= r["serial_ceiling"] <= 1
+        assert r["serial_fraction"] == pytest.approx(r["serial_bound_s"] / r["time_s"], rel=0.01)
         if r["impl"] != "dense":
             assert 1 <= r["experts_used"] <= 8
         if r["impl"] in ("dropless", "capacity"):
@@ -87,6 +89,30 @@ def test_roofline_counts_the_flops_and_the_weights_of_the_experts_used(monkeypat
     assert then["roofline_fraction"] == pytest.approx(memory_bound["roofline_fraction"], rel=1e-3)
     assert then["bandwidth_then_gbs"] == 0.5
     assert then["roofline_fraction_then"] == pytest.approx(2 * memory_bound["roofline_fraction"], rel=1e-3)
+
+
+def test_serial_bound_runs_the_router_products_before_the_experts(monkeypatch):
+    """serial bound = router FLOPs / peak + max(expert FLOPs / peak, bytes / bandwidth). By hand at E=64, k=2,
+    2048 tokens, d=256, h=512, 40 experts used: the router's 6 * 2 * 2048*256*64 = 402653184 FLOPs, the
+    experts' 6 * 2048*2*2*256*512 = 6442450944, the bytes 150994944 (as above)."""
+    bench = _import_bench(monkeypatch)
+    args = bench.parse_args(["--experts", "64", "--k", "2"])
+    times = {"dropless": 0.5, "deepspeed_dropless": 0.5, "dense": 0.5}
+    router_s, experts_s, bytes_s = 402653184 / 1e10, 6442450944 / 1e10, 150994944 / 1e8
+    row = bench._row("dropless", 64, 2, args, times, 3, {}, peak_flops=1e10, peak_bandwidth=1e8, used=40)
+    assert row["serial_bound_s"] == pytest.approx(router_s + max(experts_s, bytes_s), rel=1e-3)
+    assert row["serial_ceiling"] == pytest.approx(max(router_s + experts_s, bytes_s) / (router_s + bytes_s), rel=1e-3)
+    assert row["serial_fraction"] == pytest.approx(row["serial_bound_s"] / 0.5, rel=1e-3)
+    # The bound's two terms made equal (bytes take router + experts' seconds): the ceiling is
+    # (r + x) / (2r + x), which falls to 1/2 as the experts' FLOPs vanish beside the router's.
+    balanced_bandwidth = 150994944 / (router_s + experts_s)
+    row = bench._row("dropless", 64, 2, args, times, 3, {}, peak_flops=1e10, peak_bandwidth=balanced_bandwidth, used=40)
+    assert row["serial_ceiling"] == pytest.approx((router_s + experts_s) / (2 * router_s + experts_s), rel=1e-3)
+    # DeepSpeed's gate has one matrix: half the router's FLOPs. The dense FFN has no router: serial = roofline.
+    ds = bench._row("deepspeed_dropless", 64, 2, args, times, 3, {}, peak_flops=1e10, peak_bandwidth=1e8, used=40)
+    assert ds["serial_bound_s"] == pytest.approx(router_s / 2 + max(experts_s, bytes_s), rel=1e-3)
+    dense = bench._row("dense", 64, 2, args, times, 3, {}, peak_flops=1e10, peak_bandwidth=1e8, used=None)
+    assert dense["serial_bound_s"] == pytest.approx(dense["roofline_s"], rel=1e-3) and dense["serial_ceiling"] == 1.0
 
 
 # Routes 16 tokens (k=1) over 64 experts with the benchmark's layer, one step, and prints [the distinct experts

@@ -28,7 +28,12 @@ by 1.7x. The matmul peak is the best of fp32 [2048x2048]@[2048x2048] after a war
 bandwidth the best of a 256 MiB copy, counting its bytes read and written, as STREAM does. A shared machine's
 bandwidth moves 2x within a minute, so each row also gives the median of 6 copies timed just before and after
 that layer's steps (bandwidth_then_gbs) and its fraction of the bound at that bandwidth
-(roofline_fraction_then): how much of the gap the machine's moment explains. Working memory =
+(roofline_fraction_then): how much of the gap the machine's moment explains. A layer that runs the router's
+products and the experts one after the other (the forward must: the router decides where the tokens go; the
+backward could run them side by side only on split cores, which tools/bench_overlap.py measures) takes at
+best router FLOPs / peak + max(expert FLOPs / peak, bytes / bandwidth): serial_bound_s. serial_ceiling =
+roofline / that, the most of the roofline such a schedule reaches at these peaks (0.5 where the two terms are
+equal); serial_fraction = that / time. Working memory =
 peak resident memory during one step above the memory before it, with the expert weights
 frozen so that their gradients are never allocated (the dense FFN's weights likewise): what the step needs
 beyond the expert weights and their gradients. Measured in a child process with glibc's mmap threshold at
@@ -228,8 +233,15 @@ def forward_macs(impl: str, e: int, k: int, args) -> int:
     n, d, h = args.tokens, args.d, args.h
     if impl == "dense":
         return n * 2 * d * dense_hidden(e, k, args)
+    return n * k * 2 * d * h + router_macs(impl, e, args)
+
+
+def router_macs(impl: str, e: int, args) -> int:
+    """The gating matrices' forward multiply-adds (DeepSpeed's gate has one matrix, ours two; none: dense)."""
+    if impl == "dense":
+        return 0
     gate_matrices = 1 if impl.startswith("deepspeed") else 2
-    return n * k * 2 * d * h + gate_matrices * n * d * e
+    return gate_matrices * args.tokens * args.d * e
 
 
 def experts_used(layer: nn.Module) -> int | None:
@@ -440,13 +452,18 @@ def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth, use
     read_bytes = weight_bytes if used is None else weight_bytes * used / e
     moved_bytes = WEIGHT_READS * read_bytes + weight_bytes   # + the gradients written
     roofline_s = max(flops / peak_flops, moved_bytes / peak_bandwidth)
+    # The router's products, then the experts: the best schedule that does not split the cores between them.
+    router_flops = 6 * router_macs(impl, e, args)
+    serial_s = router_flops / peak_flops + max((flops - router_flops) / peak_flops, moved_bytes / peak_bandwidth)
     t = times[impl]
     row = {"impl": impl, "experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h,
            "gate_logit_std": args.gate_logit_std,
            "time_s": _sig(t), "steps": steps, "roofline_s": _sig(roofline_s), "roofline_fraction": _sig(roofline_s / t),
            "bound": "compute" if flops / peak_flops >= moved_bytes / peak_bandwidth else "memory",
            "roofline_gflop": _sig(flops / 1e9), "roofline_gbytes": _sig(moved_bytes / 1e9),
-           "matmul_peak_gflops": round(peak_flops / 1e9, 1), "bandwidth_gbs": round(peak_bandwidth / 1e9, 2)}
+           "matmul_peak_gflops": round(peak_flops / 1e9, 1), "bandwidth_gbs": round(peak_bandwidth / 1e9, 2),
+           "serial_bound_s": _sig(serial_s), "serial_ceiling": _sig(roofline_s / serial_s),
+           "serial_fraction": _sig(serial_s / t)}
     if used is not None:
         row["experts_used"] = used
     if bandwidth_then is not None:

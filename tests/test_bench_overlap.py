@@ -1,0 +1,63 @@
+"""tools/bench_overlap.py: the router's backward products against autograd, a tiny run end to end (JSON lines,
+the experts' gradients unchanged by running beside the router's products), and one-line flag errors. The
+timings themselves are not asserted: speed is the tool's job, not the tests'."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench_overlap.py"
+TINY = ["--tokens", "64", "--d", "16", "--h", "32", "--repeats", "2", "--threads", "2"]
+
+
+def _run(*flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    return subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_router_backward_products_are_the_gate_matrices_gradients(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    spec = importlib.util.spec_from_file_location("bench_overlap", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    router = bench.RouterBackward(32, 8, 12, torch.Generator().manual_seed(0))
+    w_gate, w_noise = (w.clone().requires_grad_(True) for w in router.w_DE)
+    x = router.x_ND.clone().requires_grad_(True)
+    torch.autograd.backward([x @ w_gate, x @ w_noise], router.g_NE)
+    for got, want in zip(router(), (w_gate.grad, w_noise.grad, x.grad)):
+        torch.testing.assert_close(got, want)
+
+
+def test_tiny_run(tmp_path):
+    out_file = tmp_path / "overlap.jsonl"
+    proc = _run("--experts", "16,64", "--k", "1,2", *TINY, "--out", str(out_file))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [json.loads(line) for line in out_file.read_text().splitlines()] == rows
+    assert [(r["experts"], r["k"]) for r in rows] == [(16, 1), (16, 2), (64, 1), (64, 2)]
+    for r in rows:
+        assert r["same_gradients"] is True
+        assert (r["threads"], r["split"], r["repeats"]) == (2, [1, 1], 2)
+        assert min(r["router_backward_s"], r["experts_backward_s"], r["serial_s"], r["concurrent_s"],
+                   r["router_backward_split_s"], r["experts_backward_split_s"]) > 0
+        assert r["overlap_gain"] > 0 and r["ideal_gain"] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--threads", "1"], "--threads must be at least 2"),
+    (["--experts", "4", "--k", "8"], "--k must not exceed --experts"),
+    (["--experts", "0"], "positive integer"),
+    (["--out", "/nonexistent-dir/overlap.jsonl"], "does not exist"),
+])
+def test_bad_flags_give_one_line(flags, message):
+    proc = _run(*flags)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
