@@ -56,6 +56,7 @@ def test_tiny_run(tmp_path):
     (["--experts", "4", "--k", "8"], "--k must not exceed --experts"),
     (["--experts", "0"], "positive integer"),
     (["--out", "/nonexistent-dir/overlap.jsonl"], "does not exist"),
+    (["--out", "/"], "is a directory"),
 ])
 def test_bad_flags_give_one_line(flags, message):
     proc = _run(*flags)

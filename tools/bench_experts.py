@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from tool_args import OneLineParser, non_negative_int, positive_int, positive_int_list
+from tool_args import OneLineParser, check_out_file, non_negative_int, positive_int, positive_int_list
 
 import torch
 from torch import nn
@@ -66,8 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated kernels for the grouped impl, from {','.join(KERNEL_CHOICES)} (default auto)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON lines to this file")
     args = p.parse_args(argv)
-    if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
-        p.error(f"--out {str(args.out)!r}: need a file path in an existing directory")
+    check_out_file(p, args.out)
     try:
         device = torch.device(args.device)
         torch.empty(0, device=device)

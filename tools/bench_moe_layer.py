@@ -63,8 +63,9 @@ from typing import Callable
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")   # as moe_scale sets it; here before torch is imported
 
-from tool_args import (OneLineParser, non_negative_float, non_negative_int, positive_float, positive_int,
-                        positive_int_list)
+from json_lines import emit, sig
+from tool_args import (OneLineParser, check_out_file, non_negative_float, non_negative_int, positive_float,
+                        positive_int, positive_int_list)
 
 import torch
 from torch import nn
@@ -116,8 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"every --k must be <= every --experts (got k={args.k}, experts={args.experts})")
     if args.ranks > 1 and any(e % args.ranks for e in args.experts):
         p.error(f"--ranks {args.ranks} must divide every --experts value (got {args.experts})")
-    if args.out is not None and not args.out.parent.is_dir():
-        p.error(f"--out {args.out}: directory {args.out.parent} does not exist")
+    check_out_file(p, args.out)
     return args
 
 
@@ -451,25 +451,26 @@ def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth, use
     weight_bytes = 4 * expert_params(impl, e, k, args)
     read_bytes = weight_bytes if used is None else weight_bytes * used / e
     moved_bytes = WEIGHT_READS * read_bytes + weight_bytes   # + the gradients written
-    roofline_s = max(flops / peak_flops, moved_bytes / peak_bandwidth)
+    compute_s, memory_s = flops / peak_flops, moved_bytes / peak_bandwidth
+    roofline_s = max(compute_s, memory_s)
     # The router's products, then the experts: the best schedule that does not split the cores between them.
-    router_flops = 6 * router_macs(impl, e, args)
-    serial_s = router_flops / peak_flops + max((flops - router_flops) / peak_flops, moved_bytes / peak_bandwidth)
+    router_s = 6 * router_macs(impl, e, args) / peak_flops
+    serial_s = router_s + max(compute_s - router_s, memory_s)
     t = times[impl]
     row = {"impl": impl, "experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h,
            "gate_logit_std": args.gate_logit_std,
-           "time_s": _sig(t), "steps": steps, "roofline_s": _sig(roofline_s), "roofline_fraction": _sig(roofline_s / t),
-           "bound": "compute" if flops / peak_flops >= moved_bytes / peak_bandwidth else "memory",
-           "roofline_gflop": _sig(flops / 1e9), "roofline_gbytes": _sig(moved_bytes / 1e9),
+           "time_s": sig(t), "steps": steps, "roofline_s": sig(roofline_s), "roofline_fraction": sig(roofline_s / t),
+           "bound": "compute" if compute_s >= memory_s else "memory",
+           "roofline_gflop": sig(flops / 1e9), "roofline_gbytes": sig(moved_bytes / 1e9),
            "matmul_peak_gflops": round(peak_flops / 1e9, 1), "bandwidth_gbs": round(peak_bandwidth / 1e9, 2),
-           "serial_bound_s": _sig(serial_s), "serial_ceiling": _sig(roofline_s / serial_s),
-           "serial_fraction": _sig(serial_s / t)}
+           "serial_bound_s": sig(serial_s), "serial_ceiling": sig(roofline_s / serial_s),
+           "serial_fraction": sig(serial_s / t)}
     if used is not None:
         row["experts_used"] = used
     if bandwidth_then is not None:
-        roofline_then_s = max(flops / peak_flops, moved_bytes / bandwidth_then)
+        roofline_then_s = max(compute_s, moved_bytes / bandwidth_then)
         row["bandwidth_then_gbs"] = round(bandwidth_then / 1e9, 2)
-        row["roofline_fraction_then"] = _sig(roofline_then_s / t)
+        row["roofline_fraction_then"] = sig(roofline_then_s / t)
     reference = {"dropless": "deepspeed_dropless", "capacity": "deepspeed_capacity"}.get(impl)
     if reference in times:
         row["speedup_vs_deepspeed"] = round(times[reference] / t, 2)
@@ -482,18 +483,6 @@ def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth, use
         if dense_mem and impl != "dense":
             row["working_vs_dense"] = round(mem["working_mib"] / max(dense_mem["working_mib"], 1e-9), 2)
     return row
-
-
-def _sig(x: float) -> float:
-    return float(f"{x:.4g}")
-
-
-def emit(row: dict, out: Path | None) -> None:
-    line = json.dumps(row)
-    print(line, flush=True)
-    if out is not None:
-        with out.open("a") as f:
-            f.write(line + "\n")
 
 
 # ---------------------------------------------------------------- several ranks
@@ -523,7 +512,7 @@ def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
                 if rank == 0:
                     queue.put({"impl": mode, "ranks": world, "ep_size": world, "experts": e, "k": k,
                                "tokens_per_rank": args.tokens, "d": args.d, "h": args.h,
-                               "gate_logit_std": args.gate_logit_std, "time_s": _sig(statistics.median(times)),
+                               "gate_logit_std": args.gate_logit_std, "time_s": sig(statistics.median(times)),
                                "steps": len(times), "all_to_all_share": round(statistics.median(shares), 3)})
                 del layer
     queue.put(None) if rank == 0 else None

@@ -28,7 +28,6 @@ a fraction of the machine's bandwidth, the split gains nothing. This measures wh
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import threading
@@ -38,7 +37,8 @@ from typing import Callable
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tool_args import OneLineParser, positive_int, positive_int_list
+from json_lines import emit, sig
+from tool_args import OneLineParser, check_out_file, positive_int, positive_int_list
 
 import moe_scale  # noqa: F401  (first: its host-memory policy, as the layer is trained with, before torch allocates)
 import torch
@@ -63,8 +63,7 @@ def parse_args(argv: list[str] | None = None):
     bad = [(e, k) for e in args.experts for k in args.k if k > e]
     if bad:
         parser.error(f"--k must not exceed --experts, got k={bad[0][1]} with {bad[0][0]} experts")
-    if args.out is not None and not args.out.parent.is_dir():
-        parser.error(f"--out {args.out}: directory {args.out.parent} does not exist (create it first)")
+    check_out_file(parser, args.out)
     return args
 
 
@@ -170,26 +169,18 @@ def measure(e: int, k: int, args) -> dict:
     t = {name: statistics.median(seconds) for name, seconds in timings.items()}
     return {"experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h, "threads": all_threads,
             "split": [all_threads - half, half], "repeats": args.repeats,
-            "router_backward_s": _sig(t["router"]), "experts_backward_s": _sig(t["experts"]),
-            "serial_s": _sig(t["serial"]), "concurrent_s": _sig(t["concurrent"]),
-            "router_backward_split_s": _sig(t["router_split"]), "experts_backward_split_s": _sig(t["experts_split"]),
+            "router_backward_s": sig(t["router"]), "experts_backward_s": sig(t["experts"]),
+            "serial_s": sig(t["serial"]), "concurrent_s": sig(t["concurrent"]),
+            "router_backward_split_s": sig(t["router_split"]), "experts_backward_split_s": sig(t["experts_split"]),
             "overlap_gain": round(t["serial"] / t["concurrent"], 3),
             "ideal_gain": round(t["serial"] / max(t["router"], t["experts"]), 3), "same_gradients": same}
-
-
-def _sig(x: float) -> float:
-    return float(f"{x:.4g}")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     for e in args.experts:
         for k in args.k:
-            line = json.dumps(measure(e, k, args))
-            print(line, flush=True)
-            if args.out is not None:
-                with args.out.open("a") as f:
-                    f.write(line + "\n")
+            emit(measure(e, k, args), args.out)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -36,3 +37,13 @@ def positive_int_list(text: str) -> list[int]:
     if any(not t for t in items):
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
     return [positive_int(t) for t in items]
+
+
+def check_out_file(parser: argparse.ArgumentParser, path: Path | None) -> None:
+    """--out must name a file in an existing directory: checked before any work, so nothing is half-written."""
+    if path is None:
+        return
+    if path.is_dir():
+        parser.error(f"--out {path} is a directory; give a file path")
+    if not path.parent.is_dir():
+        parser.error(f"--out {path}: directory {path.parent} does not exist (create it first)")
