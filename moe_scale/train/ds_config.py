@@ -78,8 +78,12 @@ def validate_ds_config(raw: Any, source: str) -> None:
         raise UserError(f"{source}: ZeRO stage 3 cannot shard MoE layers (DeepSpeed refuses stage 3 with "
                         f"expert parallelism); use stage 2, e.g. ds_configs/zero2_ep.json — expert weights "
                         f"are already split over ranks by --ep-size")
-    if zero.get("stage", 0) not in (0, 1, 2):
-        raise UserError(f"{source}: zero_optimization.stage must be 0, 1 or 2 (got {zero.get('stage')!r})")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2):
+        raise UserError(f"{source}: zero_optimization.stage must be 0, 1 or 2 (got {stage!r})")
+    clip = raw.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise UserError(f"{source}: gradient_clipping must be a number >= 0 (0: no clipping), got {clip!r}")
 
 
 def complete_ds_config(raw: dict[str, Any], micro_batch: int, grad_accum: int, world_size: int,
@@ -94,7 +98,31 @@ def complete_ds_config(raw: dict[str, Any], micro_batch: int, grad_accum: int, w
     done = {**copy.deepcopy(raw), **wanted}
     if done.get("zero_optimization", {}).get("stage", 0) > 0:
         done["zero_allow_untested_optimizer"] = True   # our torch AdamW is fine under ZeRO-1/2
+    check_with_deepspeed(done, source)
     return done
+
+
+def check_with_deepspeed(config: dict[str, Any], source: str) -> None:
+    """DeepSpeed's own schema (pydantic) on the completed JSON, before the engine starts: a nested typo or a
+    value of the wrong type is one line naming the key, not a traceback from deepspeed.initialize."""
+    import pydantic
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    if config.get("fp16", {}).get("enabled") and get_accelerator().device_name() == "cpu":
+        raise UserError(f"{source}: fp16 needs a GPU (DeepSpeed's loss scaler has no CPU path); on CPU use "
+                        f"\"bf16\": {{\"enabled\": true}} or no half precision")
+    schema_only = {key: value for key, value in copy.deepcopy(config).items() if key != "train_batch_size"}
+    try:   # (without train_batch_size, which DeepSpeed checks against this process's world size)
+        DeepSpeedConfig(schema_only)
+    except pydantic.ValidationError as e:
+        error = e.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        section = next((key for key, value in config.items() if isinstance(value, dict)
+                        and error["loc"] and error["loc"][0] in value), None)
+        key = f"{section}.{where}" if section else where
+        raise UserError(f"{source}: '{key}': {error['msg']} (got {error.get('input')!r}); see "
+                        f"https://www.deepspeed.ai/docs/config-json/") from None
 
 
 def zero_stage(config: dict[str, Any]) -> int:

@@ -30,7 +30,7 @@ from moe_scale.train.engine import Trainer
 from moe_scale.train.evaluate import evaluate
 from moe_scale.train.mae_bcd import mae_schedule
 from moe_scale.train.factored_optimizer import check_optimizer_fits
-from moe_scale.train.run_dir import check_run_dir, create_run_dir, write_json_atomic
+from moe_scale.train.run_dir import check_run_dir, claim_run_dir, write_json_atomic
 from moe_scale.train.scale_options import build_softmax
 
 _EVAL_TOTALS = ("ppl", "nll_per_token", "tokens")
@@ -81,12 +81,6 @@ def run_training(config: RunConfig) -> dict:
                                    f"--ds-config {t.ds_config or '(built-in)'}")
     data = build_lm_data(config.data, env, global_rows=t.batch_size,
                          saved_vocab=run / "vocab" if t.resume else None, train_config=t)
-    if env.rank == 0:
-        create_run_dir(run, t.resume, t.overwrite)
-        data.vocab.save(run / "vocab")
-        config.save(run / "config.json")
-        write_json_atomic(run / "ds_config.json", ds_config)
-    dist.barrier()
 
     torch.manual_seed(t.seed)
     model = build_model(m, len(data.vocab), ep_size=t.ep_size, ep_rank=env.rank % t.ep_size, seed=t.seed)
@@ -98,6 +92,23 @@ def run_training(config: RunConfig) -> dict:
     engine = trainer.engine
     noises = _install_noise(model, config, env)
     start_step = load_checkpoint(engine, run, data.train) if t.resume else 0
+    # Only now, with every input checked and the engine built, does the run directory change.
+    lock = claim_run_dir(run, t.resume, t.overwrite) if env.rank == 0 else None
+    try:
+        if env.rank == 0:
+            data.vocab.save(run / "vocab")
+            config.save(run / "config.json")
+            write_json_atomic(run / "ds_config.json", ds_config)
+        dist.barrier()
+        return _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_config)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_config) -> dict:
+    t, m = config.train, config.model
+    engine = trainer.engine
     if getattr(data.train, "last_step", None) is not None:   # resumed a streamed run whose one pass was done
         t.max_steps = start_step
 

@@ -1,0 +1,223 @@
+"""Per-expert products as grouped GEMMs: one call for all experts, whatever their number.
+
+Legend: M rows sorted by expert (`counts_E[e]` of them for expert e), E experts, I and O the two matrix
+widths; offsets are int32 row ends on the device, which is what grouped GEMMs read, so nothing here waits
+for the device.
+
+    rows_times_expert   out[rows of e] = a[rows of e] @ b[e]                 [M, I] x [E, I, O] -> [M, O]
+    per_expert_outer    out[e] = a[rows of e].T @ b[rows of e]              [M, I] x [M, O] -> [E, I, O]
+
+Kernels (`GroupLayout` picks one per layer from the device and dtype; tests force each in turn):
+
+    native   cpu_kernels.c: CPU float32, register-tiled, each expert's weights streamed once (moe/cpu_kernels.py)
+    grouped  torch's F.grouped_mm. On CUDA its fast path is bfloat16 on compute capability 9.x/10.x (a CUTLASS
+             kernel that takes at most 1,023 groups: more experts run as several calls); on CPU every dtype.
+    triton   DeepSpeed's Triton grouped GEMM, on CUDA where F.grouped_mm has no fast path (float32, float16,
+             A100 and older GPUs), with TF32 tensor cores for float32.
+    loop     one matmul per expert: the last resort, announced by a one-line warning saying why.
+
+Weight gradients take the token dimension as the strided (outer) one of both operands, so every expert's
+rows start 16-byte aligned for any number of rows (no per-expert padding, which grouped GEMMs otherwise
+need); D and H must be multiples of 8 for bfloat16 on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+
+from moe_scale.moe import cpu_kernels
+from moe_scale.moe.kernel_policy import policy_for
+
+KERNELS = ("loop", "grouped", "triton", "native")
+# Rows per expert: on the device (what grouped GEMMs read), as a host list, or both (device, host).
+Counts = Union[torch.Tensor, list[int], tuple[torch.Tensor, list[int]]]
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """[M, K] @ [G, K, N] (rows split by offsets) or [K, M] @ [M, N] -> [G, K, N] (reduction split): either
+    way each element of `a` is multiplied with one row of N values of `b`, so 2 * |a| * N FLOPs."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+def register_flop_formula() -> None:
+    """Lets torch's FlopCounterMode count grouped GEMMs (torch has no formula for them yet)."""
+    if not hasattr(torch.ops.aten, "_grouped_mm"):
+        return
+    from torch.utils.flop_counter import flop_registry, register_flop_formula as register
+
+    if torch.ops.aten._grouped_mm.default not in flop_registry:
+        register(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
+
+
+@functools.cache
+def _triton_ops():
+    """DeepSpeed's Triton grouped GEMM (forward products and weight gradients), or None without Triton."""
+    try:
+        from deepspeed.ops.triton_ops import group_gemm_triton as ops
+        from deepspeed.ops.triton_ops._triton import is_triton_available
+    except ImportError:
+        return None
+    return ops if is_triton_available() else None
+
+
+def _cuda_fast_grouped_mm(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16 and torch.cuda.get_device_capability(t.device)[0] in (9, 10)
+
+
+def choose_kernel(like: torch.Tensor) -> str:
+    """The kernel for products of tensors like `like` (device and dtype)."""
+    policy = policy_for(like)
+    if like.device.type == "cpu":
+        if policy.native_cpu and cpu_kernels.available(like):
+            return "native"
+        if like.dtype not in _GROUPED_DTYPES:
+            return _loop_with_warning(like, "grouped GEMMs take float32, bfloat16 and float16")
+        return "grouped" if hasattr(F, "grouped_mm") else _loop_with_warning(like, "this torch has no F.grouped_mm")
+    if hasattr(F, "grouped_mm") and _cuda_fast_grouped_mm(like):
+        return "grouped"
+    if like.dtype in _GROUPED_DTYPES and _triton_ops() is not None:
+        return "triton"
+    return _loop_with_warning(like, "F.grouped_mm has no fast path for it and Triton is not installed")
+
+
+@functools.cache
+def _warn_loop(device: str, dtype: str, why: str) -> None:
+    warnings.warn(f"moe_scale: the experts run one matmul per expert on {device} {dtype} ({why}); "
+                  f"install triton or train in bfloat16 on an H100-class GPU for grouped GEMMs", stacklevel=3)
+
+
+def _loop_with_warning(like: torch.Tensor, why: str) -> str:
+    _warn_loop(like.device.type, str(like.dtype).replace("torch.", ""), why)
+    return "loop"
+
+
+class GroupLayout:
+    """M rows sorted by expert, `counts[e]` of them for expert e, and the kernel every product uses.
+
+    The counts on the host (the dispatcher reads them once for its all-to-all and passes both) are needed
+    only to split more than `max_groups` experts into several calls, and by the loop kernel; without them
+    those two read the device's counts themselves."""
+
+    def __init__(self, counts: Counts, like: torch.Tensor, kernel: str | None = None):
+        if kernel is not None and kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if kernel == "native" and not cpu_kernels.available(like):
+            raise ValueError(f"kernel 'native' takes CPU float32 tensors and a built library; got "
+                             f"{like.device.type} {like.dtype}")
+        self.kernel = kernel or choose_kernel(like)
+        if isinstance(counts, tuple):
+            counts_E, self._host_counts = counts
+        elif isinstance(counts, torch.Tensor):
+            counts_E, self._host_counts = counts, None
+        else:
+            self._host_counts = list(counts)
+            counts_E = torch.tensor(self._host_counts, dtype=torch.long)
+        self.counts_E = counts_E.to(device=like.device, dtype=torch.long)
+        self.num_groups = self.counts_E.shape[0]
+        self.offsets = self.counts_E.cumsum(0, dtype=torch.int32)   # row ends, what grouped GEMMs take
+        if self.kernel == "native":
+            self.offsets_E1 = torch.cat([self.counts_E.new_zeros(1), self.offsets.long()])
+        max_groups = policy_for(like).max_groups
+        self.chunks = self._chunks(max_groups) if self.kernel in ("grouped", "triton") and max_groups \
+            and self.num_groups > max_groups else None
+
+    @property
+    def host_counts(self) -> list[int]:
+        if self._host_counts is None:
+            self._host_counts = self.counts_E.tolist()
+        return self._host_counts
+
+    def _chunks(self, max_groups: int) -> list[tuple[int, int, int, int, torch.Tensor]]:
+        """(first expert, end expert, first row, end row, chunk-relative offsets) per call of at most
+        `max_groups` experts."""
+        counts, chunks, row = self.host_counts, [], 0
+        for first in range(0, self.num_groups, max_groups):
+            end = min(first + max_groups, self.num_groups)
+            rows = sum(counts[first:end])
+            chunks.append((first, end, row, row + rows, self.offsets[first:end] - row))
+            row += rows
+        return chunks
+
+
+def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayout,
+                      a_index_M: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ b[e]: [M, O]. With `a_index_M`, row r reads a[a_index_M[r]] (the native
+    kernel gathers as it reads; the others gather first); `relu` clamps the result at 0."""
+    if layout.kernel == "native":   # b is a weight [E, I, O] or a weight's transpose
+        if b_EIO.transpose(1, 2).is_contiguous():
+            return cpu_kernels.rows_times_wt(a_MI, b_EIO.transpose(1, 2), layout.offsets_E1, a_index_M, relu)
+    if a_index_M is not None:
+        a_MI = a_MI.index_select(0, a_index_M)
+    if layout.kernel == "native":
+        out_MO = cpu_kernels.rows_times_w(a_MI, b_EIO, layout.offsets_E1)
+    elif a_MI.shape[0] == 0:
+        out_MO = a_MI.new_empty(0, b_EIO.shape[2])
+    elif layout.kernel in ("grouped", "triton"):
+        product = _grouped_rows if layout.kernel == "grouped" else _triton_rows
+        if layout.chunks is None:
+            out_MO = product(a_MI, b_EIO, layout.offsets)
+        else:
+            out_MO = torch.cat([product(a_MI[r0:r1], b_EIO[e0:e1], offsets)
+                                for e0, e1, r0, r1, offsets in layout.chunks])
+    else:
+        out_MO = a_MI.new_empty(a_MI.shape[0], b_EIO.shape[2])
+        start = 0
+        for e, count in enumerate(layout.host_counts):
+            if count:
+                torch.mm(a_MI[start:start + count], b_EIO[e], out=out_MO[start:start + count])
+                start += count
+    return out_MO.relu_() if relu else out_MO
+
+
+def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout,
+                     out: tuple[torch.Tensor, bool] | None = None, b_index_M: torch.Tensor | None = None) -> torch.Tensor:
+    """out[e] = a[rows of e].T @ b[rows of e]: [E, I, O], exact zeros for an expert with no rows. With
+    `b_index_M`, row r of b is b[b_index_M[r]]. `out` (native kernel only): a buffer to write over, and
+    whether it was written before (experts.GradientBuffers.take)."""
+    if layout.kernel == "native":
+        return cpu_kernels.rows_outer(a_MI, b_MO, layout.offsets_E1, *(out or ()), b_index_M=b_index_M)
+    if b_index_M is not None:
+        b_MO = b_MO.index_select(0, b_index_M)
+    if a_MI.shape[0] == 0:
+        return a_MI.new_zeros(layout.num_groups, a_MI.shape[1], b_MO.shape[1])
+    if layout.kernel in ("grouped", "triton"):
+        product = _grouped_outer if layout.kernel == "grouped" else _triton_outer
+        if layout.chunks is None:
+            return product(a_MI, b_MO, layout.offsets, layout.counts_E)
+        return torch.cat([product(a_MI[r0:r1], b_MO[r0:r1], offsets, layout.counts_E[e0:e1])
+                          for e0, e1, r0, r1, offsets in layout.chunks])
+    out_EIO = a_MI.new_empty(layout.num_groups, a_MI.shape[1], b_MO.shape[1])
+    start = 0
+    for e, count in enumerate(layout.host_counts):
+        if count:
+            torch.mm(a_MI[start:start + count].t(), b_MO[start:start + count], out=out_EIO[e])
+            start += count
+        else:
+            out_EIO[e].zero_()
+    return out_EIO
+
+
+def _grouped_rows(a_MI: torch.Tensor, b_EIO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return F.grouped_mm(a_MI, b_EIO, offs=offsets)
+
+
+def _triton_rows(a_MI: torch.Tensor, b_EIO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _triton_ops()._group_gemm(a_MI.contiguous(), b_EIO, offsets)
+
+
+def _grouped_outer(a_MI, b_MO, offsets, counts_E) -> torch.Tensor:
+    out_EIO = F.grouped_mm(a_MI.t(), b_MO, offs=offsets)
+    if out_EIO.is_cuda and torch.cuda.get_device_capability(out_EIO.device)[0] == 10:
+        # Blackwell's kernel leaves experts without rows unwritten (pytorch/pytorch#172439); Hopper zeroes them.
+        out_EIO.masked_fill_((counts_E == 0)[:, None, None], 0.0)
+    return out_EIO
+
+
+def _triton_outer(a_MI, b_MO, offsets, counts_E) -> torch.Tensor:
+    return _triton_ops()._grouped_dw(a_MI.contiguous(), b_MO.contiguous(), offsets, offsets.shape[0])

@@ -1,0 +1,190 @@
+"""--out and --overwrite never delete what moe_scale did not write; one live run per directory; a start that
+fails leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_scale.errors import UserError
+from moe_scale.train.run_dir import MARKER, check_run_dir, claim_run_dir, holds_run
+from moe_scale.train.run_lock import LOCK_NAME, RunLock, live_owner
+from tests.train.run_helpers import TINY, _env, run_train, step_log
+from tests.train.test_cli_errors import FAST, assert_one_line_error, run_cli
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("the cat sat on the mat .\n" * 400)
+    return path
+
+
+def _fake_run(run: Path, checkpoint: bool = True) -> None:
+    run.mkdir(parents=True)
+    (run / MARKER).write_text("{}")
+    (run / "config.json").write_text(json.dumps({"model": {}, "data": {}, "train": {}}))
+    (run / "train_log.jsonl").write_text("")
+    if checkpoint:
+        (run / "checkpoints").mkdir()
+        (run / "checkpoints" / "complete").write_text('{"tag": "step00000001", "step": 1}')
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path, corpus):
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "corpus.txt").write_text(corpus.read_text())
+    proc = run_cli("train", "--data", str(d / "corpus.txt"), "--out", str(d), "--overwrite", *FAST, cwd=tmp_path)
+    assert_one_line_error(proc, "does not hold a moe_scale run")
+    assert sorted(p.name for p in d.iterdir()) == ["corpus.txt"]
+
+
+def test_overwrite_refuses_a_run_beside_foreign_files(tmp_path):
+    run = tmp_path / "run"
+    _fake_run(run)
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"did not write \(notes.txt\)"):
+        check_run_dir(str(run), resume=False, overwrite=True)
+    assert (run / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("out", ["", "  ", ".", "..", "/"])
+def test_empty_current_root_and_parent_directories_are_refused(tmp_path, monkeypatch, out):
+    work = tmp_path / "a" / "b"
+    _fake_run(work)
+    monkeypatch.chdir(work)
+    with pytest.raises(UserError, match="--out"):
+        check_run_dir(out, resume=False, overwrite=True)
+    assert (work / "config.json").exists()
+
+
+def test_home_is_refused(tmp_path, monkeypatch):
+    _fake_run(tmp_path / "home")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with pytest.raises(UserError, match="home"):
+        check_run_dir(str(tmp_path / "home"), resume=False, overwrite=True)
+
+
+def test_empty_out_is_refused_without_overwrite(tmp_path, corpus):
+    proc = run_cli("train", "--data", str(corpus), "--out", "", *FAST, cwd=tmp_path)
+    assert_one_line_error(proc, "--out is empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
+
+
+def test_overwrite_deletes_only_the_runs_own_files(tmp_path):
+    run = tmp_path / "run"
+    _fake_run(run)
+    (run / "tb").mkdir()
+    (run / "tb" / "events").write_text("x")
+    check_run_dir(str(run), resume=False, overwrite=True)
+    lock = claim_run_dir(run, resume=False, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME, MARKER]
+    lock.release()
+    assert sorted(p.name for p in run.iterdir()) == [MARKER]
+
+
+def test_a_run_that_never_checkpointed_says_how_to_start_again(tmp_path):
+    run = tmp_path / "run"
+    _fake_run(run, checkpoint=False)
+    for resume in (False, True):
+        with pytest.raises(UserError, match="before its first complete checkpoint.*--overwrite"):
+            check_run_dir(str(run), resume=resume, overwrite=False)
+    check_run_dir(str(run), resume=False, overwrite=True)
+
+
+def test_runs_written_before_the_marker_are_still_runs(tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps({"model": {}, "data": {}, "train": {}}))
+    assert holds_run(old)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"name": "some other tool"}')
+    assert not holds_run(other)
+
+
+def test_live_lock_refuses_and_stale_lock_is_taken_over(tmp_path, capfd):
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = RunLock.acquire(run)   # this process: live
+    assert "pid" in json.loads((run / LOCK_NAME).read_text())
+    with pytest.raises(UserError, match="in use by a live run"):
+        check_run_dir(str(run), resume=False, overwrite=True)
+    with pytest.raises(UserError, match="in use by a live run"):
+        RunLock.acquire(run)
+    lock.release()
+    assert not (run / LOCK_NAME).exists()
+
+    (run / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "start": "1"}))
+    assert live_owner(run) is None
+    lock = RunLock.acquire(run)
+    assert "taking over the stale lock" in capfd.readouterr().err
+    lock.release()
+
+    (run / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "start": "0"}))
+    assert live_owner(run) is None, "a reused PID (another start time) is not the owner"
+
+    (run / LOCK_NAME).write_text(json.dumps({"host": "another-node", "pid": 1}))
+    assert "another-node" in live_owner(run) and "delete" in live_owner(run)
+
+
+def test_release_leaves_someone_elses_lock(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = RunLock.acquire(run)
+    (run / LOCK_NAME).write_text(json.dumps({"host": "another-node", "pid": 7}))
+    lock.release()
+    assert (run / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ('{"zero_optimization": {"stage": 2, "overlap_comm": "maybe"}}', "'zero_optimization.overlap_comm'"),
+    ('{"zero_optimization": {"stagee": 2}}', "'zero_optimization.stagee'"),
+    ('{"zero_optimization": {"stage": true}}', "stage must be 0, 1 or 2"),
+    ('{"gradient_clipping": "abc"}', "gradient_clipping must be a number"),
+    ('{"fp16": {"enabled": true}}', "fp16 needs a GPU"),
+])
+def test_deepspeed_json_errors_are_one_line_before_anything_is_written(tmp_path, corpus, content, fragment):
+    ds = tmp_path / "ds.json"
+    ds.write_text(content)
+    out = tmp_path / "run"
+    proc = run_cli("train", "--data", str(corpus), "--ds-config", str(ds), "--out", str(out), *FAST, cwd=tmp_path)
+    assert_one_line_error(proc, fragment)
+    assert not out.exists()
+
+
+def test_a_second_run_on_a_live_directory_is_refused(tmp_path, embedded_cache):
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "moe_scale", "train", *TINY, "--max-steps", "100000",
+                              "--out", str(run)], cwd=tmp_path, env=_env(embedded_cache),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not (run / LOCK_NAME).exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert first.poll() is None, "the first run ended early"
+        for extra in ([], ["--overwrite"], ["--resume"]):
+            proc = run_cli("train", *TINY, "--max-steps", "2", "--out", str(run), *extra, cwd=tmp_path)
+            assert_one_line_error(proc, "in use by a live run", str(first.pid))
+    finally:
+        first.kill()
+        first.wait()
+    assert (run / "config.json").exists()
+    # killed with -9: its lock is stale, and --overwrite starts the run again
+    proc = run_train([*TINY, "--max-steps", "2", "--out", str(run), "--overwrite"], cwd=tmp_path, cache=embedded_cache)
+    assert "taking over the stale lock" in proc.stderr
+    assert [r["step"] for r in step_log(run)] == [1, 2]
+    assert not (run / LOCK_NAME).exists() and (run / MARKER).exists()
