@@ -52,7 +52,7 @@ def test_bench_experts_times_each_kernel_asked_for_and_checks_it_against_the_loo
     from moe_scale.moe import cpu_kernels
     import torch
 
-    kernels = ["loop", "padded"] + (["native"] if cpu_kernels.available(torch.empty(0)) else [])
+    kernels = ["loop", "grouped"] + (["native"] if cpu_kernels.available(torch.empty(0)) else [])
     proc = _run("--experts", "4", *TINY, "--kernels", ",".join(kernels))
     assert proc.returncode == 0, proc.stderr
     grouped = [json.loads(line) for line in proc.stdout.splitlines() if '"grouped"' in line]

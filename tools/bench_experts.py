@@ -7,7 +7,7 @@ H expert hidden dim, E experts. Rows per expert are drawn from a uniform multino
 Implementations, all timed in the same run, interleaved repeat by repeat so machine noise hits them alike:
   grouped      moe_scale's GroupedExperts (custom grouped-matmul autograd function), once per --kernels entry:
                auto (GroupLayout's choice), native (moe/cpu_kernels.c), grouped (torch's grouped GEMM),
-               padded, loop.
+               triton (DeepSpeed's Triton grouped GEMM, CUDA), loop.
   sliced_loop  the naive reference: a Python loop of relu(x[a:b] @ w_in[e].T) @ w_out[e] over nn.Parameter
                stacks. Autograd builds a full-size [E, D, H] gradient per expert slice: O(E^2). Skipped
                above --max-naive-experts (a JSON line with "skipped" says so).
@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from moe_scale.moe import cpu_kernels
-from moe_scale.moe.experts import KERNELS, GroupedExperts, GroupLayout, _grouped_mm_available, expert_ffn
+from moe_scale.moe.experts import GroupedExperts, expert_ffn
+from moe_scale.moe.grouped_gemm import KERNELS, GroupLayout, kernel_for
 
 KERNEL_CHOICES = ("auto",) + KERNELS
 
@@ -76,9 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     like = torch.empty(0, device=device)
     if "native" in args.kernels and not cpu_kernels.available(like):
         p.error(f"--kernels native: the native kernels take CPU float32 and a built library, not available here "
-                f"(device {device}); choose from auto,grouped,padded,loop")
-    if "grouped" in args.kernels and not _grouped_mm_available(like):
-        p.error("--kernels grouped: torch's grouped GEMM is CPU-only here; choose from auto,padded,loop")
+                f"(device {device}); choose from auto,grouped,triton,loop")
+    for kernel in ("grouped", "triton"):
+        capability = torch.cuda.get_device_capability(like.device) if like.is_cuda else None
+        if kernel in args.kernels and kernel_for(like.device.type, like.dtype, capability, True, True)[0] != kernel:
+            p.error(f"--kernels {kernel}: not for {like.device.type} {like.dtype} here; choose from auto,loop and "
+                    f"the kernel auto picks")
     return args
 
 
@@ -171,8 +175,8 @@ def bench_one(num_experts: int, args: argparse.Namespace) -> list[dict]:
         name, kernel = ("grouped", kernel_of[impl]) if impl in kernel_of else (impl, None)
         line = {**base, "impl": name, "kernel": kernel, "ms_per_step": None, "speedup_vs_sliced_loop": None,
                 "ratio_to_dense": None, "max_abs_diff": None, "skipped": None}
-        if kernel == "auto":   # what GroupLayout picked: the row products' kernel and the weight gradients'
-            line["kernel"] = f"auto: {layout.matmul_kernel}/{layout.outer_kernel}"
+        if kernel == "auto":   # what GroupLayout picked
+            line["kernel"] = f"auto: {layout.kernel}"
         if impl not in ms:
             line["skipped"] = f"experts {num_experts} > --max-naive-experts {args.max_naive_experts}"
         else:

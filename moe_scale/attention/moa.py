@@ -37,6 +37,7 @@ from torch import nn
 
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.experts import grouped_matmul
+from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.layer import MoELayer, MoEStats, _per_expert_to_stacked_keys, _stacked_to_per_expert_keys
 from moe_scale.moe.softmax_router import SoftmaxTopKRouter
 
@@ -104,10 +105,10 @@ class MoAAttention(MoELayer):
         position_N1 = (group_rank * B * T + torch.arange(B * T, device=x_BTD.device))[:, None]
         tokens_MD, state = self.dispatcher.dispatch(x_ND, token_index_P, expert_P)
         position_M = self.dispatcher.follow(position_N1, state)[:, 0]
-        y_MD = self._experts(tokens_MD, position_M, kv_STd, T, state.tokens_per_expert)
+        y_MD = self._experts(tokens_MD, position_M, kv_STd, T, (state.tokens_per_expert_L, state.tokens_per_expert))
         return self.dispatcher.combine(y_MD, gate_P, state).to(x_BTD.dtype).view(B, T, D), route.aux_loss
 
-    def _experts(self, tokens_MD, position_M, kv_STd, T: int, tokens_per_expert: list[int]) -> torch.Tensor:
+    def _experts(self, tokens_MD, position_M, kv_STd, T: int, tokens_per_expert) -> torch.Tensor:
         """Each arrived row's expert query attends over its own sequence's shared K/V (causally).
 
         The rows are laid out densely as [S sequences, R slots, T positions] (R = min(k, L): a token sends at
@@ -144,7 +145,7 @@ class MoAAttention(MoELayer):
 def _slot_within_token(position_M: torch.Tensor, num_positions: int) -> torch.Tensor:
     """For rows that share a query token (same position), 0, 1, 2, ... in row order."""
     order_M = torch.argsort(position_M, stable=True)
-    count_P = torch.bincount(position_M, minlength=num_positions)
+    count_P = count_per_bin(position_M, num_positions)
     first_P = count_P.cumsum(0) - count_P
     slot_M = torch.empty_like(position_M)
     slot_M[order_M] = torch.arange(len(position_M), device=position_M.device) - first_P[position_M[order_M]]

@@ -47,33 +47,40 @@ class MeanTracker:
 class MoEMetrics:
     """Per MoE layer: importance and load summed over the forwards seen since the last reset, and the
     router's own metrics averaged over them. Keys are prefixed with `layer<i>_` when there are several
-    MoE layers."""
+    MoE layers. The sums stay on the layers' device between log points; `values()` reads them."""
 
     def __init__(self, layers):
         self.layers = list(layers)
         self.reset()
 
     def reset(self) -> None:
-        self.importance = [0.0] * len(self.layers)
-        self.load = [0.0] * len(self.layers)
-        self.router = MeanTracker()
+        self.importance: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.load: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.router_sums: dict[str, torch.Tensor | float] = {}
+        self.count = 0
 
     def add(self) -> None:
-        """Record the last forward of every layer."""
-        router: dict[str, float] = {}
+        """Record the last forward of every layer (device additions only)."""
         for index, layer in enumerate(self.layers):
-            self.importance[index] = self.importance[index] + layer.stats.importance_E.double()
-            self.load[index] = self.load[index] + layer.stats.load_E.double()
-            router.update({self._prefix(index) + name: float(v) for name, v in layer.stats.metrics.items()})
-        self.router.add(router)
+            stats = layer.stats
+            importance, load = stats.importance_E.detach().double(), stats.load_E.detach().double()
+            self.importance[index] = importance if self.importance[index] is None else \
+                self.importance[index] + importance
+            self.load[index] = load if self.load[index] is None else self.load[index] + load
+            for name, value in stats.metrics.items():
+                key = self._prefix(index) + name
+                value = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
+                self.router_sums[key] = self.router_sums.get(key, 0.0) + value
+        self.count += 1
 
     def values(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for index in range(len(self.layers)):
-            if isinstance(self.importance[index], torch.Tensor):
+            if self.importance[index] is not None:
                 balance = balance_metrics(self.importance[index], self.load[index])
                 out.update({self._prefix(index) + name: value for name, value in balance.items()})
-        return {**out, **self.router.means()}
+        out.update({name: float(total) / max(self.count, 1) for name, total in self.router_sums.items()})
+        return out
 
     def _prefix(self, index: int) -> str:
         return "" if len(self.layers) == 1 else f"layer{index}_"

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from moe_scale.data.embedded import cache_root
+from moe_scale.moe.kernel_policy import policy_for
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_gating.c", "cpu_noise.c"))
 # -fno-math-errno: math calls without errno side effects, so loops calling them vectorise; glibc's vector
@@ -117,8 +118,10 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def available(like: torch.Tensor) -> bool:
-    """The kernels take CPU float32 tensors, and need the library built."""
-    return like.device.type == "cpu" and like.dtype == torch.float32 and _library() is not None
+    """The kernels take CPU float32 tensors, and need the library built (and not turned off by
+    kernel_policy.gpu_decisions(), which traces what a GPU would run)."""
+    return like.device.type == "cpu" and like.dtype == torch.float32 and policy_for(like).native_cpu \
+        and _library() is not None
 
 
 def _index(index_M: torch.Tensor | None, num_rows: int, num_sources: int) -> torch.Tensor | None:

@@ -7,13 +7,19 @@ P expert-parallel ranks, L = E / P local experts per rank, M pairs and R rows th
 Expert e lives on EP rank e // L. Memory grows with N*K, never with N*E: no dense dispatch mask, no
 [tokens, experts, capacity] tensor.
 
-    dispatch:  sort the copies by expert (capacity mode: by expert, then by gate, highest first, and drop
-               each expert's copies beyond its capacity) ─▶ one row per (token, destination rank), however
-               many of its experts live there, plus one int per pair saying which of those rows it uses
-               ─▶ the exchange (moe/exchange.py: counts, then variable-size all-to-alls, flat or
-               hierarchical) ─▶ the receiver expands rows to pairs, grouped by local expert
+    dispatch:  sort the copies by expert (capacity mode: by expert, then by gate, highest first, and move
+               each expert's copies beyond its capacity to the end) ─▶ one row per (token, destination rank),
+               however many of its experts live there, plus one int per pair saying which of those rows it
+               uses ─▶ the exchange (moe/exchange.py: counts of pairs and rows in one exchange and one read to
+               the host, then variable-size all-to-alls, flat or hierarchical) ─▶ the receiver expands rows to
+               pairs, grouped by local expert
     combine:   the gates follow the pairs; the receiver sums gate x expert output per arrived row, so the
                way back carries one row per (token, rank) too, and the sender adds each token's rows
+
+Everything before the exchange works on all C pairs with static shapes (dropped copies sort last, distinct
+rows are marked rather than compacted), so the only device-to-host copy of the step is the exchange's read
+of the counts, which all_to_all_single needs as Python ints; what is compacted afterwards is cut at those
+counts. No unique, nonzero, bincount or item on the way.
 
 The MoE layer uses the row-level halves: `dispatch_rows` stops at the arrived rows and `combine_rows` starts
 from the per-row sums, because its experts gather the pairs' rows and sum their gated outputs themselves
@@ -41,6 +47,7 @@ import torch
 
 from moe_scale.distributed.comm import world_size
 from moe_scale.moe.exchange import FlatExchange, LocalExchange, Route
+from moe_scale.moe.kernel_policy import count_per_bin
 
 MODES = ("dropless", "capacity")
 
@@ -55,7 +62,8 @@ class DispatchState:
     pair_route: Route                   # how the S pairs travelled
     arrived_row_M: torch.Tensor         # for each arrived pair, its row among the R arrived rows
     num_arrived_rows: int               # R
-    tokens_per_expert: list[int]        # pairs per local expert after the exchange
+    tokens_per_expert: list[int]        # pairs per local expert after the exchange (host)
+    tokens_per_expert_L: torch.Tensor   # the same on the device
     num_tokens: int
     dropped_pairs: int                  # copies this rank dropped (capacity mode)
     num_pairs: int                      # copies this rank routed
@@ -102,55 +110,75 @@ class AllToAllDispatcher:
         """As `dispatch`, but returns the R arrived rows (one per (token, rank)); pair m reads row
         state.arrived_row_M[m]."""
         num_tokens, num_pairs = x_ND.shape[0], expert_C.shape[0]
+        P, L, device = self.ep_size, self.num_local_experts, x_ND.device
         if self.mode == "capacity":
             if gate_C is None:
                 raise ValueError("capacity dispatch needs the gates to decide which copies to drop")
-            sort_order_S, counts_E = self._keep_highest_gates(expert_C, gate_C.detach())
+            order_C, dropped_C, counts_E = self._keep_highest_gates(expert_C, gate_C.detach())
         else:
-            sort_order_S = torch.argsort(expert_C, stable=True)
-            counts_E = torch.bincount(expert_C, minlength=self.num_experts)
-        P, L = self.ep_size, self.num_local_experts
-        expert_S = expert_C.index_select(0, sort_order_S)
-        rank_S = torch.div(expert_S, L, rounding_mode="floor")
-        # One row per (destination rank, token), sorted rank-major: what the row all-to-all carries.
-        row_key_U, row_of_pair_S = torch.unique(rank_S * num_tokens + token_index_C.index_select(0, sort_order_S),
-                                                sorted=True, return_inverse=True)
-        unique_token_U = row_key_U % num_tokens
-        rows_per_rank_P = torch.bincount(torch.div(row_key_U, num_tokens, rounding_mode="floor"), minlength=P)
+            order_C = torch.argsort(expert_C, stable=True)
+            counts_E, dropped_C = count_per_bin(expert_C, self.num_experts), None
+        # Destination rank of every sorted copy; dropped copies get rank P, which sorts after every row.
+        rank_C = torch.div(expert_C.index_select(0, order_C), L, rounding_mode="floor")
+        if dropped_C is not None:
+            rank_C = rank_C.masked_fill(dropped_C, P)
+        # One row per (destination rank, token), numbered rank-major: what the row all-to-all carries.
+        key_C = rank_C * num_tokens + token_index_C.index_select(0, order_C)
+        by_key_C = torch.argsort(key_C, stable=True)
+        sorted_key_C = key_C.index_select(0, by_key_C)
+        first_C = torch.ones_like(sorted_key_C, dtype=torch.bool)
+        first_C[1:] = sorted_key_C[1:] != sorted_key_C[:-1]
+        row_of_sorted_C = first_C.cumsum(0) - 1
+        row_of_pair_C = torch.empty_like(row_of_sorted_C).index_copy_(0, by_key_C, row_of_sorted_C)
+        rows_per_rank_P = torch.zeros(P + 1, dtype=torch.long, device=device).index_add_(
+            0, torch.div(sorted_key_C, num_tokens, rounding_mode="floor"), first_C.long())
         first_row_P = rows_per_rank_P.cumsum(0) - rows_per_rank_P
-        row_in_message_S = row_of_pair_S - first_row_P.index_select(0, rank_S)
+        row_in_message_C = row_of_pair_C - first_row_P.index_select(0, rank_C)
 
-        row_route = self.exchange.plan(rows_per_rank_P[:, None])
-        pair_route = self.exchange.plan(counts_E.view(P, L))
-        # One rank: the rows are the sorted distinct tokens, i.e. all of them in order when all are routed.
-        rows_are_tokens = isinstance(self.exchange, LocalExchange) and unique_token_U.shape[0] == num_tokens
+        # Counts of pairs (per local expert) and rows (per rank) travel together; the one host read.
+        kept_PL = counts_E.view(P, L)
+        pair_route, row_route = self.exchange.plan([kept_PL, rows_per_rank_P[:P, None]])
+        kept, num_rows = pair_route.num_sent, row_route.num_sent
+        sort_order_S = order_C[:kept]
+        unique_token_U = (sorted_key_C.new_empty(num_pairs).index_copy_(0, row_of_sorted_C, sorted_key_C)
+                          [:num_rows] % max(num_tokens, 1))
+
+        rows_are_tokens = isinstance(self.exchange, LocalExchange) and num_rows == num_tokens
         arrived_rows_RD = x_ND if rows_are_tokens else self.exchange.move(x_ND.index_select(0, unique_token_U),
                                                                            row_route)
-        row_in_message_M = self.exchange.move(row_in_message_S[:, None], pair_route)[:, 0]
+        row_in_message_M = self.exchange.move(row_in_message_C[:kept, None], pair_route)[:, 0]
         # Arrived rows are grouped by source rank; arrived pairs by (local expert, source rank).
-        rows_from_P = row_route.recv_counts_PL[:, 0]
-        recv_pairs_PL = pair_route.recv_counts_PL
-        source_M = torch.repeat_interleave(torch.arange(P, device=x_ND.device).repeat(L), recv_pairs_PL.t().reshape(-1))
+        rows_from_P = row_route.recv_counts_PX[:, 0]
+        recv_pairs_PL = pair_route.recv_counts_PX
+        num_arrived = pair_route.num_arrived
+        source_M = torch.repeat_interleave(torch.arange(P, device=device).repeat(L), recv_pairs_PL.t().reshape(-1),
+                                           output_size=num_arrived)
         arrived_row_M = (rows_from_P.cumsum(0) - rows_from_P).index_select(0, source_M) + row_in_message_M
+        per_expert = [sum(column) for column in zip(*pair_route.recv_counts)]
         state = DispatchState(sort_order_S, unique_token_U, row_route, pair_route, arrived_row_M,
-                              arrived_rows_RD.shape[0], recv_pairs_PL.sum(0).tolist(), num_tokens,
-                              num_pairs - sort_order_S.shape[0], num_pairs, rows_are_tokens)
+                              row_route.num_arrived, per_expert, recv_pairs_PL.sum(0), num_tokens,
+                              num_pairs - kept, num_pairs, rows_are_tokens)
         return arrived_rows_RD, state
 
     def follow(self, values_N: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """values_N[t] (any dtype, e.g. positions) delivered like token t's row by `dispatch`: [M, ...] in the
         order of its tokens_MD, without planning the exchange again."""
-        arrived = self.exchange.move(values_N.index_select(0, state.unique_token_U), state.row_route)
+        arrived = values_N if state.rows_are_tokens else \
+            self.exchange.move(values_N.index_select(0, state.unique_token_U), state.row_route)
         return arrived.index_select(0, state.arrived_row_M)
 
     def _keep_highest_gates(self, expert_C: torch.Tensor, gate_C: torch.Tensor):
+        """(order: kept copies by expert, then the dropped ones; which of the ordered copies are dropped;
+        kept copies per expert)."""
+        num_pairs = expert_C.shape[0]
         by_gate = torch.argsort(gate_C, descending=True, stable=True)
         order_C = by_gate.index_select(0, torch.argsort(expert_C.index_select(0, by_gate), stable=True))
-        counts_E = torch.bincount(expert_C, minlength=self.num_experts)
-        first_of_expert_C = torch.repeat_interleave(counts_E.cumsum(0) - counts_E, counts_E)
-        rank_in_expert_C = torch.arange(order_C.shape[0], device=order_C.device) - first_of_expert_C
-        capacity = self.capacity(expert_C.shape[0])
-        return order_C[rank_in_expert_C < capacity], counts_E.clamp(max=capacity)
+        counts_E = count_per_bin(expert_C, self.num_experts)
+        first_of_expert_C = torch.repeat_interleave(counts_E.cumsum(0) - counts_E, counts_E, output_size=num_pairs)
+        capacity = self.capacity(num_pairs)
+        dropped_C = torch.arange(num_pairs, device=expert_C.device) - first_of_expert_C >= capacity
+        to_end = torch.argsort(dropped_C.to(torch.uint8), stable=True)   # kept first, each in expert order
+        return order_C.index_select(0, to_end), dropped_C.index_select(0, to_end), counts_E.clamp(max=capacity)
 
     def pair_gates(self, gate_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """The gates of the arrived pairs [M], in the order of the experts' rows."""

@@ -1,19 +1,23 @@
 """Row exchanges between expert-parallel ranks: what moves the dispatcher's rows over the network.
 
-Legend: C rows this rank sends (sorted by destination global expert), D row width, P expert-parallel ranks,
-L local experts per rank, M rows that arrive here, S ranks per node, Q = P / S nodes.
+Legend: P expert-parallel ranks, X count columns (streams side by side: L local experts of pairs, one of
+rows), S ranks per node, Q = P / S nodes, D row width.
 
-An exchange plans a `Route` from the counts of rows per (destination rank, local expert) — counts are
-exchanged once — and then `move`s any tensor whose rows are sorted that way (token rows, int metadata,
-gates): the rows that arrive here come out grouped by local expert (expert-major, then source rank, then
-the sender's order). `move_back` is its exact reverse. Every step is a permutation or an autograd-aware
-all-to-all, so gradients flow both ways.
+An exchange plans `Route`s from counts of rows per (destination rank, column) — one count exchange per
+hop for all streams together, then ONE read of every count to the host, the only device-to-host copy of a
+layer's step (all_to_all_single takes its split sizes as Python ints) — and then `move`s any tensor whose
+rows are sorted that way (token rows, int metadata, gates): the rows that arrive here come out grouped by
+column (column-major, then source rank, then the sender's order). `move_back` is its exact reverse, and
+reuses the split sizes read in the forward. Every step is a permutation or an autograd-aware all-to-all.
 
     LocalExchange         P == 1: nothing moves.
     FlatExchange          one all-to-all of counts, one variable-size all-to-all of rows over the EP group.
     HierarchicalExchange  first within the node, to the rank with the destination's local index; then across
                           nodes among the ranks with that local index. Each row crosses the network once, and
                           a rank exchanges inter-node messages with Q peers instead of P, each S times larger.
+
+All-to-all time: on a GPU, CUDA events around each call, read when asked (at log intervals), so timing
+never synchronises the device; on CPU, the wall time of each call.
 """
 
 from __future__ import annotations
@@ -24,26 +28,52 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+_MAX_PENDING_EVENTS = 4096
+
 
 class CommTimer:
     """Seconds spent in all-to-all calls (forward and backward), for the all-to-all share of a step."""
 
     def __init__(self):
-        self.seconds = 0.0
-        self.calls = 0
+        self._seconds, self.calls = 0.0, 0
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def reset(self) -> None:
-        self.seconds, self.calls = 0.0, 0
+        self._seconds, self.calls, self._pending = 0.0, 0, []
+
+    @property
+    def seconds(self) -> float:
+        """Waits for the calls recorded so far to finish (once per log interval, not per call)."""
+        for start, end in self._pending:
+            end.synchronize()
+            self._seconds += start.elapsed_time(end) / 1000.0
+        self._pending = []
+        return self._seconds
 
     def run(self, fn, device: torch.device):
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        sync()   # GPU work queued before the call is not communication
-        start = time.perf_counter()
-        out = fn()
-        sync()
-        self.seconds += time.perf_counter() - start
         self.calls += 1
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            self._pending.append((start, end))
+            if len(self._pending) > _MAX_PENDING_EVENTS:   # nobody reads: fold in the finished ones
+                self._fold_finished()
+            return out
+        began = time.perf_counter()
+        out = fn()
+        self._seconds += time.perf_counter() - began
         return out
+
+    def _fold_finished(self) -> None:
+        keep = []
+        for start, end in self._pending:
+            if end.query():
+                self._seconds += start.elapsed_time(end) / 1000.0
+            else:
+                keep.append((start, end))
+        self._pending = keep
 
 
 def _all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -73,23 +103,23 @@ def all_to_all_rows(rows, out_splits: list[int], in_splits: list[int], group, ti
 
 
 def exchange_counts(send_AB: torch.Tensor, group, timer: CommTimer) -> torch.Tensor:
-    """Row a of `send_AB` goes to rank a of `group`; returns row b = what rank b sent here."""
+    """Row a of `send_AB` goes to rank a of `group`; returns row b = what rank b sent here (on the device)."""
     recv_AB = torch.empty_like(send_AB)
     timer.run(lambda: dist.all_to_all_single(recv_AB, send_AB.contiguous(), group=group), send_AB.device)
     return recv_AB
 
 
-def block_transpose_index(counts_AB: torch.Tensor) -> torch.Tensor:
-    """Rows laid out as blocks in (a, b) order, block (a, b) holding counts_AB[a, b] rows; returns idx with
-    rows[idx] laid out in (b, a) order, each block's rows kept in their order."""
+def block_transpose_index(counts_AB: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows laid out as blocks in (a, b) order, block (a, b) holding counts_AB[a, b] rows, `total` rows in
+    all; returns idx with rows[idx] laid out in (b, a) order, each block's rows kept in their order."""
     A, B = counts_AB.shape
     sizes = counts_AB.reshape(-1)
-    block_start_AB = (sizes.cumsum(0) - sizes).view(A, B)
-    starts_BA = block_start_AB.t().reshape(-1)
+    starts_BA = (sizes.cumsum(0) - sizes).view(A, B).t().reshape(-1)
     sizes_BA = counts_AB.t().reshape(-1)
-    within = torch.arange(int(sizes_BA.sum()), device=counts_AB.device) - torch.repeat_interleave(
-        sizes_BA.cumsum(0) - sizes_BA, sizes_BA)
-    return torch.repeat_interleave(starts_BA, sizes_BA) + within
+    begin_BA = sizes_BA.cumsum(0) - sizes_BA
+    shift_BA = starts_BA - begin_BA   # where a block's rows go minus where they come from
+    return torch.arange(total, device=counts_AB.device) + torch.repeat_interleave(shift_BA, sizes_BA,
+                                                                                 output_size=total)
 
 
 def _unpermute(rows: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
@@ -109,12 +139,44 @@ class _Stage:
 
 @dataclass
 class Route:
-    """How rows with given per-(destination rank, local expert) counts travel, planned once, used for every
-    tensor that follows the same rows (token rows, their metadata, their gates)."""
+    """How rows with given per-(destination rank, column) counts travel, planned once, used for every tensor
+    that follows the same rows (token rows, their metadata, their gates)."""
 
     stages: list[_Stage]
-    regroup_M: torch.Tensor | None      # arrival order -> (local expert, source rank) order
-    recv_counts_PL: torch.Tensor        # rows that arrive from each source rank for each local expert
+    regroup: torch.Tensor | None        # arrival order -> (column, source rank) order
+    recv_counts_PX: torch.Tensor        # rows that arrive from each source rank for each column (device)
+    send_counts: list[list[int]]        # the same counts on the host: [destination rank][column]
+    recv_counts: list[list[int]]        # [source rank][column]
+
+    @property
+    def num_sent(self) -> int:
+        return sum(map(sum, self.send_counts))
+
+    @property
+    def num_arrived(self) -> int:
+        return sum(map(sum, self.recv_counts))
+
+
+def _read_to_host(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The one device-to-host copy: every count tensor flattened, stacked and read at once."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]).tolist()
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start:start + t.numel()])
+        start += t.numel()
+    return out
+
+
+def _columns(host_flat: list[int], rows: int, width: int, first: int, last: int) -> list[list[int]]:
+    return [host_flat[r * width + first:r * width + last] for r in range(rows)]
+
+
+def _split_columns(counts: list[torch.Tensor]) -> list[tuple[int, int]]:
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + c.shape[1]))
+        start += c.shape[1]
+    return bounds
 
 
 class _Exchange:
@@ -123,17 +185,17 @@ class _Exchange:
     timer: CommTimer
 
     def move(self, rows: torch.Tensor, route: Route) -> torch.Tensor:
-        """Rows sorted by (destination rank, local expert) -> the rows that arrive here, expert-major."""
+        """Rows sorted by (destination rank, column) -> the rows that arrive here, column-major."""
         for stage in route.stages:
             if stage.order_before_send is not None:
                 rows = rows.index_select(0, stage.order_before_send)
             rows = all_to_all_rows(rows, stage.recv_splits, stage.send_splits, stage.group, self.timer)
-        return rows if route.regroup_M is None else rows.index_select(0, route.regroup_M)
+        return rows if route.regroup is None else rows.index_select(0, route.regroup)
 
     def move_back(self, rows: torch.Tensor, route: Route) -> torch.Tensor:
         """The exact reverse of `move`."""
-        if route.regroup_M is not None:
-            rows = _unpermute(rows, route.regroup_M)
+        if route.regroup is not None:
+            rows = _unpermute(rows, route.regroup)
         for stage in reversed(route.stages):
             rows = all_to_all_rows(rows, stage.send_splits, stage.recv_splits, stage.group, self.timer)
             if stage.order_before_send is not None:
@@ -145,19 +207,31 @@ class LocalExchange(_Exchange):
     def __init__(self, timer: CommTimer | None = None, group=None):
         self.group, self.timer = group, timer or CommTimer()
 
-    def plan(self, counts_PL: torch.Tensor) -> Route:
-        return Route([], None, counts_PL)
+    def plan(self, counts: list[torch.Tensor]) -> list[Route]:
+        """One Route per [1, X_i] count tensor; reads them to the host in one copy."""
+        host = _read_to_host(counts)
+        return [Route([], None, c, [h], [h]) for c, h in zip(counts, host)]
 
 
 class FlatExchange(_Exchange):
     def __init__(self, group, timer: CommTimer | None = None):
         self.group, self.timer = group, timer or CommTimer()
 
-    def plan(self, counts_PL: torch.Tensor) -> Route:
-        recv_counts_PL = exchange_counts(counts_PL, self.group, self.timer)
-        stage = _Stage(self.group, counts_PL.sum(1).tolist(), recv_counts_PL.sum(1).tolist(), None)
-        # Rows arrive as (source, expert) blocks; regroup to (expert, source).
-        return Route([stage], block_transpose_index(recv_counts_PL), recv_counts_PL)
+    def plan(self, counts: list[torch.Tensor]) -> list[Route]:
+        """One Route per [P, X_i] count tensor: one count exchange and one host read for all of them."""
+        send_PX = torch.cat(counts, dim=1)
+        recv_PX = exchange_counts(send_PX, self.group, self.timer)
+        P, X = send_PX.shape
+        send_h, recv_h = _read_to_host([send_PX, recv_PX])
+        routes = []
+        for first, last in _split_columns(counts):
+            send, recv = _columns(send_h, P, X, first, last), _columns(recv_h, P, X, first, last)
+            stage = _Stage(self.group, list(map(sum, send)), list(map(sum, recv)), None)
+            recv_counts_PX = recv_PX[:, first:last]
+            # Rows arrive as (source, column) blocks; regroup to (column, source).
+            regroup = block_transpose_index(recv_counts_PX, sum(stage.recv_splits))
+            routes.append(Route([stage], regroup, recv_counts_PX, send, recv))
+        return routes
 
 
 class HierarchicalExchange(_Exchange):
@@ -169,23 +243,38 @@ class HierarchicalExchange(_Exchange):
         self.S, self.Q = ranks_per_node, num_nodes
         self.timer = timer or CommTimer()
 
-    def plan(self, counts_PL: torch.Tensor) -> Route:
-        S, Q, L = self.S, self.Q, counts_PL.shape[1]
-        counts_QSL = counts_PL.view(Q, S, L)
-        # Hop 1, inside the node: to the rank whose local index is the destination's; order (s', q', l).
-        order1 = block_transpose_index(counts_QSL.sum(2))
-        send1_SQL = counts_QSL.transpose(0, 1).contiguous()
-        recv1_SQL = exchange_counts(send1_SQL.view(S, Q * L), self.intra_group, self.timer).view(S, Q, L)
-        hop1 = _Stage(self.intra_group, send1_SQL.sum((1, 2)).tolist(), recv1_SQL.sum((1, 2)).tolist(), order1)
-        # Hop 2, across nodes: arrived in (source s, q', l) order; regroup to (q', s, l) and send to node q'.
-        order2 = block_transpose_index(recv1_SQL.sum(2))
-        send2_QSL = recv1_SQL.transpose(0, 1).contiguous()
-        recv2_QSL = exchange_counts(send2_QSL.view(Q, S * L), self.inter_group, self.timer).view(Q, S, L)
-        hop2 = _Stage(self.inter_group, send2_QSL.sum((1, 2)).tolist(), recv2_QSL.sum((1, 2)).tolist(), order2)
-        # Arrived in (source node, source local index, l) = (source EP rank, l) order, exactly as a flat
-        # exchange delivers: the same regrouping makes each local expert's rows contiguous.
-        recv_counts_PL = recv2_QSL.view(Q * S, L)
-        return Route([hop1, hop2], block_transpose_index(recv_counts_PL), recv_counts_PL)
+    def plan(self, counts: list[torch.Tensor]) -> list[Route]:
+        S, Q = self.S, self.Q
+        send_PX = torch.cat(counts, dim=1)
+        X = send_PX.shape[1]
+        counts_QSX = send_PX.view(Q, S, X)
+        # Hop 1, inside the node: to the rank whose local index is the destination's; order (s', q', x).
+        send1_SQX = counts_QSX.transpose(0, 1).contiguous()
+        recv1_SQX = exchange_counts(send1_SQX.view(S, Q * X), self.intra_group, self.timer).view(S, Q, X)
+        # Hop 2, across nodes: arrived in (source s, q', x) order; regroup to (q', s, x) and send to node q'.
+        send2_QSX = recv1_SQX.transpose(0, 1).contiguous()
+        recv2_QSX = exchange_counts(send2_QSX.view(Q, S * X), self.inter_group, self.timer).view(Q, S, X)
+        host = _read_to_host([send_PX, send1_SQX, recv1_SQX, send2_QSX, recv2_QSX])
+        send_h, send1_h, recv1_h, send2_h, recv2_h = host
+        routes = []
+        for first, last in _split_columns(counts):
+            def block(h, a, b):   # [a][b] sums over this stream's columns of an [a, b, X] host tensor
+                return [[sum(h[(i * b + j) * X + first:(i * b + j) * X + last]) for j in range(b)] for i in range(a)]
+            sent_QS, s1, r1 = block(send_h, Q, S), block(send1_h, S, Q), block(recv1_h, S, Q)
+            s2, r2 = block(send2_h, Q, S), block(recv2_h, Q, S)
+            cols = slice(first, last)
+            order1 = block_transpose_index(counts_QSX[:, :, cols].sum(2), sum(map(sum, sent_QS)))
+            hop1 = _Stage(self.intra_group, list(map(sum, s1)), list(map(sum, r1)), order1)
+            order2 = block_transpose_index(recv1_SQX[:, :, cols].sum(2), sum(map(sum, r1)))
+            hop2 = _Stage(self.inter_group, list(map(sum, s2)), list(map(sum, r2)), order2)
+            # Arrived in (source node, source local index, x) = (source EP rank, x) order, exactly as a flat
+            # exchange delivers: the same regrouping makes each column's rows contiguous.
+            recv_counts_PX = recv2_QSX[:, :, cols].reshape(Q * S, last - first)
+            regroup = block_transpose_index(recv_counts_PX, sum(map(sum, r2)))
+            send = _columns(send_h, Q * S, X, first, last)
+            recv = _columns(recv2_h, Q * S, X, first, last)
+            routes.append(Route([hop1, hop2], regroup, recv_counts_PX, send, recv))
+        return routes
 
 
 def build_hierarchical_groups(ep_group, ranks_per_node: int) -> tuple[object, object, int, int]:

@@ -1,7 +1,8 @@
 """Experts: one-hidden-layer ReLU FFNs stored as stacked weights, run as one grouped computation.
 
 Legend: M tokens that arrived at this rank (sorted by local expert), D model dim, H expert hidden dim,
-E local experts. `tokens_per_expert` lists how many of the M rows belong to each local expert, in order.
+E local experts. `tokens_per_expert` says how many of the M rows belong to each local expert, in order: a
+device tensor (with the same counts as a host list beside it where the caller read them anyway), or a list.
 
 Why a custom autograd function: indexing `w[e]` in a Python loop makes autograd materialise a full-size
 gradient of `w` per expert (O(E^2) memory traffic; 27 s instead of 0.3 s at 256 experts). Here the backward
@@ -9,11 +10,10 @@ writes each expert's gradient straight into one [E, ...] buffer, and experts wit
 fill. The whole FFN is one function, so `recompute` (Shazeer et al. App. D) simply saves the inputs instead
 of the hidden activations and redoes the first matmul in the backward.
 
-Each per-expert product runs as one call for all experts: on CPU float32, our own kernels (cpu_kernels.c,
-which also gather each pair's input row while reading it and apply the ReLU as they store); otherwise
-torch's grouped GEMM (`F.grouped_mm`, CPU float32/bfloat16/float16), or for weight gradients with few rows
-per expert a batched GEMM over zero-padded expert chunks, and a loop over experts where none applies.
-`GroupLayout` picks per product, and tests check all give the same result.
+Each per-expert product is one grouped GEMM for all experts (moe/grouped_gemm.py picks the kernel: the
+native CPU kernels for float32 on CPU, which also gather each pair's input row while reading it and apply
+the ReLU as they store; torch's or DeepSpeed's grouped GEMMs elsewhere), so the number of kernels a step
+launches does not depend on the number of experts.
 """
 
 from __future__ import annotations
@@ -21,170 +21,28 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_scale.moe import cpu_kernels
-
-_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    """[M, K] @ [G, K, N] (rows split by offsets) or [K, M] @ [M, N] -> [G, K, N] (reduction split): either
-    way each element of `a` is multiplied with one row of N values of `b`, so 2 * |a| * N FLOPs."""
-    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+from moe_scale.moe.grouped_gemm import Counts, GroupLayout, per_expert_outer, rows_times_expert
+from moe_scale.moe.kernel_policy import policy_for
 
 
-if hasattr(torch.ops.aten, "_grouped_mm"):   # so FlopCounterMode counts the experts (torch has no formula yet)
-    from torch.utils.flop_counter import flop_registry, register_flop_formula
-
-    if torch.ops.aten._grouped_mm.default not in flop_registry:
-        register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
-
-
-def _grouped_mm_available(t: torch.Tensor) -> bool:
-    return hasattr(F, "grouped_mm") and t.device.type == "cpu" and t.dtype in _GROUPED_MM_DTYPES
-
-
-# The padded kernel multiplies zeros in the padding: free while the weight-gradient product stays bound by
-# writing the gradient, up to about 2 * peak FLOP/s / bandwidth ~ 25 rows per expert here. It pads a chunk of
-# experts at a time, so its padded copies never exceed a quarter of the rows.
-_PADDED_OUTER_MAX_ROWS = 32
-
-KERNELS = ("loop", "grouped", "padded", "native")
-
-
-class GroupLayout:
-    """M rows sorted by expert, `counts[e]` of them for expert e, and the kernel each per-expert product uses.
-
-    Kernels:
-      loop     one torch.mm per expert (the reference; the fallback where grouped GEMM is not available)
-      grouped  torch's grouped GEMM over the row offsets (CPU float32/bfloat16/float16)
-      padded   (weight gradients only) rows scattered into zero-padded [experts, P, ...] chunks, P = the
-               largest count, and one torch.bmm per chunk
-      native   cpu_kernels.c (CPU float32): register-tiled, each expert's weights streamed once with the next
-               expert's already on their way
-
-    On CPU float32 every product takes the native kernels where they are built: the FFN's forward and
-    backward against torch's grouped GEMM (`tools/bench_experts.py --kernels native,grouped`, 2048 tokens x 2,
-    D=256, H=512, 2 threads) ran 1.6x faster at E=64, 2.2x at 256, 2.6x at 1024, 3.5x at 4096, and 5% slower
-    at E=8 (512 rows per expert, MKL's best case) on an AVX-512 CPU; on an AVX2 one (AMD EPYC, Zen 3, 512 KiB
-    of L2) 1.2x faster at E=64, 1.7x at 256, 2.1-3.4x at 1024, 3.0-3.4x at 4096 and 2-13% slower at E=8.
-    Inside the MoE layer the kernels' fused gathers make up for some of that. Otherwise (other dtypes or
-    devices, no compiler), measured here: a weight gradient x[rows of e].T @ g with few rows per expert is a
-    rank-few update that MKL's GEMM writes slowly; bmm over the padded batch writes it 1.5-1.9x faster at
-    E = 256..4096, so `outer_kernel` is padded while no expert has more than _PADDED_OUTER_MAX_ROWS rows. The
-    row products (forward, input gradient) gain at most a few percent from padding, less than the padded
-    copies cost in time and memory, so they stay grouped.
-    """
-
-    def __init__(self, counts: list[int], like: torch.Tensor, kernel: str | None = None):
-        if kernel is not None and kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        self.counts = counts
-        self._counts_E = torch.tensor(counts, dtype=torch.long, device=like.device)
-        self.offsets = self._counts_E.cumsum(0, dtype=torch.int32)
-        self.num_rows, self.num_groups = sum(counts), len(counts)
-        self.pad_rows = max(counts, default=0)
-        if kernel == "native" and not cpu_kernels.available(like):
-            raise ValueError(f"kernel 'native' takes CPU float32 tensors and a built library; got "
-                             f"{like.device.type} {like.dtype}")
-        if kernel is None and self.num_rows > 0 and cpu_kernels.available(like):
-            kernel = "native"
-        if kernel == "native":
-            self.offsets_E1 = torch.cat([self._counts_E.new_zeros(1), self.offsets.long()])
-        fallback = "grouped" if _grouped_mm_available(like) else "loop"
-        short_groups = 0 < self.pad_rows <= _PADDED_OUTER_MAX_ROWS
-        self.matmul_kernel = fallback if kernel in (None, "padded") else kernel
-        self.outer_kernel = kernel or ("padded" if short_groups else fallback)
-        if self.num_rows == 0 and self.outer_kernel == "padded":   # forced, but nothing to pad
-            self.outer_kernel = fallback
-
-    def padded_outer(self, a_MI: torch.Tensor, b_MO: torch.Tensor) -> torch.Tensor:
-        """out[e] = a[rows of e].T @ b[rows of e] by bmm over zero-padded [experts, P, ...] chunks."""
-        out_EIO = a_MI.new_empty(self.num_groups, a_MI.shape[1], b_MO.shape[1])
-        P = self.pad_rows
-        experts_per_chunk = max(1, self.num_rows // (4 * P))
-        ends = self.offsets.tolist()
-        for first in range(0, self.num_groups, experts_per_chunk):
-            last = min(first + experts_per_chunk, self.num_groups)
-            row_start = ends[first - 1] if first else 0
-            rows = slice(row_start, ends[last - 1])
-            slot_C = self._chunk_slots(first, last)
-            a_CPI = a_MI.new_zeros((last - first) * P, a_MI.shape[1]).index_copy_(0, slot_C, a_MI[rows])
-            b_CPO = b_MO.new_zeros((last - first) * P, b_MO.shape[1]).index_copy_(0, slot_C, b_MO[rows])
-            torch.bmm(a_CPI.view(last - first, P, -1).transpose(1, 2), b_CPO.view(last - first, P, -1),
-                      out=out_EIO[first:last])
-        return out_EIO
-
-    def _chunk_slots(self, first: int, last: int) -> torch.Tensor:
-        """The rows of experts first..last-1, in order: row j of expert e goes to slot (e - first) * P + j."""
-        counts_C = self._counts_E[first:last]
-        local_expert = torch.repeat_interleave(torch.arange(last - first, device=counts_C.device), counts_C)
-        first_row_C = counts_C.cumsum(0) - counts_C
-        rank_in_expert = torch.arange(local_expert.shape[0], device=counts_C.device) - \
-            first_row_C.repeat_interleave(counts_C)
-        return local_expert * self.pad_rows + rank_in_expert
-
-
-def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayout,
-                      a_index_M: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b[e]: [M, O]. With `a_index_M`, row r reads a[a_index_M[r]] (the
-    native kernel gathers as it reads; the others gather first); `relu` clamps the result at 0."""
-    if layout.matmul_kernel == "native":   # b is a weight [E, I, O] or a weight's transpose
-        if b_EIO.transpose(1, 2).is_contiguous():
-            return cpu_kernels.rows_times_wt(a_MI, b_EIO.transpose(1, 2), layout.offsets_E1, a_index_M, relu)
-    if a_index_M is not None:
-        a_MI = a_MI.index_select(0, a_index_M)
-    if layout.matmul_kernel == "native":
-        out_MO = cpu_kernels.rows_times_w(a_MI, b_EIO, layout.offsets_E1)
-    elif layout.matmul_kernel == "grouped":
-        out_MO = F.grouped_mm(a_MI, b_EIO, offs=layout.offsets)
-    else:
-        out_MO = a_MI.new_empty(a_MI.shape[0], b_EIO.shape[2])
-        start = 0
-        for e, count in enumerate(layout.counts):
-            if count:
-                torch.mm(a_MI[start:start + count], b_EIO[e], out=out_MO[start:start + count])
-                start += count
-    return out_MO.relu_() if relu else out_MO
-
-
-def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout,
-                     out: tuple[torch.Tensor, bool] | None = None, b_index_M: torch.Tensor | None = None) -> torch.Tensor:
-    """out[e] = a[rows of e].T @ b[rows of e]: [E, I, O], exact zeros for an expert with no rows. With
-    `b_index_M`, row r of b is b[b_index_M[r]]. `out` (native kernel only): a buffer to write over, and
-    whether it was written before (GradientBuffers.take)."""
-    if layout.outer_kernel == "native":
-        return cpu_kernels.rows_outer(a_MI, b_MO, layout.offsets_E1, *(out or ()), b_index_M=b_index_M)
-    if b_index_M is not None:
-        b_MO = b_MO.index_select(0, b_index_M)
-    if layout.outer_kernel == "padded":
-        return layout.padded_outer(a_MI, b_MO)
-    if layout.outer_kernel == "grouped":
-        return F.grouped_mm(a_MI.t(), b_MO, offs=layout.offsets)
-    out_EIO = a_MI.new_empty(layout.num_groups, a_MI.shape[1], b_MO.shape[1])
-    start = 0
-    for e, count in enumerate(layout.counts):
-        if count:
-            torch.mm(a_MI[start:start + count].t(), b_MO[start:start + count], out=out_EIO[e])
-            start += count
-        else:
-            out_EIO[e].zero_()
-    return out_EIO
-
-
-def row_dot(a_MI: torch.Tensor, b_MI: torch.Tensor, rows_per_chunk: int = 256) -> torch.Tensor:
-    """sum(a * b, dim=1) in chunks: no [M, I] temporary."""
-    return torch.cat([(a * b).sum(1) for a, b in zip(a_MI.split(rows_per_chunk), b_MI.split(rows_per_chunk))]) \
-        if a_MI.shape[0] else a_MI.new_zeros(0)
+def row_dot(a_MI: torch.Tensor, b_MI: torch.Tensor) -> torch.Tensor:
+    """sum(a * b, dim=1). On CPU in row chunks (no [M, I] temporary); on a GPU one batched product."""
+    if not a_MI.shape[0]:
+        return a_MI.new_zeros(0)
+    rows = policy_for(a_MI).gate_chunk_rows
+    if rows is None:
+        return torch.bmm(a_MI[:, None, :], b_MI[:, :, None]).view(-1)
+    return torch.cat([(a * b).sum(1) for a, b in zip(a_MI.split(rows), b_MI.split(rows))])
 
 
 class _GroupedMatmul(torch.autograd.Function):
     """out[rows of e] = x[rows of e] @ w[e] for each expert e (MoA's per-expert W_q and W_o)."""
 
     @staticmethod
-    def forward(ctx, x_MI, w_EIO, counts: list[int], kernel: str | None):
+    def forward(ctx, x_MI, w_EIO, counts: Counts, kernel: str | None):
         layout = GroupLayout(counts, x_MI, kernel)
         ctx.save_for_backward(x_MI, w_EIO)
         ctx.layout = layout
@@ -202,7 +60,7 @@ class _GroupedMatmul(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def grouped_matmul(x_MI: torch.Tensor, w_EIO: torch.Tensor, tokens_per_expert: list[int],
+def grouped_matmul(x_MI: torch.Tensor, w_EIO: torch.Tensor, tokens_per_expert: Counts,
                    kernel: str | None = None) -> torch.Tensor:
     return _GroupedMatmul.apply(x_MI, w_EIO, tokens_per_expert, kernel)
 
@@ -262,7 +120,7 @@ class _ExpertFFN(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows_RD, w_in_EHD, w_out_EHD, counts: list[int], row_of_pair_M, gate_M, scale: float,
+    def forward(ctx, rows_RD, w_in_EHD, w_out_EHD, counts: Counts, row_of_pair_M, gate_M, scale: float,
                 recompute: bool, kernel: str | None, grad_buffers: GradientBuffers | None):
         layout = GroupLayout(counts, rows_RD, kernel)
         hidden_MH = rows_times_expert(rows_RD, w_in_EHD.transpose(1, 2), layout, row_of_pair_M, relu=True)
@@ -272,7 +130,7 @@ class _ExpertFFN(torch.autograd.Function):
                               None if recompute else hidden_MH)
         ctx.layout, ctx.scale = layout, scale
         # Only the native kernel writes into a given buffer; it runs where fresh pages cost the most.
-        ctx.grad_buffers = grad_buffers if layout.outer_kernel == "native" else None
+        ctx.grad_buffers = grad_buffers if layout.kernel == "native" else None
         if row_of_pair_M is None:
             return y_MD
         return y_MD.new_zeros(rows_RD.shape[0], y_MD.shape[1]).index_add_(0, row_of_pair_M, y_MD)
@@ -311,7 +169,7 @@ def _hidden_gradient(grad_out, row_of_pair_M, w_out_EHD, hidden_MH, coef_M, layo
     """(gradient of the hidden layer's input: (G_m @ w_out[e].T) * coef_m where hidden > 0, else 0; and the
     dot products <G_m @ w_out[e].T, hidden_m> if `need_dot`), with G_m the output gradient of pair m. The
     native kernel gathers G, multiplies and applies the ReLU's backward in one pass; otherwise torch's ops."""
-    if layout.matmul_kernel == "native":
+    if layout.kernel == "native":
         return cpu_kernels.rows_times_wt(grad_out, w_out_EHD, layout.offsets_E1, row_of_pair_M,
                                          relu_grad=(hidden_MH, coef_M))
     grad_y_MD = _per_pair(grad_out, row_of_pair_M)
@@ -333,7 +191,7 @@ def _buffer(ctx, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, bool] |
     return None if ctx.grad_buffers is None else ctx.grad_buffers.take(name, weight)
 
 
-def expert_ffn(rows_RD, w_in_EHD, w_out_EHD, tokens_per_expert: list[int], row_of_pair_M=None, gate_M=None,
+def expert_ffn(rows_RD, w_in_EHD, w_out_EHD, tokens_per_expert: Counts, row_of_pair_M=None, gate_M=None,
                scale: float = 1.0, recompute: bool = False, kernel: str | None = None,
                grad_buffers: GradientBuffers | None = None) -> torch.Tensor:
     """See _ExpertFFN. `kernel` forces one kernel (tests); by default GroupLayout picks per product.
@@ -378,7 +236,7 @@ class GroupedExperts(nn.Module):
                 self.w_in[local_id].copy_(w_in_DH.t())
                 self.w_out[local_id].uniform_(-bound, bound, generator=generator)
 
-    def forward(self, rows_RD: torch.Tensor, tokens_per_expert: list[int], row_of_pair_M: torch.Tensor | None = None,
+    def forward(self, rows_RD: torch.Tensor, tokens_per_expert: Counts, row_of_pair_M: torch.Tensor | None = None,
                 gate_M: torch.Tensor | None = None) -> torch.Tensor:
         """Per pair [M, D] for expert-sorted rows; with `row_of_pair_M` and `gate_M`, the gated sum per row
         [R, D] (see _ExpertFFN)."""

@@ -6,7 +6,8 @@ With thousands of experts every [N, E] tensor is as large as the experts' whole 
 E=4096: 32 MiB each). Plain autograd through softplus, the noise, top-k and the smooth load keeps about
 eight of them for the backward and creates as many again there. `noisy_top_k` is the same arithmetic as
 one function: it keeps the clean logits, the noise and the noise std, and recomputes the rest in the
-backward in row chunks, whose [N, E] outputs are only the two gradients autograd needs (for x @ W_g and
+backward (in row chunks on CPU, where a chunk stays in cache; as whole tensors on a GPU, so the kernels
+launched do not grow with the tokens), whose [N, E] outputs are only the two gradients autograd needs (for x @ W_g and
 x @ W_noise). Tests compare it with the plain-autograd reference (`routers.prob_in_top_k`) in value and
 gradient. On CPU in float32 the same arithmetic runs as one pass over each row per direction in C
 (cpu_gating.c, through moe/cpu_kernels.py) when the native kernels are built.
@@ -20,8 +21,8 @@ import torch
 from torch import Tensor
 
 from moe_scale.moe import cpu_kernels
+from moe_scale.moe.kernel_policy import policy_for
 
-_ROWS_PER_CHUNK = 256
 _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
 
 
@@ -53,7 +54,7 @@ def _forward(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: in
     load_E = clean_NE.new_zeros(clean_NE.shape[1])
     if smooth_load:
         del noisy_NE
-        for rows in _chunks(clean_NE.shape[0]):
+        for rows in _chunks(clean_NE):
             z, _ = _standardised(clean_NE[rows], noise_NE[rows], std_NE[rows], top_values_NM[rows], k)
             load_E += z.erf_().add_(1.0).sum(0).mul_(0.5)
     return std_NE, top_values_NM, top_idx_NM, load_E
@@ -64,7 +65,7 @@ def _backward(clean_NE: Tensor, noise_NE: Tensor, std_NE: Tensor, top_values_NM:
     grad_clean = torch.empty_like(clean_NE)
     grad_z = torch.empty_like(clean_NE)
     grad_top_NM = grad_top_NM.clone()   # the thresholds' share is added to it
-    for rows in _chunks(clean_NE.shape[0]):
+    for rows in _chunks(clean_NE):
         noise, std = noise_NE[rows], std_NE[rows]
         grad_std = torch.zeros_like(std)
         if grad_load_E is not None:
@@ -114,5 +115,6 @@ def _standardised(clean, noise, std, top_values_NM, k) -> tuple[Tensor, Tensor]:
     return (clean - torch.where(is_in, thr_in, thr_out)).div_(_denominator(std)), is_in
 
 
-def _chunks(n: int):
-    return (slice(start, start + _ROWS_PER_CHUNK) for start in range(0, n, _ROWS_PER_CHUNK))
+def _chunks(like_NE: Tensor):
+    n, rows = like_NE.shape[0], policy_for(like_NE).gate_chunk_rows or max(like_NE.shape[0], 1)
+    return (slice(start, start + rows) for start in range(0, n, rows))

@@ -45,7 +45,7 @@ def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
 
 
-def register_flop_formula() -> None:
+def _register_flop_formula() -> None:
     """Lets torch's FlopCounterMode count grouped GEMMs (torch has no formula for them yet)."""
     if not hasattr(torch.ops.aten, "_grouped_mm"):
         return
@@ -66,35 +66,36 @@ def _triton_ops():
     return ops if is_triton_available() else None
 
 
-def _cuda_fast_grouped_mm(t: torch.Tensor) -> bool:
-    return t.dtype == torch.bfloat16 and torch.cuda.get_device_capability(t.device)[0] in (9, 10)
+def kernel_for(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None, has_grouped_mm: bool,
+               has_triton: bool) -> tuple[str, str]:
+    """(kernel, why) for products on this device and dtype, the native CPU kernels aside."""
+    if dtype not in _GROUPED_DTYPES:
+        return "loop", "grouped GEMMs take float32, bfloat16 and float16"
+    if device_type == "cpu":
+        return ("grouped", "") if has_grouped_mm else ("loop", "this torch has no F.grouped_mm")
+    if has_grouped_mm and dtype == torch.bfloat16 and capability is not None and capability[0] in (9, 10):
+        return "grouped", ""
+    if has_triton:
+        return "triton", ""
+    return "loop", "F.grouped_mm has no fast path for it here and Triton is not installed"
 
 
 def choose_kernel(like: torch.Tensor) -> str:
     """The kernel for products of tensors like `like` (device and dtype)."""
-    policy = policy_for(like)
-    if like.device.type == "cpu":
-        if policy.native_cpu and cpu_kernels.available(like):
-            return "native"
-        if like.dtype not in _GROUPED_DTYPES:
-            return _loop_with_warning(like, "grouped GEMMs take float32, bfloat16 and float16")
-        return "grouped" if hasattr(F, "grouped_mm") else _loop_with_warning(like, "this torch has no F.grouped_mm")
-    if hasattr(F, "grouped_mm") and _cuda_fast_grouped_mm(like):
-        return "grouped"
-    if like.dtype in _GROUPED_DTYPES and _triton_ops() is not None:
-        return "triton"
-    return _loop_with_warning(like, "F.grouped_mm has no fast path for it and Triton is not installed")
+    if cpu_kernels.available(like):
+        return "native"
+    cuda = like.device.type == "cuda"
+    kernel, why = kernel_for(like.device.type, like.dtype, torch.cuda.get_device_capability(like.device) if cuda
+                             else None, hasattr(F, "grouped_mm"), cuda and _triton_ops() is not None)
+    if kernel == "loop":
+        _warn_loop(like.device.type, str(like.dtype).replace("torch.", ""), why)
+    return kernel
 
 
 @functools.cache
 def _warn_loop(device: str, dtype: str, why: str) -> None:
     warnings.warn(f"moe_scale: the experts run one matmul per expert on {device} {dtype} ({why}); "
                   f"install triton or train in bfloat16 on an H100-class GPU for grouped GEMMs", stacklevel=3)
-
-
-def _loop_with_warning(like: torch.Tensor, why: str) -> str:
-    _warn_loop(like.device.type, str(like.dtype).replace("torch.", ""), why)
-    return "loop"
 
 
 class GroupLayout:
@@ -221,3 +222,6 @@ def _grouped_outer(a_MI, b_MO, offsets, counts_E) -> torch.Tensor:
 
 def _triton_outer(a_MI, b_MO, offsets, counts_E) -> torch.Tensor:
     return _triton_ops()._grouped_dw(a_MI.contiguous(), b_MO.contiguous(), offsets, offsets.shape[0])
+
+
+_register_flop_formula()   # so FlopCounterMode counts the experts' products

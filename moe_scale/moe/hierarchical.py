@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.losses import cv_squared
 from moe_scale.moe.routers import NoiseSampler, RouterOutput, _identity, prob_in_top_k, sample_noise
 
@@ -131,7 +132,7 @@ class HierarchicalRouter(nn.Module):
                 logits_NA = clean_NA + self._sample_noise(n, a, x_ND.device).to(dtype) * std_NA
             gp_NKp, groups_NKp, p_NA = _top_k_with_load(clean_NA, logits_NA, std_NA, kp)
             groups_P = groups_NKp.reshape(-1)  # P = N*Kp (token, group) pairs, token-major
-            cnt_A = torch.bincount(groups_P, minlength=a).to(dtype)  # |X^(i)|
+            cnt_A = count_per_bin(groups_P, a, dtype)  # |X^(i)|
             load_p_A = p_NA.sum(0) if p_NA is not None else cnt_A
 
             # ---- secondary: logits of all groups at once, then the picked groups' rows
@@ -148,8 +149,7 @@ class HierarchicalRouter(nn.Module):
             if p_PB is not None:  # Load_i(X^(i)): the secondary smooth load, NOT multiplied by G_p
                 load_s_AB = p_PB.new_zeros(a, b).index_add(0, groups_P, p_PB)
             else:
-                load_s_AB = torch.bincount((groups_P[:, None] * b + local_PKs).reshape(-1), minlength=a * b)
-                load_s_AB = load_s_AB.to(dtype).reshape(a, b)
+                load_s_AB = count_per_bin(groups_P[:, None] * b + local_PKs, a * b, dtype).reshape(a, b)
 
             # ---- combined gates G_p·G_s (eq. 12) and flat expert ids i*B + j; the primary gate is applied here once
             gates_NK = (gp_NKp.reshape(-1, 1) * gs_PKs).reshape(n, kp * ks)

@@ -39,17 +39,23 @@ def policy_for(t: torch.Tensor) -> KernelPolicy:
 
 
 @contextlib.contextmanager
-def gpu_decisions():
-    """Within this block CPU tensors take the GPU's kernel decisions (see the module docstring)."""
-    _forced.append(GPU)
+def forced_policy(policy: KernelPolicy):
+    """Within this block every tensor takes `policy`'s decisions (tests, tools/count_ops.py)."""
+    _forced.append(policy)
     try:
         yield
     finally:
         _forced.pop()
 
 
+def gpu_decisions():
+    """Within this block CPU tensors take the GPU's kernel decisions (see the module docstring)."""
+    return forced_policy(GPU)
+
+
 def count_per_bin(index: torch.Tensor, num_bins: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """How often each of 0..num_bins-1 occurs in `index`, on the device: a scatter-add. (CUDA's bincount reads
     the input's min and max to the host first, even with minlength; this never waits for the GPU.)"""
+    flat = index.reshape(-1)
     return torch.zeros(num_bins, dtype=dtype, device=index.device).index_add_(
-        0, index.reshape(-1), torch.ones(index.numel(), dtype=dtype, device=index.device))
+        0, flat, torch.ones((), dtype=dtype, device=index.device).expand(flat.shape[0]))

@@ -41,7 +41,7 @@ class MoEStats:
 
     importance_E: torch.Tensor
     load_E: torch.Tensor
-    metrics: dict[str, float]     # the router's own numbers (e.g. threshold agreement)
+    metrics: dict[str, float | torch.Tensor]   # the router's own numbers (e.g. threshold agreement)
 
 
 class MoELayer(DeepSpeedMoE):
@@ -111,17 +111,18 @@ class MoELayer(DeepSpeedMoE):
         if self.dispatcher.mode == "capacity":
             self.stats.metrics["dropped_fraction"] = self._dropped_fraction(state)
         # The experts gather each arrived pair's row and return the gate-weighted sum per row.
-        per_row_RD = self.experts(rows_RD, state.tokens_per_expert, state.arrived_row_M,
-                                  self.dispatcher.pair_gates(gate_P, state))
+        per_row_RD = self.experts(rows_RD, (state.tokens_per_expert_L, state.tokens_per_expert),
+                                  state.arrived_row_M, self.dispatcher.pair_gates(gate_P, state))
         return self.dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype), route.aux_loss
 
-    def _dropped_fraction(self, state) -> float:
-        """Dropped copies / routed copies over the whole data-parallel batch."""
-        counts = torch.tensor([state.dropped_pairs, state.num_pairs], dtype=torch.float64,
-                              device=collective_device())
+    def _dropped_fraction(self, state) -> torch.Tensor:
+        """Dropped copies / routed copies over the whole data-parallel batch (a device scalar, read with the
+        other metrics at log intervals)."""
+        counts = torch.empty(2, dtype=torch.float64, device=collective_device())
+        counts[0], counts[1] = state.dropped_pairs, state.num_pairs   # fills: no host-to-device copy
         if self.data_parallel_group is not None and dist.get_world_size(self.data_parallel_group) > 1:
             dist.all_reduce(counts, group=self.data_parallel_group)
-        return float(counts[0] / counts[1].clamp(min=1))
+        return counts[0] / counts[1].clamp(min=1)
 
 
 def _stacked_to_per_expert_keys(module: MoELayer, state_dict, prefix, local_metadata):

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from moe_scale.moe import cpu_kernels
 from moe_scale.moe.gating_ops import noisy_top_k
+from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.losses import cv_squared
 
 NoiseSampler = Callable[[int, int, torch.device], Tensor]
@@ -174,7 +175,7 @@ class NoisyTopKRouter(nn.Module):
             if noisy and k < e:
                 load_E = smooth_load_E
             else:  # eval, noise off, or k == E (no (k+1)-th value): a count, with no gradient
-                load_E = torch.bincount(experts_NK.reshape(-1), minlength=e).to(gates_NK.dtype)
+                load_E = count_per_bin(experts_NK, e, gates_NK.dtype)
 
             # Balance over the whole data-parallel batch: one collective for both statistics.
             stats_2E = self.sum_over_batch(torch.stack([importance_E, load_E]))

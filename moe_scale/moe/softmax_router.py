@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.routers import RouterOutput
 
 RENORMALIZE_MODES = ("none", "detached")
@@ -118,13 +119,13 @@ class SoftmaxTopKRouter(nn.Module):
 
             flat_experts = experts_NK.reshape(-1)
             importance_E = gates_NK.new_zeros(e).index_add(0, flat_experts, gates_NK.reshape(-1))
-            count_E = torch.bincount(flat_experts, minlength=e).to(dtype)
+            count_E = count_per_bin(flat_experts, e, dtype)
             lse2_sum = torch.logsumexp(logits_NE, dim=1).square().sum()
-            n_tokens = logits_NE.new_tensor(float(logits_NE.shape[0]))
+            n_tokens_1 = logits_NE.new_full((1,), float(logits_NE.shape[0]))   # a fill, not a copy from the host
 
             # One collective for everything the global means need.
             stats_S = self.sum_over_batch(
-                torch.cat([probs_NE.sum(0), importance_E, count_E, lse2_sum[None], n_tokens[None]])
+                torch.cat([probs_NE.sum(0), importance_E, count_E, lse2_sum[None], n_tokens_1])
             )
             prob_sum_E, importance_E, count_E = stats_S[:e], stats_S[e : 2 * e], stats_S[2 * e : 3 * e]
             lse2_sum, n_tokens = stats_S[3 * e], stats_S[3 * e + 1]
@@ -132,5 +133,5 @@ class SoftmaxTopKRouter(nn.Module):
             l_a = switch_loss(prob_sum_E, count_E.detach())
             l_z = lse2_sum / n_tokens.detach().clamp_min(1.0)
             aux_loss = self.aux_weight * l_a + self.z_weight * l_z
-        metrics = {"z_loss": float(l_z.detach()), "switch_loss": float(l_a.detach())}
+        metrics = {"z_loss": l_z.detach(), "switch_loss": l_a.detach()}   # read at log intervals
         return RouterOutput(gates_NK, experts_NK, aux_loss, importance_E, count_E.detach(), metrics)

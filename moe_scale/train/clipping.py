@@ -21,8 +21,9 @@ from deepspeed.utils import groups
 from moe_scale.distributed.comm import collective_device
 
 
-def expert_aware_clip_(model: torch.nn.Module, max_norm: float) -> float:
-    """Clips gradients in place to a global norm of `max_norm`; returns the norm before clipping."""
+def expert_aware_clip_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clips gradients in place to a global norm of `max_norm`; returns the norm before clipping (a device
+    scalar: nothing here waits for the device)."""
     grads = [(p.grad, is_moe_param(p)) for p in model.parameters() if p.grad is not None]
     device = collective_device()
     sums = torch.zeros(2, dtype=torch.float64, device=device)     # [dense², local experts² / replicas]
@@ -33,9 +34,8 @@ def expert_aware_clip_(model: torch.nn.Module, max_norm: float) -> float:
         (name,) = group_names   # one expert-parallel size per model
         sums[1] /= dist.get_world_size(groups._get_expert_data_parallel_group(name))
         dist.all_reduce(sums[1:])
-    norm = float(sums.sum().sqrt())
-    scale = max_norm / (norm + 1e-6)
-    if scale < 1.0:
-        for grad, _ in grads:
-            grad.mul_(scale)
+    norm = sums.sum().sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    if grads:
+        torch._foreach_mul_([grad for grad, _ in grads], scale.to(grads[0][0].device, grads[0][0].dtype))
     return norm

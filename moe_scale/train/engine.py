@@ -47,7 +47,7 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(train.warmup_steps))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=ds_config, dist_init_required=False)
-        self.grad_norm = float("nan")
+        self.grad_norm = None   # last step's norm: a device tensor (or DeepSpeed's float), read at log points
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
@@ -55,5 +55,4 @@ class Trainer:
             self.grad_norm = expert_aware_clip_(self.model, self.clip)
         self.engine.step()
         if not self.clip:
-            norm = self.engine.get_global_grad_norm()
-            self.grad_norm = float(norm) if norm is not None else float("nan")
+            self.grad_norm = self.engine.get_global_grad_norm()

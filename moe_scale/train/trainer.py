@@ -8,7 +8,6 @@ different world sizes on the same global batch take the same steps.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
@@ -32,6 +31,7 @@ from moe_scale.train.mae_bcd import mae_schedule
 from moe_scale.train.factored_optimizer import check_optimizer_fits
 from moe_scale.train.run_dir import check_run_dir, claim_run_dir, write_json_atomic
 from moe_scale.train.scale_options import build_softmax
+from moe_scale.train.step_stats import PendingSteps, StepTimer
 
 _EVAL_TOTALS = ("ppl", "nll_per_token", "tokens")
 TIMING_WARMUP_STEPS = 3   # first steps pay for allocation and DeepSpeed's lazy setup; not counted in tokens/s
@@ -117,9 +117,10 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
                                                "softmax": model.softmax.forward_macs_per_token()}) \
         * t.batch_size * config.data.seq_len
     interval, interval_moe = MeanTracker(), MoEMetrics(model.moe_layers())
-    timed = {"seconds": 0.0, "steps": 0, "all_to_all": 0.0}
-    timed["peak_tflops"], timed["peak_source"] = _peak(env, ds_config)
-    last_train, valid = {}, {}
+    pending = PendingSteps()   # each step's numbers stay on the device until a log, eval or checkpoint point
+    timer = StepTimer(env.device, lambda: all_to_all_seconds(model.moe_layers()))
+    peak = _peak(env, ds_config)
+    last_train, valid, record = {}, {}, {}
     logger.line(f"training {describe_parameters(model)} on {env.world_size} process(es), ep_size={t.ep_size}, "
                 f"{data.train.describe()}")
     for step in range(start_step, t.max_steps):
@@ -132,56 +133,60 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
         if getattr(data.train, "last_step", None) == step:
             t.max_steps = step + 1
             logger.line(f"the streamed training data ends at step {step + 1}: the last step of this pass")
-        began, comm_before = time.perf_counter(), all_to_all_seconds(model.moe_layers())
+        if step - start_step >= TIMING_WARMUP_STEPS:   # the first steps pay for allocation and lazy setup
+            timer.start()
         if mae is not None:
             mae.g_step_if_due(step, inputs, targets, env.device)
         sums = torch.zeros(3, dtype=torch.float64, device=collective_device())   # [NLL sum, tokens, aux sum]
         for micro_inputs, micro_targets in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)):
-            out = engine(micro_inputs.to(env.device), micro_targets.to(env.device))
+            out = engine(to_device(micro_inputs, env.device), to_device(micro_targets, env.device))
             trainer.backward_and_step(out.nll_sum / out.num_tokens + out.aux_loss)
-            sums += torch.tensor([out.nll_sum.item(), out.num_tokens, out.aux_loss.item()], dtype=torch.float64,
-                                 device=sums.device)
-        if step - start_step >= TIMING_WARMUP_STEPS:
-            timed["seconds"] += time.perf_counter() - began
-            timed["steps"] += 1
-            timed["all_to_all"] += all_to_all_seconds(model.moe_layers()) - comm_before
+            sums += torch.stack([out.nll_sum.detach().double(), out.nll_sum.new_full((), out.num_tokens).double(),
+                                 out.aux_loss.detach().double()]).to(sums.device)
         dist.all_reduce(sums)
-        nll, tokens, aux = sums.tolist()
-        record = {"step": step + 1, "loss": nll / tokens, "aux_loss": aux / (env.world_size * t.grad_accum),
-                  "grad_norm": trainer.grad_norm, "lr": engine.get_lr()[0]}
-        logger.step(record)
-        interval.add({"nll": nll / tokens, "aux_loss": record["aux_loss"]})
+        pending.add(step + 1, engine.get_lr()[0], sums, trainer.grad_norm)
         interval_moe.add()
+        timer.step_done()
 
         done = step + 1
-        if done % t.log_interval == 0 or done == t.max_steps:
+        log_now = done % t.log_interval == 0 or done == t.max_steps
+        eval_now = done % t.eval_interval == 0 or done == t.max_steps
+        checkpoint_now = done % t.checkpoint_interval == 0 or done == t.max_steps
+        if not (log_now or eval_now or checkpoint_now):
+            continue
+        timer.stop()
+        for record in pending.flush(env.world_size * t.grad_accum):   # the one read of the steps' numbers
+            logger.step(record)
+            interval.add({"nll": record["loss"], "aux_loss": record["aux_loss"]})
+        if log_now:
             last_train = {**interval.means(), **interval_moe.values()}
             interval.reset()
             interval_moe.reset()
-            perf = _throughput(timed, t.batch_size * config.data.seq_len, flops_per_step, env.world_size)
-            logger.scalars(done, {"train/loss": last_train["nll"], "train/ppl": math.exp(last_train["nll"]),
+            perf = _throughput(timer.take_interval(), t.batch_size * config.data.seq_len, flops_per_step,
+                               env.world_size, peak[0])
+            logger.scalars(done, {"train/loss": last_train["nll"], "train/ppl": _exp(last_train["nll"]),
                                   "train/aux_loss": last_train["aux_loss"], "train/lr": record["lr"],
                                   **{f"moe/{name}": value for name, value in last_train.items()
                                      if name not in ("nll", "aux_loss")},
                                   "perf/tokens_per_s": perf["tokens_per_s"],
                                   "perf/tflops_per_device": perf["tflops_per_device"],
                                   "perf/mfu": perf["mfu"], "perf/all_to_all_share": perf["all_to_all_share"]})
+            balance = f"  cv(load) {last_train['cv_load']:.3f}" if "cv_load" in last_train else ""
             logger.line(f"step {done}/{t.max_steps}  loss {last_train['nll']:.4f}  "
-                        f"ppl {math.exp(last_train['nll']):.2f}  "
-                        f"cv(load) {last_train.get('cv_load', float('nan')):.3f}  "
+                        f"ppl {_exp(last_train['nll']):.2f}{balance}  this interval: "
                         f"{perf['tokens_per_s']:.0f} tok/s  {perf['tflops_per_device']:.4g} TFLOPS/device  "
                         f"MFU {perf['mfu']:.2%}  all-to-all {perf['all_to_all_share']:.1%}")
-        if done % t.eval_interval == 0 or done == t.max_steps:
+        if eval_now:
             valid = evaluate(model, data.valid, t.eval_max_batches, env.device)
             logger.scalars(done, {"valid/ppl": valid["ppl"], **{f"valid_moe/{name}": value for name, value
                                                                   in valid.items() if name not in _EVAL_TOTALS}})
             logger.line(f"step {done}/{t.max_steps}  valid ppl {valid['ppl']:.2f}")
-        if done % t.checkpoint_interval == 0 or done == t.max_steps:
+        if checkpoint_now:
             save_checkpoint(engine, run, done, env.rank, data.train)
 
     if not valid:   # resumed a run that had already finished
         valid = evaluate(model, data.valid, t.eval_max_batches, env.device)
-    summary = _summary(config, env, data, last_train, valid, timed, flops_per_step)
+    summary = _summary(config, env, data, last_train, valid, timer.total, peak, flops_per_step)
     peak_mib = torch.tensor([peak_rss_mib()], dtype=torch.float64, device=collective_device())
     dist.all_reduce(peak_mib, op=dist.ReduceOp.MAX)
     summary["peak_rss_mib_per_process"] = float(peak_mib)
@@ -202,14 +207,26 @@ def _install_noise(model: torch.nn.Module, config: RunConfig, env: DistEnv) -> l
     return noises
 
 
-def _throughput(timed: dict, tokens_per_step: int, flops_per_step: float, world_size: int) -> dict[str, float]:
+def _throughput(timed: dict, tokens_per_step: int, flops_per_step: float, world_size: int,
+                peak_tflops: float) -> dict[str, float]:
     if not timed["steps"]:
         return {"tokens_per_s": float("nan"), "tflops_per_device": float("nan"), "mfu": float("nan"),
                 "all_to_all_share": float("nan"), "step_seconds": float("nan")}
     step_seconds = timed["seconds"] / timed["steps"]
     tflops = tflops_per_device(flops_per_step, step_seconds, world_size)
     return {"tokens_per_s": tokens_per_step / step_seconds, "tflops_per_device": tflops, "step_seconds": step_seconds,
-            **efficiency(tflops, timed["peak_tflops"], timed["all_to_all"], timed["seconds"])}
+            **efficiency(tflops, peak_tflops, timed["all_to_all"], timed["seconds"])}
+
+
+def _exp(nll: float) -> float:
+    return math.exp(nll) if nll < 700 else float("inf")
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch onto the device; to a GPU from pinned memory without waiting for the copy."""
+    if device.type == "cuda":
+        return batch.pin_memory().to(device, non_blocking=True)
+    return batch.to(device)
 
 
 def _peak(env: DistEnv, ds_config: dict) -> tuple[float, str]:
@@ -221,9 +238,9 @@ def _peak(env: DistEnv, ds_config: dict) -> tuple[float, str]:
     return peak_t.item() / env.world_size, source
 
 
-def _summary(config, env, data, last_train, valid, timed, flops_per_step) -> dict:
-    perf = _throughput(timed, config.train.batch_size * config.data.seq_len, flops_per_step, env.world_size)
-    train_ppl = math.exp(last_train["nll"]) if last_train else float("nan")
+def _summary(config, env, data, last_train, valid, timed, peak, flops_per_step) -> dict:
+    perf = _throughput(timed, config.train.batch_size * config.data.seq_len, flops_per_step, env.world_size, peak[0])
+    train_ppl = _exp(last_train["nll"]) if last_train else float("nan")
     train_moe = {name: value for name, value in last_train.items() if name not in ("nll", "aux_loss")}
     valid_moe = {f"valid_{name}": value for name, value in valid.items() if name not in _EVAL_TOTALS}
     return {
@@ -238,8 +255,8 @@ def _summary(config, env, data, last_train, valid, timed, flops_per_step) -> dic
         "tflops_per_device": perf["tflops_per_device"],
         "step_seconds": perf["step_seconds"],
         "mfu": perf["mfu"],
-        "peak_tflops_per_device": timed["peak_tflops"],
-        "peak_source": timed["peak_source"],
+        "peak_tflops_per_device": peak[0],
+        "peak_source": peak[1],
         "all_to_all_share": perf["all_to_all_share"],
         **train_moe,
         **valid_moe,

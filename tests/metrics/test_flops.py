@@ -11,15 +11,14 @@ from moe_scale.metrics.flops import (MoATransformer, SoftmaxCost, lstm_lm_accoun
                                      moa_layer_macs, moa_layer_params, tflops_per_device)
 from moe_scale.metrics.perf import efficiency, table_peak_tflops
 from moe_scale.models.lstm_lm import LSTMMoELM
-from moe_scale.moe import experts
+from moe_scale.moe import cpu_kernels
 
 
 @pytest.fixture(autouse=True)
 def torch_expert_kernels(monkeypatch):
-    """FlopCounterMode counts the padded kernel's zero rows too, and does not see the native kernels (they are
-    not torch ops); the analytic count is of the real rows, so the experts run on torch's grouped GEMM."""
-    monkeypatch.setattr(experts, "_PADDED_OUTER_MAX_ROWS", 0)
-    monkeypatch.setattr(experts.cpu_kernels, "available", lambda like: False)
+    """FlopCounterMode does not see the native kernels (they are not torch ops); the analytic count is of the
+    real rows, so the experts run on torch's grouped GEMM."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda like: False)
 
 B, T, V = 4, 8, 97
 

@@ -167,7 +167,7 @@ def _probe(env_update: dict, tmp_path) -> subprocess.CompletedProcess:
             "    ok = cpu_kernels.available(torch.empty(0))\n"
             "    layout = GroupLayout([2, 1], torch.empty(0))\n"
             "    y = expert_ffn(torch.randn(3, 4), torch.randn(2, 5, 4), torch.randn(2, 5, 4), [2, 1])\n"
-            "print(ok, layout.matmul_kernel, layout.outer_kernel, tuple(y.shape))\n"
+            "print(ok, layout.kernel, tuple(y.shape))\n"
             "for w in caught: print('WARNING', w.message)\n")
     env = {**os.environ, "MOE_SCALE_CACHE": str(tmp_path / "cache"), **env_update}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -176,7 +176,7 @@ def _probe(env_update: dict, tmp_path) -> subprocess.CompletedProcess:
 def test_build_lands_whole_in_the_cache_dir_and_is_reused(tmp_path):
     first = _probe({}, tmp_path)
     assert first.returncode == 0, first.stderr
-    assert first.stdout.splitlines() == ["True native native (3, 4)"]
+    assert first.stdout.splitlines() == ["True native (3, 4)"]
     built = sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir())
     assert len(built) == 1 and built[0].startswith("cpu_kernels-") and built[0].endswith(".so")   # no partial file
     library = tmp_path / "cache" / "kernels" / built[0]
@@ -185,7 +185,7 @@ def test_build_lands_whole_in_the_cache_dir_and_is_reused(tmp_path):
     assert again.stdout == first.stdout and library.stat().st_mtime_ns == stamp
     library.write_bytes(b"not a shared library")                 # e.g. a copy cut short on a shared home
     broken = _probe({}, tmp_path).stdout.splitlines()
-    assert broken[0] == "False grouped padded (3, 4)"
+    assert broken[0] == "False grouped (3, 4)"
     assert len(broken) == 2 and "cannot load" in broken[1] and "delete it to rebuild" in broken[1]
 
 
@@ -197,7 +197,7 @@ def test_without_a_working_compiler_experts_run_on_torch_gemms_after_one_warning
     result = _probe(env, tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == "False grouped padded (3, 4)"
+    assert lines[0] == "False grouped (3, 4)"
     warnings = lines[1:]
     if why is None:
         assert warnings == []

@@ -1,6 +1,6 @@
-"""GroupedExperts and its fused FFN autograd function, against per-expert slice references; the grouped-GEMM,
-padded-bmm and native kernels against the loop kernel; the kernel choice; recompute on/off. (The native
-kernels' own edge cases: tests/moe/test_cpu_kernels.py.)"""
+"""GroupedExperts and its fused FFN autograd function, against per-expert slice references; the grouped-GEMM
+(whole and split into calls of a few experts) and native kernels against the loop kernel; the kernel choice;
+recompute on/off. (The native kernels' own edge cases: tests/moe/test_cpu_kernels.py.)"""
 
 import math
 import os
@@ -10,9 +10,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from moe_scale.moe import cpu_kernels
-from moe_scale.moe.experts import (GroupedExperts, GroupLayout, expert_ffn, grouped_matmul, per_expert_outer,
-                                   rows_times_expert)
+from moe_scale.moe import cpu_kernels, grouped_gemm
+from moe_scale.moe.experts import GroupedExperts, expert_ffn, grouped_matmul
+from moe_scale.moe.grouped_gemm import GroupLayout, kernel_for, per_expert_outer, rows_times_expert
+from moe_scale.moe.kernel_policy import KernelPolicy, forced_policy
 
 NATIVE_BUILT = cpu_kernels.available(torch.empty(0))
 needs_native = pytest.mark.skipif(not NATIVE_BUILT, reason="native kernels not built (no C compiler?)")
@@ -33,8 +34,13 @@ def reference_ffn(x, w_in, w_out, counts, scale):
     return torch.cat(pieces) if pieces else x.new_zeros(0, w_out.shape[2])
 
 
+def _split_calls(max_groups: int):
+    """Grouped GEMMs of at most `max_groups` experts per call (the GPU's 1,023, made small)."""
+    return forced_policy(KernelPolicy(native_cpu=False, gate_chunk_rows=None, max_groups=max_groups))
+
+
 @pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
-def test_grouped_padded_and_loop_kernels_give_the_same_products(counts):
+def test_grouped_native_and_loop_kernels_give_the_same_products(counts):
     gen = torch.Generator().manual_seed(len(counts) * 100 + sum(counts))
     m, e = sum(counts), len(counts)
     a = torch.randn(m, 8, generator=gen)
@@ -45,11 +51,17 @@ def test_grouped_padded_and_loop_kernels_give_the_same_products(counts):
     outer_loop = per_expert_outer(a, g, loop_layout)
     b_t = torch.randn(e, 12, 8, generator=gen).transpose(1, 2)   # a weight's transpose (native's other kernel)
     loop_t = rows_times_expert(a, b_t, loop_layout)
-    for kernel in ("grouped", "padded") + (("native",) if NATIVE_BUILT else ()):
+    for kernel in ("grouped",) + (("native",) if NATIVE_BUILT else ()):
         layout = GroupLayout(counts, a, kernel)
         torch.testing.assert_close(rows_times_expert(a, b, layout), loop)
         torch.testing.assert_close(rows_times_expert(a, b_t, layout), loop_t)
         torch.testing.assert_close(per_expert_outer(a, g, layout), outer_loop)
+    for max_groups in (1, 2, 3):   # several calls: chunk edges must not lose or shift rows
+        with _split_calls(max_groups):
+            layout = GroupLayout(torch.tensor(counts), a)
+            assert layout.kernel == "grouped" and (layout.chunks is not None) == (e > max_groups)
+            torch.testing.assert_close(rows_times_expert(a, b, layout), loop)
+            torch.testing.assert_close(per_expert_outer(a, g, layout), outer_loop)
     start = 0
     for expert, count in enumerate(counts):        # against slices, and exact zeros for an empty expert
         torch.testing.assert_close(loop[start:start + count], a[start:start + count] @ b[expert])
@@ -61,10 +73,9 @@ def test_grouped_padded_and_loop_kernels_give_the_same_products(counts):
 
 @pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
 @pytest.mark.parametrize("dtype, kernel", [(torch.float64, "loop"), (torch.float32, "grouped"),
-                                           (torch.float64, "padded"),
                                            pytest.param(torch.float32, "native", marks=needs_native),
                                            (torch.float32, None)],
-                         ids=["loop_f64", "grouped_f32", "padded_f64", "native_f32", "chosen_f32"])
+                         ids=["loop_f64", "grouped_f32", "native_f32", "chosen_f32"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 def test_expert_ffn_matches_per_expert_autograd(counts, dtype, kernel, recompute):
     gen = torch.Generator().manual_seed(len(counts) * 7 + sum(counts))
@@ -89,9 +100,8 @@ def test_expert_ffn_matches_per_expert_autograd(counts, dtype, kernel, recompute
 
 @pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
 @pytest.mark.parametrize("dtype, kernel", [(torch.float64, "loop"), (torch.float32, "grouped"),
-                                           (torch.float64, "padded"),
                                            pytest.param(torch.float32, "native", marks=needs_native)],
-                         ids=["loop_f64", "grouped_f32", "padded_f64", "native_f32"])
+                         ids=["loop_f64", "grouped_f32", "native_f32"])
 def test_grouped_matmul_matches_per_expert_slices(counts, dtype, kernel):
     gen = torch.Generator().manual_seed(len(counts) * 3 + sum(counts))
     m, e = sum(counts), len(counts)
@@ -116,14 +126,14 @@ def test_expert_ffn_gradcheck_and_single_input_grad():
     w_in = torch.randn(3, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     w_out = torch.randn(3, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     for recompute in (False, True):
-        for kernel in ("loop", "padded"):
+        for kernel in ("loop",):
             assert torch.autograd.gradcheck(lambda a, b, c: expert_ffn(a, b, c, counts, scale=1.5,
                                                                        recompute=recompute, kernel=kernel),
                                             (x, w_in, w_out))
     # Only one input needs a gradient: the other branches must be skipped, not crash.
     ref = reference_ffn(x, w_in, w_out, counts, 1.0).sum()
     want_x, want_w_out = torch.autograd.grad(ref, (x, w_out))
-    for kernel in ("loop", "padded"):   # float64: grouped GEMM takes float32/16 only
+    for kernel in ("loop",):   # float64: grouped GEMM takes float32/16 only
         (gx,) = torch.autograd.grad(expert_ffn(x, w_in.detach(), w_out.detach(), counts, kernel=kernel).sum(), x)
         (gw,) = torch.autograd.grad(expert_ffn(x.detach(), w_in.detach(), w_out, counts, kernel=kernel).sum(), w_out)
         torch.testing.assert_close(gx, want_x)
@@ -132,46 +142,44 @@ def test_expert_ffn_gradcheck_and_single_input_grad():
 
 @needs_native
 def test_kernel_choice_native_for_every_row_count_in_float32():
-    """CPU float32: native kernels for every product, with few rows per expert and with many."""
+    """CPU float32: native kernels for every product, with few rows per expert, with many, and with none."""
     f32 = torch.empty(0)
-    sparse = GroupLayout([0, 3, 0, 0, 1, 0, 0, 0], f32)
-    assert (sparse.matmul_kernel, sparse.outer_kernel) == ("native", "native")
-    many = GroupLayout([1000] * 4, f32)
-    assert (many.matmul_kernel, many.outer_kernel) == ("native", "native")
-    assert GroupLayout([3, 1], torch.empty(0, dtype=torch.bfloat16)).matmul_kernel == "grouped"   # float32 only
-    empty = GroupLayout([0, 0], f32)                                    # nothing to run: torch's kernels
-    assert empty.matmul_kernel == empty.outer_kernel == "grouped"
+    for counts in ([0, 3, 0, 0, 1, 0, 0, 0], [1000] * 4, [0, 0]):
+        assert GroupLayout(counts, f32).kernel == "native"
+    assert GroupLayout([3, 1], torch.empty(0, dtype=torch.bfloat16)).kernel == "grouped"   # float32 only
+    with _split_calls(1023):   # what a GPU decides: no native kernels
+        assert GroupLayout([3, 1], f32).kernel == "grouped"
 
 
-def test_kernel_choice_without_native_pads_weight_gradients_of_short_groups(monkeypatch):
-    """Without the native kernels (other dtypes, or none built): weight gradients pad while no expert has more
-    than 32 rows, and take grouped GEMM (CPU float32) or the loop (float64) beyond; row products never pad."""
+def test_kernel_choice_without_native(monkeypatch):
     f32, f64, bf16 = torch.empty(0), torch.empty(0, dtype=torch.float64), torch.empty(0, dtype=torch.bfloat16)
-    assert (GroupLayout([3, 1], bf16).matmul_kernel, GroupLayout([3, 1], bf16).outer_kernel) == ("grouped", "padded")
-    assert GroupLayout([33, 1, 1], bf16).outer_kernel == "grouped"      # one long group: padding would dominate
-    assert (GroupLayout([33, 1], f64).outer_kernel, GroupLayout([3, 1], f64).matmul_kernel) == ("loop", "loop")
-    assert GroupLayout([3, 1], f64).outer_kernel == "padded"
-    empty = GroupLayout([0, 0], f32, kernel="padded")                   # nothing to pad: falls back
-    assert empty.matmul_kernel == empty.outer_kernel == "grouped"
+    assert GroupLayout([3, 1], bf16).kernel == "grouped"
+    grouped_gemm._warn_loop.cache_clear()
+    with pytest.warns(UserWarning, match="one matmul per expert on cpu float64"):
+        assert GroupLayout([33, 1], f64).kernel == "loop"
     with pytest.raises(ValueError, match="kernel must be one of"):
         GroupLayout([1], f32, kernel="fast")
     with pytest.raises(ValueError, match="kernel 'native' takes CPU float32"):
         GroupLayout([1], f64, kernel="native")
     monkeypatch.setattr(cpu_kernels, "available", lambda like: False)   # float32 where no library was built
-    sparse = GroupLayout([0, 3, 0, 0, 1, 0, 0, 0], f32)
-    assert (sparse.matmul_kernel, sparse.outer_kernel) == ("grouped", "padded")
+    assert GroupLayout([0, 3, 0, 0, 1, 0, 0, 0], f32).kernel == "grouped"
 
 
-@pytest.mark.parametrize("num_experts", [7, 50, 300])
-def test_padded_weight_gradient_matches_loop_across_expert_chunks(num_experts):
-    """Many experts: the padded kernel works a chunk of experts at a time; chunk edges must not lose rows."""
-    gen = torch.Generator().manual_seed(num_experts)
-    counts = torch.randint(0, 5, (num_experts,), generator=gen).tolist()
-    a = torch.randn(sum(counts), 6, generator=gen, dtype=torch.float64)
-    g = torch.randn(sum(counts), 5, generator=gen, dtype=torch.float64)
-    padded = GroupLayout(counts, a, "padded")
-    assert padded.num_rows // (4 * padded.pad_rows) < num_experts    # more than one chunk
-    torch.testing.assert_close(per_expert_outer(a, g, padded), per_expert_outer(a, g, GroupLayout(counts, a, "loop")))
+@pytest.mark.parametrize("device, dtype, capability, has_grouped_mm, has_triton, want", [
+    ("cuda", torch.bfloat16, (9, 0), True, True, "grouped"),      # H100 / H200: the CUTLASS kernel
+    ("cuda", torch.bfloat16, (10, 0), True, False, "grouped"),    # B200
+    ("cuda", torch.bfloat16, (8, 0), True, True, "triton"),       # A100: torch would loop with a host sync
+    ("cuda", torch.float32, (9, 0), True, True, "triton"),        # fp32 on an H100: TF32 in Triton
+    ("cuda", torch.float16, (9, 0), True, True, "triton"),
+    ("cuda", torch.float32, (8, 0), True, False, "loop"),         # nothing grouped left: warned
+    ("cuda", torch.bfloat16, (9, 0), False, False, "loop"),       # an old torch without F.grouped_mm
+    ("cpu", torch.bfloat16, None, True, False, "grouped"),
+    ("cpu", torch.float16, None, True, False, "grouped"),
+    ("cpu", torch.float64, None, True, True, "loop"),
+])
+def test_kernel_decision_table(device, dtype, capability, has_grouped_mm, has_triton, want):
+    """What each device, dtype and GPU generation gets (the native CPU kernels aside)."""
+    assert kernel_for(device, dtype, capability, has_grouped_mm, has_triton)[0] == want
 
 
 def reference_gated(rows, w_in, w_out, counts, row_of_pair, gate, scale):
@@ -188,7 +196,7 @@ GATED = {  # counts per expert, and the row each pair reads (pairs sorted by exp
 
 
 @pytest.mark.parametrize("counts, row_of_pair", GATED.values(), ids=GATED.keys())
-@pytest.mark.parametrize("kernel", ["loop", "padded"])
+@pytest.mark.parametrize("kernel", ["loop"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 def test_gated_row_sums_match_reference_in_value_and_every_gradient(counts, row_of_pair, kernel, recompute):
     """The layer's form: pairs gather their rows, and gate-weighted outputs are summed per row; the gate's
@@ -250,9 +258,8 @@ def test_gated_form_saves_no_per_pair_copy_of_inputs_or_outputs():
 
 
 def test_flop_counter_sees_the_grouped_gemm():
-    """FlopCounterMode knows no formula for aten::_grouped_mm; experts.py registers one. Forward + backward of
-    the FFN is 3 x 2 matmuls of M x D x H multiply-adds (2 FLOPs each). (The padded kernel's bmm would be counted
-    by torch with its padding.)"""
+    """FlopCounterMode knows no formula for aten::_grouped_mm; grouped_gemm.py registers one. Forward + backward
+    of the FFN is 3 x 2 matmuls of M x D x H multiply-adds (2 FLOPs each)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counts, d, h = [5, 0, 7, 4], 8, 24
