@@ -126,8 +126,7 @@ class AllToAllDispatcher:
         key_C = rank_C * num_tokens + token_index_C.index_select(0, order_C)
         by_key_C = torch.argsort(key_C, stable=True)
         sorted_key_C = key_C.index_select(0, by_key_C)
-        first_C = torch.ones_like(sorted_key_C, dtype=torch.bool)
-        first_C[1:] = sorted_key_C[1:] != sorted_key_C[:-1]
+        first_C = sorted_key_C != torch.cat([sorted_key_C.new_full((1,), -1), sorted_key_C[:-1]])   # row starts
         row_of_sorted_C = first_C.cumsum(0) - 1
         row_of_pair_C = torch.empty_like(row_of_sorted_C).index_copy_(0, by_key_C, row_of_sorted_C)
         rows_per_rank_P = torch.zeros(P + 1, dtype=torch.long, device=device).index_add_(

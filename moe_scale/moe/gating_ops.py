@@ -28,11 +28,17 @@ _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
 
 class _NoisyTopK(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int, smooth_load: bool):
+    def forward(ctx, clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int, smooth_load: bool,
+                row_group_N: Tensor | None, num_groups: int):
         ctx.eps, ctx.k, ctx.smooth_load = eps, k, smooth_load
-        ctx.native = all(cpu_kernels.available(t) for t in (clean_NE, z_NE, noise_NE))
-        run = cpu_kernels.noisy_top_k_forward if ctx.native else _forward
-        std_NE, top_values_NM, top_idx_NM, load_E = run(clean_NE, z_NE, noise_NE, eps, k, smooth_load)
+        ctx.native = row_group_N is None and all(cpu_kernels.available(t) for t in (clean_NE, z_NE, noise_NE))
+        if ctx.native:
+            std_NE, top_values_NM, top_idx_NM, load_E = cpu_kernels.noisy_top_k_forward(
+                clean_NE, z_NE, noise_NE, eps, k, smooth_load)
+        else:
+            std_NE, top_values_NM, top_idx_NM, load_E = _forward(clean_NE, z_NE, noise_NE, eps, k, smooth_load,
+                                                                  row_group_N, num_groups)
+        ctx.row_group_N = row_group_N
         ctx.save_for_backward(clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM)
         ctx.mark_non_differentiable(top_idx_NM)
         return top_values_NM, top_idx_NM, load_E
@@ -41,55 +47,77 @@ class _NoisyTopK(torch.autograd.Function):
     def backward(ctx, grad_top_NM: Tensor, _grad_idx, grad_load_E: Tensor):
         saved = ctx.saved_tensors   # clean, noise, std, top values, top indices
         grad_top_NM = torch.zeros_like(saved[3]) if grad_top_NM is None else grad_top_NM
-        run = cpu_kernels.noisy_top_k_backward if ctx.native else _backward
-        grad_clean_NE, grad_z_NE = run(*saved, grad_top_NM, grad_load_E if ctx.smooth_load else None, ctx.eps, ctx.k)
-        return grad_clean_NE, grad_z_NE, None, None, None, None
+        grad_load = grad_load_E if ctx.smooth_load else None
+        if ctx.native:
+            grad_clean_NE, grad_z_NE = cpu_kernels.noisy_top_k_backward(*saved, grad_top_NM, grad_load, ctx.eps, ctx.k)
+        else:
+            grad_clean_NE, grad_z_NE = _backward(*saved, grad_top_NM, grad_load, ctx.eps, ctx.k, ctx.row_group_N)
+        return grad_clean_NE, grad_z_NE, None, None, None, None, None, None
 
 
-def _forward(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int, smooth_load: bool):
+def _forward(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int, smooth_load: bool,
+             row_group_N: Tensor | None = None, num_groups: int = 0):
     m = min(k + 1, clean_NE.shape[1])
     std_NE = torch.nn.functional.softplus(z_NE).add_(eps)
     noisy_NE = torch.addcmul(clean_NE, noise_NE, std_NE)
     top_values_NM, top_idx_NM = noisy_NE.topk(m, dim=1)
-    load_E = clean_NE.new_zeros(clean_NE.shape[1])
-    if smooth_load:
-        del noisy_NE
-        for rows in _chunks(clean_NE):
-            z, _ = _standardised(clean_NE[rows], noise_NE[rows], std_NE[rows], top_values_NM[rows], k)
-            load_E += z.erf_().add_(1.0).sum(0).mul_(0.5)
-    return std_NE, top_values_NM, top_idx_NM, load_E
+    e = clean_NE.shape[1]
+    if not smooth_load:
+        return std_NE, top_values_NM, top_idx_NM, clean_NE.new_zeros(e if row_group_N is None else (num_groups, e))
+    del noisy_NE
+    load = None
+    for clean, noise, std, top_values, row_group in _blocks(clean_NE, noise_NE, std_NE, top_values_NM, row_group_N):
+        z, _ = _standardised(clean, noise, std, top_values, k)
+        p = z.erf_().add_(1.0).mul_(0.5)
+        if row_group_N is None:
+            part = p.sum(0)
+            load = part if load is None else load.add_(part)
+        else:
+            load = (clean_NE.new_zeros(num_groups, e) if load is None else load).index_add_(0, row_group, p)
+    if load is None:   # no rows
+        load = clean_NE.new_zeros(e if row_group_N is None else (num_groups, e))
+    return std_NE, top_values_NM, top_idx_NM, load
 
 
 def _backward(clean_NE: Tensor, noise_NE: Tensor, std_NE: Tensor, top_values_NM: Tensor, top_idx_NM: Tensor,
-              grad_top_NM: Tensor, grad_load_E: Tensor | None, eps: float, k: int) -> tuple[Tensor, Tensor]:
-    grad_clean = torch.empty_like(clean_NE)
-    grad_z = torch.empty_like(clean_NE)
-    grad_top_NM = grad_top_NM.clone()   # the thresholds' share is added to it
-    for rows in _chunks(clean_NE):
-        noise, std = noise_NE[rows], std_NE[rows]
-        grad_std = torch.zeros_like(std)
-        if grad_load_E is not None:
-            z, is_in = _standardised(clean_NE[rows], noise, std, top_values_NM[rows], k)
-            # Phi(z)' = exp(-z^2) / sqrt(pi) w.r.t. z * sqrt(2); z = (clean - threshold) / (sqrt(2) std)
-            d_clean = _gaussian(z).mul_(_INV_SQRT_PI).div_(_denominator(std)).mul_(grad_load_E)
-            grad_std = (d_clean * z).mul_(-math.sqrt(2.0))            # d z / d std = -z sqrt(2) / denom
-            grad_top_NM[rows, k] -= (d_clean * is_in).sum(1)          # the thresholds are noisy top values
-            grad_top_NM[rows, k - 1] -= (d_clean * ~is_in).sum(1)
-        else:
-            d_clean = torch.zeros_like(std)
-        grad_noisy = torch.zeros_like(std).scatter_(1, top_idx_NM[rows], grad_top_NM[rows])
-        grad_clean[rows] = d_clean.add_(grad_noisy)
-        # noisy = clean + noise * std; std = softplus(z) + eps and softplus'(z) = 1 - exp(-softplus(z)).
+              grad_top_NM: Tensor, grad_load: Tensor | None, eps: float, k: int,
+              row_group_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    parts = [_backward_rows(*block, grad_load, eps, k) for block in _blocks(
+        clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM, grad_top_NM, row_group_N)]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _backward_rows(clean, noise, std, top_values, top_idx, grad_top, row_group, grad_load, eps: float, k: int):
+    """(gradient of the clean logits, of the noise logits) for one block of rows."""
+    grad_noisy = torch.zeros_like(std).scatter_(1, top_idx, grad_top)
+    if grad_load is None:
+        grad_clean, grad_std = grad_noisy, grad_noisy * noise
+    else:
+        z, is_in = _standardised(clean, noise, std, top_values, k)
+        # each row's share of the load gradient: the whole [E] vector, or its group's row of [G, E]
+        grad_load_rows = grad_load if row_group is None else grad_load.index_select(0, row_group)
+        # Phi(z)' = exp(-z^2) / sqrt(pi) w.r.t. z * sqrt(2); z = (clean - threshold) / (sqrt(2) std)
+        d_clean = _gaussian(z).mul_(_INV_SQRT_PI).div_(_denominator(std)).mul_(grad_load_rows)
+        grad_std = (d_clean * z).mul_(-math.sqrt(2.0))            # d z / d std = -z sqrt(2) / denom
+        # The thresholds are noisy top values: the (K+1)-th for experts in the top K, else the K-th.
+        to_kth1 = torch.where(is_in, d_clean, 0.0).sum(1)
+        to_kth = d_clean.sum(1) - to_kth1
+        grad_noisy.scatter_add_(1, top_idx[:, k - 1:k + 1], torch.stack([to_kth, to_kth1], 1).neg_())
+        grad_clean = d_clean.add_(grad_noisy)
         grad_std.addcmul_(grad_noisy, noise)
-        grad_z[rows] = grad_std.mul_(torch.expm1(-(std - eps)).neg_())
-    return grad_clean, grad_z
+    # noisy = clean + noise * std; std = softplus(z) + eps and softplus'(z) = 1 - exp(-softplus(z)).
+    return grad_clean, grad_std.mul_(torch.expm1(-(std - eps)).neg_())
 
 
-def noisy_top_k(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int,
-                smooth_load: bool) -> tuple[Tensor, Tensor, Tensor]:
+def noisy_top_k(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int, smooth_load: bool,
+                row_group_N: Tensor | None = None, num_groups: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Top M = min(K+1, E) of the noisy logits clean + noise * (softplus(z) + eps), as (values, indices), and
-    the smooth load_E = sum over tokens of routers.prob_in_top_k (zeros unless `smooth_load`; needs K < E)."""
-    return _NoisyTopK.apply(clean_NE, z_NE, noise_NE, eps, k, smooth_load)
+    the smooth load_E = sum over tokens of routers.prob_in_top_k (zeros unless `smooth_load`; needs K < E).
+    With `row_group_N` (the group of each row, < `num_groups`), the load is summed per group: [G, E] (the
+    hierarchical gate's secondary loads, one row per group)."""
+    return _NoisyTopK.apply(clean_NE, z_NE, noise_NE, eps, k, smooth_load, row_group_N, num_groups)
 
 
 # exp(-z^2) below exp(-50) ~ 2e-22 is taken as 0, here and in cpu_gating.c: 2e-22 of the entries near the
@@ -115,6 +143,13 @@ def _standardised(clean, noise, std, top_values_NM, k) -> tuple[Tensor, Tensor]:
     return (clean - torch.where(is_in, thr_in, thr_out)).div_(_denominator(std)), is_in
 
 
-def _chunks(like_NE: Tensor):
-    n, rows = like_NE.shape[0], policy_for(like_NE).gate_chunk_rows or max(like_NE.shape[0], 1)
-    return (slice(start, start + rows) for start in range(0, n, rows))
+def _blocks(*tensors: Tensor | None):
+    """The tensors (rows first) a block of rows at a time: on CPU blocks that stay in cache, on a GPU the whole
+    tensors as they are (one block, not even a slice). None passes through."""
+    n = tensors[0].shape[0]
+    rows = policy_for(tensors[0]).gate_chunk_rows
+    if rows is None or n <= rows:
+        yield tensors
+        return
+    for start in range(0, n, rows):
+        yield tuple(None if t is None else t[start:start + rows] for t in tensors)

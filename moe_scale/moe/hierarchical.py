@@ -20,26 +20,36 @@ import math
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.losses import cv_squared
-from moe_scale.moe.routers import NoiseSampler, RouterOutput, _identity, prob_in_top_k, sample_noise
+from moe_scale.moe.gating_ops import noisy_top_k
+from moe_scale.moe.routers import NoiseSampler, RouterOutput, _identity, sample_noise
 
 _EPS = 1e-10  # t2t's epsilon in eq. 14's denominator: a group that got no token has load 0, not NaN
 
 
-def _top_k_with_load(clean_RC: Tensor, logits_RC: Tensor, std_RC: Optional[Tensor], k: int):
-    """Top-k gating of R rows over C choices: (gates_RK, idx_RK, p_RC). ``p_RC`` is the smooth in-top-k
-    probability (eq. 8-9) when there is noise and k < C, else None (the caller counts ``idx_RK`` instead)."""
+def _all_groups(x_ND: Tensor, w_ADB: Tensor) -> Tensor:
+    """x @ w[i] for every group i: [N, A, B], as one matrix product."""
+    a, d, b = w_ADB.shape
+    return (x_ND @ w_ADB.transpose(0, 1).reshape(d, a * b)).view(-1, a, b)
+
+
+def _top_k(clean_RC: Tensor, raw_noise_RC: Optional[Tensor], noise_RC: Optional[Tensor], k: int, eps: float,
+           row_group_R: Optional[Tensor] = None, num_groups: int = 0):
+    """Noisy (with noise given) or clean top-k gating of R rows over C choices: (gates_RK, idx_RK, load). The
+    load is the smooth in-top-k probability (eq. 8-9) summed over rows (per group of rows with `row_group_R`),
+    computed in the memory-lean fused op; None without noise or when k == C (the caller counts instead)."""
     c = clean_RC.shape[1]
-    top_values_RM, top_idx_RM = logits_RC.topk(min(k + 1, c), dim=1)
-    gates_RK = torch.softmax(top_values_RM[:, :k], dim=1)
-    p_RC = None
-    if std_RC is not None and k < c:
-        p_RC = prob_in_top_k(clean_RC, logits_RC, std_RC, top_values_RM, k)
-    return gates_RK, top_idx_RM[:, :k], p_RC
+    if noise_RC is None:
+        top_values_RM, top_idx_RM = clean_RC.topk(min(k + 1, c), dim=1)
+        load = None
+    else:
+        top_values_RM, top_idx_RM, load = noisy_top_k(clean_RC, raw_noise_RC, noise_RC, eps, k, k < c,
+                                                       row_group_R, num_groups)
+        load = load if k < c else None
+    return torch.softmax(top_values_RM[:, :k], dim=1), top_idx_RM[:, :k], load
 
 
 class HierarchicalRouter(nn.Module):
@@ -126,29 +136,27 @@ class HierarchicalRouter(nn.Module):
 
             # ---- primary: noisy top-kp over the A groups
             clean_NA = x_ND @ self.w_gate_primary.to(dtype)
-            logits_NA, std_NA = clean_NA, None
-            if noisy:
-                std_NA = F.softplus(x_ND @ self.w_noise_primary.to(dtype)) + self.noise_epsilon
-                logits_NA = clean_NA + self._sample_noise(n, a, x_ND.device).to(dtype) * std_NA
-            gp_NKp, groups_NKp, p_NA = _top_k_with_load(clean_NA, logits_NA, std_NA, kp)
+            raw_NA = x_ND @ self.w_noise_primary.to(dtype) if noisy else None
+            noise_NA = self._sample_noise(n, a, x_ND.device).to(dtype) if noisy else None
+            gp_NKp, groups_NKp, load_p_A = _top_k(clean_NA, raw_NA, noise_NA, kp, self.noise_epsilon)
             groups_P = groups_NKp.reshape(-1)  # P = N*Kp (token, group) pairs, token-major
             cnt_A = count_per_bin(groups_P, a, dtype)  # |X^(i)|
-            load_p_A = p_NA.sum(0) if p_NA is not None else cnt_A
+            if load_p_A is None:  # eval, noise off, or Kp == A: the hard count
+                load_p_A = cnt_A
 
             # ---- secondary: logits of all groups at once, then the picked groups' rows
-            clean_NAB = torch.einsum("nd,adb->nab", x_ND, self.w_gate_secondary.to(dtype))
+            clean_NAB = _all_groups(x_ND, self.w_gate_secondary.to(dtype))
             pick_NKpB = groups_NKp.unsqueeze(-1).expand(n, kp, b)
             clean_PB = clean_NAB.gather(1, pick_NKpB).reshape(n * kp, b)
-            logits_PB, std_PB = clean_PB, None
+            raw_PB = noise_PB = None
             if noisy:
-                raw_NAB = torch.einsum("nd,adb->nab", x_ND, self.w_noise_secondary.to(dtype))
-                std_PB = F.softplus(raw_NAB.gather(1, pick_NKpB).reshape(n * kp, b)) + self.noise_epsilon
+                raw_NAB = _all_groups(x_ND, self.w_noise_secondary.to(dtype))
+                raw_PB = raw_NAB.gather(1, pick_NKpB).reshape(n * kp, b)
                 noise_NAB = self._sample_noise(n, a * b, x_ND.device).to(dtype).reshape(n, a, b)
-                logits_PB = clean_PB + noise_NAB.gather(1, pick_NKpB).reshape(n * kp, b) * std_PB
-            gs_PKs, local_PKs, p_PB = _top_k_with_load(clean_PB, logits_PB, std_PB, ks)
-            if p_PB is not None:  # Load_i(X^(i)): the secondary smooth load, NOT multiplied by G_p
-                load_s_AB = p_PB.new_zeros(a, b).index_add(0, groups_P, p_PB)
-            else:
+                noise_PB = noise_NAB.gather(1, pick_NKpB).reshape(n * kp, b)
+            # Load_i(X^(i)): the secondary smooth load summed per group, NOT multiplied by G_p
+            gs_PKs, local_PKs, load_s_AB = _top_k(clean_PB, raw_PB, noise_PB, ks, self.noise_epsilon, groups_P, a)
+            if load_s_AB is None:
                 load_s_AB = count_per_bin(groups_P[:, None] * b + local_PKs, a * b, dtype).reshape(a, b)
 
             # ---- combined gates G_p·G_s (eq. 12) and flat expert ids i*B + j; the primary gate is applied here once
@@ -160,5 +168,6 @@ class HierarchicalRouter(nn.Module):
             stats = self.sum_over_batch(torch.cat([importance_E, load_s_AB.reshape(-1), load_p_A, cnt_A]))
             importance_E, load_s_AB, load_p_A, cnt_A = stats.split([a * b, a * b, a, a])
             load_E = (load_p_A[:, None] * load_s_AB.reshape(a, b) / (cnt_A[:, None] + _EPS)).reshape(-1)
-            aux_loss = self.w_importance * cv_squared(importance_E) + self.w_load * cv_squared(load_E)
+            cv2_2 = cv_squared(torch.stack([importance_E, load_E]))
+            aux_loss = self.w_importance * cv2_2[0] + self.w_load * cv2_2[1]
         return RouterOutput(gates_NK, experts_NK, aux_loss, importance_E, load_E)

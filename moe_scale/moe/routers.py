@@ -180,7 +180,8 @@ class NoisyTopKRouter(nn.Module):
             # Balance over the whole data-parallel batch: one collective for both statistics.
             stats_2E = self.sum_over_batch(torch.stack([importance_E, load_E]))
             importance_E, load_E = stats_2E[0], stats_2E[1]
-            aux_loss = self.w_importance * cv_squared(importance_E) + self.w_load * cv_squared(load_E)
+            cv2_2 = cv_squared(stats_2E)
+            aux_loss = self.w_importance * cv2_2[0] + self.w_load * cv2_2[1]
         return RouterOutput(gates_NK, experts_NK, aux_loss, importance_E, load_E)
 
 
