@@ -113,7 +113,8 @@ class TrainConfig:
     log_interval: int = _f(50, "steps between log lines and TensorBoard points")
     eval_interval: int = _f(200, "steps between validation passes (and at the end)")
     eval_max_batches: int = _f(0, "cap on validation batches per pass (0: the whole split)")
-    checkpoint_interval: int = _f(200, "steps between checkpoints (and at the end)")
+    checkpoint_interval: int = _f(200, "steps between checkpoints (and at the end); 0: never (benchmarks: "
+                                       "such a run cannot be resumed or evaluated)")
     preset: str | None = _f(None, "start from a paper model's settings (`moe-scale flops --list`; NAME-mini for a "
                                   "CPU-sized miniature); other flags given override them")
     softmax: str = _f("full", "output layer: exact softmax, importance-sampled softmax in training (exact at eval; "
@@ -186,10 +187,12 @@ class RunConfig:
                     "--top-k": m.top_k, "--seq-len": d.seq_len, "--batch-size": t.batch_size,
                     "--grad-accum": t.grad_accum, "--max-steps": t.max_steps, "--ep-size": t.ep_size,
                     "--log-interval": t.log_interval, "--eval-interval": t.eval_interval,
-                    "--checkpoint-interval": t.checkpoint_interval, "--min-count": d.min_count}
+                    "--min-count": d.min_count}
         for flag, value in positive.items():
             if value < 1:
                 raise UserError(f"{flag} must be at least 1 (got {value})")
+        if t.checkpoint_interval < 0:
+            raise UserError(f"--checkpoint-interval must be 0 (never) or positive (got {t.checkpoint_interval})")
         if m.top_k > m.num_experts:
             raise UserError(f"--top-k {m.top_k} is larger than --num-experts {m.num_experts}; "
                             f"choose k <= number of experts")

@@ -76,3 +76,21 @@ def lm1b_benchmark(tmp_path) -> Path:
             chunk = sentences[k * n // shards: (k + 1) * n // shards]
             (directory / name.format(first + k)).write_text("\n".join(chunk) + "\n", encoding="utf-8")
     return root
+
+
+_MULTIPROCESS_CALLS = ("run_ranks(", "nprocs=", "--ranks\", \"2\"", "\"--ranks\", \"2\"", "srun", "mpirun")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`multiprocess` on every test that starts ranks (through tests/multiproc.py, the deepspeed launcher,
+    srun or mpirun), found in its source, so `-m "not multiprocess"` runs the single-process suite."""
+    import inspect
+
+    for item in items:
+        function = getattr(item, "function", None)
+        try:
+            source = inspect.getsource(function) if function else ""
+        except (OSError, TypeError):
+            source = ""
+        if any(call in source for call in _MULTIPROCESS_CALLS):
+            item.add_marker(pytest.mark.multiprocess)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.multiproc import free_port
 
@@ -161,7 +162,8 @@ def test_two_ranks_report_the_all_to_all_share():
                                    ["--impls", "dropless,tutel"], ["--capacity-factor", "0"], ["--tokens", "0"],
                                    ["--out", "/nonexistent/dir/x.jsonl"], ["--gate-logit-std", "-1"],
                                    ["--gate-logit-std", "nan"], ["--capacity-factor", "nan"], ["--min-time", "-1"],
-                                   ["--warmup", "0"]])
+                                   ["--warmup", "0"], ["--dtype", "float8"]]
+                         + ([["--device", "cuda"]] if not torch.cuda.is_available() else []))
 def test_bad_flags_exit_2_with_one_line(flags, capsys, monkeypatch):
     bench = _import_bench(monkeypatch)
     with pytest.raises(SystemExit) as exc:

@@ -45,6 +45,11 @@ Each time is the median over the timed steps of a freshly built layer, after --w
     python tools/bench_moe_layer.py --out bench.jsonl               # the whole sweep (E 8..4096, K 1,2,4)
     python tools/bench_moe_layer.py --ranks 2 --experts 256 --k 2   # 2 gloo ranks, ep_size 2: all-to-all share
     python tools/bench_moe_layer.py --experts 1024 --k 2 --gate-logit-std 3   # logits spread as after training
+
+On a GPU (`--device cuda --dtype bfloat16`, what tools/gpu_check.sh runs) the roofline takes the GPU's datasheet
+peaks (metrics/perf.py; --peak-tflops / --peak-gbs override), bytes count the dtype's size, each step is timed
+between two synchronisations, working memory is the CUDA allocator's peak above the memory before the step, and
+a configuration whose expert weights and gradients cannot fit the device is reported as skipped.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ from torch import nn
 from moe_scale.distributed.launch import release_deepspeed_shm_name
 
 IMPLS = ("dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "naive_loop", "dense")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WEIGHT_READS = 2   # the forward reads a used expert's weights, the backward reads them again
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 # Copies timed just before and just after each layer's steps. On a shared machine the bandwidth moves 2x within
@@ -110,6 +116,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="draw the gating matrices so the logits have this std, as a trained router's spread "
                         "(default 0: zero-initialised gates, the paper's App. A; DeepSpeed keeps nn.Linear's init)")
     p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the layers run (default cpu)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="parameters and activations (default float32; bfloat16 on GPUs)")
+    p.add_argument("--peak-tflops", type=positive_float, help="the roofline's matmul peak (default: measured on "
+                   "CPU, the datasheet on a GPU)")
+    p.add_argument("--peak-gbs", type=positive_float, help="the roofline's memory bandwidth in GB/s (default: "
+                   "measured on CPU, the datasheet on a GPU)")
     p.add_argument("--out", type=Path, help="also write the JSON lines here")
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -117,6 +130,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"every --k must be <= every --experts (got k={args.k}, experts={args.experts})")
     if args.ranks > 1 and any(e % args.ranks for e in args.experts):
         p.error(f"--ranks {args.ranks} must divide every --experts value (got {args.experts})")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            p.error("--device cuda: no CUDA device here; run on a GPU machine or leave --device out")
+        if args.ranks > 1:
+            p.error("--ranks runs gloo processes on CPU; on a GPU compare layers in one process (--ranks 1)")
     check_out_file(p, args.out)
     return args
 
@@ -124,14 +142,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- the implementations
 
 
-def _init_single_process_dist() -> None:
+def _init_single_process_dist(device: str) -> None:
     import deepspeed
     import torch.distributed as dist
 
     if not dist.is_initialized():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
                           RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", auto_mpi_discovery=False,
+                                   verbose=False)
 
 
 def _ffn(d: int, h: int) -> nn.Module:
@@ -189,6 +208,10 @@ class _NaiveLoopLayer(nn.Module):
 
 
 def build(impl: str, e: int, k: int, args) -> nn.Module:
+    return _build(impl, e, k, args).to(args.device, DTYPES[args.dtype])
+
+
+def _build(impl: str, e: int, k: int, args) -> nn.Module:
     torch.manual_seed(args.seed)
     d, h = args.d, args.h
     if impl == "dense":
@@ -198,7 +221,7 @@ def build(impl: str, e: int, k: int, args) -> nn.Module:
         _spread_gate_logits(layer, args)
         return layer
     if impl.startswith("deepspeed"):
-        _init_single_process_dist()
+        _init_single_process_dist(args.device)
         layer = _DeepSpeedLayer(d, h, e, k, args.capacity_factor, drop_tokens=impl == "deepspeed_capacity")
         _spread_gate_logits(layer, args)
         return layer
@@ -253,7 +276,8 @@ def experts_used(layer: nn.Module) -> int | None:
         return _modules_with_gradient(layer.moe.deepspeed_moe.experts.deepspeed_experts)
     if isinstance(layer, _NaiveLoopLayer):
         return _modules_with_gradient(layer.experts)
-    reached_E = torch.zeros(layer.experts.w_in.shape[0], dtype=torch.bool)   # ours: stacked [E, H, D] weights
+    reached_E = torch.zeros(layer.experts.w_in.shape[0], dtype=torch.bool,   # ours: stacked [E, H, D] weights
+                            device=layer.experts.w_in.device)
     for weight in (layer.experts.w_in, layer.experts.w_out):
         if weight.grad is not None:
             reached_E |= weight.grad.flatten(1).ne(0).any(1)
@@ -278,15 +302,36 @@ def step(layer: nn.Module, x: torch.Tensor, probe: torch.Tensor) -> None:
 
 def make_inputs(args) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(args.seed + 1)
-    x = torch.randn(args.tokens, args.d, generator=gen).requires_grad_(True)
-    return x, torch.randn(args.tokens, args.d, generator=gen)
+    like = {"device": args.device, "dtype": DTYPES[args.dtype]}
+    x = torch.randn(args.tokens, args.d, generator=gen).to(**like).requires_grad_(True)
+    return x, torch.randn(args.tokens, args.d, generator=gen).to(**like)
 
 
 # ---------------------------------------------------------------- machine peaks
 
 
-def measure_peaks() -> tuple[float, float]:
-    """(matmul FLOP/s, memory bytes/s), best of a few tries each, after an untimed one."""
+def measure_peaks(args) -> tuple[float, float]:
+    """(matmul FLOP/s, memory bytes/s): --peak-tflops / --peak-gbs where given; on a GPU its datasheet's; on
+    CPU the best of a few tries each, after an untimed one."""
+    if args.device == "cuda" or (args.peak_tflops and args.peak_gbs):
+        return gpu_peaks(args)
+    flops, bandwidth = cpu_peaks()
+    return (args.peak_tflops * 1e12 if args.peak_tflops else flops), (args.peak_gbs * 1e9 if args.peak_gbs else bandwidth)
+
+
+def gpu_peaks(args) -> tuple[float, float]:
+    from moe_scale.metrics.perf import table_peak_gbs, table_peak_tflops
+
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    tflops = args.peak_tflops or table_peak_tflops(name, DTYPES[args.dtype] != torch.float32)
+    gbs = args.peak_gbs or table_peak_gbs(name)
+    if tflops is None or gbs is None:
+        raise SystemExit(f"bench_moe_layer.py: error: no datasheet peaks for {name!r}; pass --peak-tflops and "
+                         f"--peak-gbs")
+    return tflops * 1e12, gbs * 1e9
+
+
+def cpu_peaks() -> tuple[float, float]:
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     c = torch.empty(2048, 2048)
     torch.mm(a, b, out=c)   # untimed: MKL's first product after a pause can run slower
@@ -405,6 +450,8 @@ def time_impl(impl: str, e: int, k: int, args, x, probe) -> tuple[list[float], i
     """(the timed steps' seconds, experts_used after the last) of a freshly built layer, freed before the next
     is built."""
     layer = build(impl, e, k, args)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     times = _time_layer(layer, args, x, probe)
     used = experts_used(layer)
     del layer
@@ -413,34 +460,80 @@ def time_impl(impl: str, e: int, k: int, args, x, probe) -> tuple[list[float], i
 
 
 def _time_layer(layer: nn.Module, args, x, probe) -> list[float]:
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+
     def one_step() -> float:
+        sync()
         start = time.perf_counter()
         step(layer, x, probe)
+        sync()
         return time.perf_counter() - start
 
     return timed_steps(one_step, args)
 
 
 def sweep(args) -> list[dict]:
-    memory = {} if args.no_memory else measure_working_memory(args)
+    cuda = args.device == "cuda"
+    memory = {} if args.no_memory or cuda else measure_working_memory(args)
     x, probe = make_inputs(args)
     peak_flops = peak_bandwidth = 0.0
     rows = []
     for e in args.experts:
         for k in args.k:
-            flops, bandwidth = measure_peaks()
+            flops, bandwidth = measure_peaks(args)
             peak_flops, peak_bandwidth = max(peak_flops, flops), max(peak_bandwidth, bandwidth)
             samples, used, bandwidth_then = {}, {}, {}
-            for impl in args.impls:   # copies just before and after: the bandwidth while this layer ran
-                before = copy_bandwidths(_COPIES_AROUND)
-                samples[impl], used[impl] = time_impl(impl, e, k, args, x, probe)
-                bandwidth_then[impl] = statistics.median(before + copy_bandwidths(_COPIES_AROUND))
-            times = {impl: statistics.median(seconds) for impl, seconds in samples.items()}
             for impl in args.impls:
+                too_big = _does_not_fit(impl, e, k, args)
+                if too_big:
+                    emit({"impl": impl, "experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h,
+                          "dtype": args.dtype, "device": args.device, "skipped": too_big}, args.out)
+                    continue
+                if cuda and not args.no_memory:
+                    memory[(impl, e, k)] = {"working_mib": cuda_working_memory(impl, e, k, args, x, probe)}
+                before = [] if cuda else copy_bandwidths(_COPIES_AROUND)   # the bandwidth while this layer ran
+                samples[impl], used[impl] = time_impl(impl, e, k, args, x, probe)
+                bandwidth_then[impl] = None if cuda else statistics.median(before + copy_bandwidths(_COPIES_AROUND))
+            times = {impl: statistics.median(seconds) for impl, seconds in samples.items()}
+            for impl in samples:
                 rows.append(_row(impl, e, k, args, times, len(samples[impl]), memory, peak_flops, peak_bandwidth,
                                  used[impl], bandwidth_then[impl]))
                 emit(rows[-1], args.out)
     return rows
+
+
+def _does_not_fit(impl: str, e: int, k: int, args) -> str | None:
+    """Why a configuration cannot run on this GPU (its expert weights, their gradients and a copy of each in
+    the optimizer-free step: 2 x weights), or None."""
+    if args.device != "cuda":
+        return None
+    need = 2 * expert_params(impl, e, k, args) * DTYPES[args.dtype].itemsize
+    free, _ = torch.cuda.mem_get_info()
+    if need > 0.9 * free:
+        return f"expert weights and gradients need {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB free"
+    return None
+
+
+def cuda_working_memory(impl: str, e: int, k: int, args, x, probe) -> float:
+    """MiB the CUDA allocator's peak rose above the memory before one step, the expert weights frozen."""
+    layer = build(impl, e, k, args)
+    for weight in _expert_weights(layer):
+        weight.requires_grad_(False)
+    step(layer, x, probe)                  # warm-up: lazy allocations
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(layer, x, probe)
+    torch.cuda.synchronize()
+    working = (torch.cuda.max_memory_allocated() - before) / 2**20
+    x.grad = None
+    del layer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return round(working, 1)
 
 
 def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth, used: int | None,
@@ -448,7 +541,7 @@ def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth, use
     """One JSON row; `used`: experts_used (None: every weight is read, as the dense FFN's); `bandwidth_then`:
     the copies' bandwidth around this layer's steps, for the `_then` fields."""
     flops = 6 * forward_macs(impl, e, k, args)
-    weight_bytes = 4 * expert_params(impl, e, k, args)
+    weight_bytes = DTYPES[args.dtype].itemsize * expert_params(impl, e, k, args)
     read_bytes = weight_bytes if used is None else weight_bytes * used / e
     moved_bytes = WEIGHT_READS * read_bytes + weight_bytes   # + the gradients written
     compute_s, memory_s = flops / peak_flops, moved_bytes / peak_bandwidth
@@ -458,7 +551,7 @@ def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth, use
     serial_s = router_s + max(compute_s - router_s, memory_s)
     t = times[impl]
     row = {"impl": impl, "experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h,
-           "gate_logit_std": args.gate_logit_std,
+           "gate_logit_std": args.gate_logit_std, "device": args.device, "dtype": args.dtype,
            "time_s": sig(t), "steps": steps, "roofline_s": sig(roofline_s), "roofline_fraction": sig(roofline_s / t),
            "bound": "compute" if compute_s >= memory_s else "memory",
            "roofline_gflop": sig(flops / 1e9), "roofline_gbytes": sig(moved_bytes / 1e9),

@@ -32,6 +32,22 @@ PEAK_TFLOPS = [
 ]
 
 
+# Memory bandwidth in GB/s (datasheets), same matching rule.
+PEAK_GBS = [
+    ("H100 PCIe", 2000.0),
+    ("H200", 4800.0),
+    ("H100", 3350.0),             # SXM
+    ("A100-SXM4-40GB", 1555.0),
+    ("A100-PCIE-40GB", 1555.0),
+    ("A100", 2039.0),             # 80 GB SXM
+    ("V100", 900.0),
+]
+
+
+def table_peak_gbs(device_name: str) -> float | None:
+    return next((gbs for key, gbs in PEAK_GBS if key.lower() in device_name.lower()), None)
+
+
 def table_peak_tflops(device_name: str, half_precision: bool) -> float | None:
     for key, half, single in PEAK_TFLOPS:
         if key.lower() in device_name.lower():

@@ -82,6 +82,8 @@ def run_training(config: RunConfig) -> dict:
     data = build_lm_data(config.data, env, global_rows=t.batch_size,
                          saved_vocab=run / "vocab" if t.resume else None, train_config=t)
 
+    if env.device.type == "cuda":   # float32 products on TF32 tensor cores (bf16 runs are unaffected)
+        torch.set_float32_matmul_precision("high")
     torch.manual_seed(t.seed)
     model = build_model(m, len(data.vocab), ep_size=t.ep_size, ep_rank=env.rank % t.ep_size, seed=t.seed)
     model.softmax = build_softmax(t, model.softmax, data.vocab.counts)   # --softmax full|sampled|adaptive
@@ -151,7 +153,7 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
         done = step + 1
         log_now = done % t.log_interval == 0 or done == t.max_steps
         eval_now = done % t.eval_interval == 0 or done == t.max_steps
-        checkpoint_now = done % t.checkpoint_interval == 0 or done == t.max_steps
+        checkpoint_now = t.checkpoint_interval > 0 and (done % t.checkpoint_interval == 0 or done == t.max_steps)
         if not (log_now or eval_now or checkpoint_now):
             continue
         timer.stop()

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from moe_scale.config import ModelConfig
 from moe_scale.metrics.flops import (MoATransformer, SoftmaxCost, lstm_lm_accounting, mha_layer_macs,
                                      moa_layer_macs, moa_layer_params, tflops_per_device)
-from moe_scale.metrics.perf import efficiency, table_peak_tflops
+from moe_scale.metrics.perf import efficiency, table_peak_gbs, table_peak_tflops
 from moe_scale.models.lstm_lm import LSTMMoELM
 from moe_scale.moe import cpu_kernels
 
@@ -101,6 +101,8 @@ def test_tflops_and_mfu_arithmetic():
     assert table_peak_tflops("Tesla K40m", False) == 4.29
     assert table_peak_tflops("NVIDIA H100 PCIe", True) < table_peak_tflops("NVIDIA H100 80GB HBM3", True)
     assert table_peak_tflops("Some CPU", True) is None
+    assert table_peak_gbs("NVIDIA H100 80GB HBM3") == 3350.0 and table_peak_gbs("NVIDIA H100 PCIe") == 2000.0
+    assert table_peak_gbs("NVIDIA H200") == 4800.0 and table_peak_gbs("Some CPU") is None
 
 
 def test_paper_tflops_consistency_moe_4096_h():

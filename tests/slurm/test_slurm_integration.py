@@ -18,6 +18,8 @@ import pytest
 
 from tests.train.run_helpers import free_port
 
+pytestmark = pytest.mark.slow   # minutes on 2 cores; -m 'not slow' skips them
+
 REPO = Path(__file__).resolve().parents[2]
 BINARIES = ("slurmctld", "slurmd", "sbatch", "sinfo", "munged")
 SBIN = ("/usr/sbin", "/usr/bin", "/sbin")

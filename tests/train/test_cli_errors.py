@@ -131,6 +131,7 @@ def test_eval_without_a_run(tmp_path):
     (["--num-experts", "6", "--ep-size", "4"], "not divisible by --ep-size"),
     (["--ep-size", "2"], "does not divide the 1 processes"),
     (["--model", "transformer", "--attention", "mae", "--stream"], "--mae-g-unit epoch needs epochs"),
+    (["--checkpoint-interval", "-1"], "--checkpoint-interval must be 0 (never) or positive"),
 ])
 def test_bad_dispatch_and_parallel_settings(tmp_path, text_file, flags, fragment):
     out = tmp_path / "run"

@@ -13,6 +13,8 @@ import pytest
 
 from tests.train.run_helpers import TINY, run_eval, run_train, step_log
 
+pytestmark = pytest.mark.slow   # minutes on 2 cores; -m 'not slow' skips them
+
 
 def _clip_config(tmp_path, name: str, clip: float):
     source = json.loads((Path(__file__).parents[2] / "ds_configs" / f"{name}.json").read_text())

@@ -188,3 +188,12 @@ def test_a_second_run_on_a_live_directory_is_refused(tmp_path, embedded_cache):
     assert "taking over the stale lock" in proc.stderr
     assert [r["step"] for r in step_log(run)] == [1, 2]
     assert not (run / LOCK_NAME).exists() and (run / MARKER).exists()
+
+
+def test_checkpoint_interval_zero_writes_no_checkpoint(tmp_path, embedded_cache):
+    """Benchmarks (tools/gpu_check.sh) train without writing tens of GB of checkpoints."""
+    run = tmp_path / "run"
+    run_train([*TINY, "--max-steps", "3", "--checkpoint-interval", "0", "--out", str(run)], cwd=tmp_path,
+              cache=embedded_cache)
+    assert (run / "summary.json").is_file() and not (run / "checkpoints").exists()
+    assert [r["step"] for r in step_log(run)] == [1, 2, 3]
