@@ -87,3 +87,11 @@ def test_the_counter_sees_every_kind_of_host_read():
     assert torch.Tensor.tolist is not None and x.tolist() == [3, 0, 2]   # patched back
     assert blocks_host("histc", "default", (x.float(), 10, 0, 0), {}) and \
         not blocks_host("histc", "default", (x.float(), 10, 0, 5), {})
+
+
+def test_cases_too_big_for_this_machine_are_reported_as_skipped(count_ops, monkeypatch, capsys):
+    monkeypatch.setattr(count_ops, "_available_memory", lambda: 2**30)
+    assert count_ops.main(["--experts", "4096", "--tokens", "32768", "--k", "2", "--gates", "flat",
+                           "--ranks", "1"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert "ops" not in row and "host memory" in row["skipped"] and row["experts"] == 4096

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import queue
 import socket
 import sys
 from datetime import timedelta
@@ -41,6 +42,8 @@ from json_lines import emit  # noqa: E402
 from tool_args import OneLineParser, check_out_file, positive_int, positive_int_list  # noqa: E402
 
 GATES = ("flat", "hierarchical")
+# The gate's [tokens, experts] tensors alive at once at the peak of a step, measured: about 12 (float32).
+_GATE_TENSORS_AT_PEAK = 12
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -131,6 +134,17 @@ def _rank_worker(rank: int, port: int, cases: list[tuple], d: int, h: int, resul
     torch.distributed.destroy_process_group()
 
 
+def memory_needed(tokens: int, local_experts: int, ranks: int) -> int:
+    """Bytes of host memory a case needs on this machine, all ranks together (the gate's [N, E] tensors)."""
+    return ranks * _GATE_TENSORS_AT_PEAK * tokens * local_experts * ranks * 4
+
+
+def _available_memory() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -156,27 +170,49 @@ def main(argv=None) -> int:
         emit({"experts": experts, "tokens": tokens, "k": k, "gate": gate, "ranks": ranks, "d_model": args.d_model,
               "hidden": args.hidden, **counts}, args.out)
 
-    if 1 in args.ranks:
+    def runnable(ranks: int) -> list[tuple]:
+        """The cases that fit this machine's memory; the others are reported as skipped, saying why."""
+        fit = []
         for case in cases:
+            need, have = memory_needed(case[2], case[1], ranks), _available_memory()
+            if need > 0.8 * have:
+                report(case, ranks, {"skipped": f"needs about {need / 2**30:.0f} GiB of host memory for the gate's "
+                                                f"[tokens x experts] tensors; {have / 2**30:.0f} GiB available"})
+            else:
+                fit.append(case)
+        return fit
+
+    if 1 in args.ranks:
+        for case in runnable(1):
             report(case, 1, count_step(*case, 1, 0, args.d_model, args.hidden))
     if 2 in args.ranks:
+        two_rank_cases = runnable(2)
         context = mp.get_context("spawn")
         results = context.Queue()
-        procs = [context.Process(target=_rank_worker, args=(rank, port, cases, args.d_model, args.hidden, results))
+        procs = [context.Process(target=_rank_worker, args=(rank, port, two_rank_cases, args.d_model, args.hidden,
+                                                             results))
                  for port in [_free_port()] for rank in range(2)]
         for proc in procs:
             proc.start()
         got: dict[tuple, list[dict]] = {}
-        for _ in range(2 * len(cases)):
-            rank, case, counts = results.get()
+        pending = 2 * len(two_rank_cases)
+        while pending:
+            try:
+                rank, case, counts = results.get(timeout=5)
+            except queue.Empty:
+                failed = [proc.exitcode for proc in procs if proc.exitcode]
+                if failed:
+                    for proc in procs:
+                        proc.terminate()
+                    print(f"count_ops: a rank failed (exit code {failed[0]})", file=sys.stderr)
+                    return 1
+                continue
+            pending -= 1
             got.setdefault(case, []).append(counts)
             if len(got[case]) == 2:
                 report(case, 2, _merge(got[case]))
         for proc in procs:
             proc.join()
-            if proc.exitcode:
-                print(f"count_ops: a rank failed (exit code {proc.exitcode})", file=sys.stderr)
-                return 1
     unsupported = sorted(set(args.ranks) - {1, 2})
     if unsupported:
         print(f"count_ops: --ranks {unsupported} skipped (1 and 2 are supported)", file=sys.stderr)

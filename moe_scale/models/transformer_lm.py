@@ -65,7 +65,8 @@ class Block(nn.Module):
         else:
             self.ffn = MoELayer(d, config.expert_hidden, config.num_experts, config.top_k, ep_size=ep_size,
                                 ep_rank=ep_rank, seed=seed + 1, router=build_router(config),
-                                recompute=config.expert_recompute, reuse_grad_buffers=config.expert_grad_reuse)
+                                recompute=config.expert_recompute, dispatch_mode=config.dispatch,
+                                capacity_factor=config.capacity_factor, reuse_grad_buffers=config.expert_grad_reuse)
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.dropout = nn.Dropout(config.dropout)
 

@@ -78,3 +78,18 @@ def test_mae_bcd_train_and_prune_heads_through_the_cli(tmp_path, embedded_cache)
     assert all(r["speedup"] > 0 for r in report["steps"])
     assert (run / "pruning" / "pruning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "heads left" in proc.stdout
+
+
+@pytest.mark.parametrize("model", ["lstm", "transformer"])
+def test_moe_options_reach_every_moe_layer(model):
+    """--dispatch capacity, --capacity-factor and --expert-recompute reach the MoE layers of both models (the
+    transformer once dropped the dispatch settings and ran dropless)."""
+    config = ModelConfig(model=model, ffn="moe", d_model=16, num_heads=4, num_layers=2, num_experts=4, top_k=2,
+                         dispatch="capacity", capacity_factor=1.5, expert_recompute=True)
+    torch.manual_seed(0)
+    lm = build_model(config, V, seed=0)
+    layers = lm.moe_layers()
+    assert layers and all(layer.dispatcher.mode == "capacity" and layer.dispatcher.capacity_factor == 1.5
+                          and layer.experts.recompute for layer in layers)
+    lm(torch.randint(0, V, (2, T)), torch.randint(0, V, (2, T)))
+    assert all("dropped_fraction" in layer.stats.metrics for layer in layers)

@@ -75,6 +75,12 @@ def test_zero3_with_moe_is_refused(tmp_path, text_file):
     ('{"optimizer": {"type": "Adam"}}', "remove 'optimizer'"),
     ('[1, 2]', "JSON object"),
     ('{"train_batch_size": 7}', "train_batch_size"),
+    # nested keys and values, checked against DeepSpeed's own schema before the engine starts
+    ('{"zero_optimization": {"stage": 2, "overlap_comm": "maybe"}}', "'zero_optimization.overlap_comm'"),
+    ('{"zero_optimization": {"stagee": 2}}', "'zero_optimization.stagee'"),
+    ('{"zero_optimization": {"stage": true}}', "stage must be 0, 1 or 2"),
+    ('{"gradient_clipping": "abc"}', "gradient_clipping must be a number"),
+    ('{"fp16": {"enabled": true}}', "fp16 needs a GPU"),
 ])
 def test_bad_ds_config(tmp_path, text_file, content, fragment):
     ds = tmp_path / "ds.json"
