@@ -3,7 +3,8 @@
 Runs on CPU with the GPU's kernel decisions (moe/kernel_policy.py: no native CPU kernels, the gate as whole
 tensors, grouped GEMMs of at most 1,023 experts per call) and counts, with moe_scale.metrics.op_count:
 
-    ops                   aten operations dispatched (each at least one kernel launch on a GPU)
+    ops                   aten operations dispatched
+    kernel_ops            those that launch work on a GPU (ops less views and other metadata-only operations)
     host_syncs_forward    operations that make the host wait for the device, in the forward
     host_syncs_backward   the same in the backward
     grouped_gemm_calls    calls of the grouped GEMM (6 per 1,023 local experts: 2 forward, 4 backward)
@@ -13,12 +14,13 @@ for every combination of --experts (local experts per rank), --tokens (per rank)
 One JSON line per combination on stdout (and appended to --out). The layer is small in width (--d-model,
 --hidden): counts depend on neither. The hierarchical gate picks k groups and 2 experts in each.
 
-    python tools/count_ops.py                                  # the whole grid (about 20 minutes here)
+    python tools/count_ops.py                                  # the whole grid (about 2 minutes here)
     python tools/count_ops.py --experts 8,1024 --tokens 2048   # just those
 
 Targets (the GPU path): the same count for every number of experts up to 1,023 and every number of tokens,
 at most 400 operations per step, at most one host-blocking read in the forward and none in the backward.
-Beyond 1,023 local experts each further 1,023 adds one call per product (see `grouped_gemm_calls`).
+Beyond 1,023 local experts each further 1,023 adds one call per product (see `grouped_gemm_calls`). Cases
+whose gate tensors would not fit this machine's memory are reported as skipped. Results: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ def count_step(gate: str, local_experts: int, tokens: int, k: int, ranks: int, r
             torch.autograd.backward([y, aux], [grad_y, torch.ones_like(aux)])
     names = forward.by_name + backward.by_name
     return {"ops": forward.ops + backward.ops, "ops_forward": forward.ops, "ops_backward": backward.ops,
+            "kernel_ops": forward.kernel_ops + backward.kernel_ops,
             "host_syncs_forward": forward.host_syncs, "host_syncs_backward": backward.host_syncs,
             "syncs": dict(forward.syncs + backward.syncs), "grouped_gemm_calls": names["_grouped_mm"]}
 

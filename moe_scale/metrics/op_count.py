@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _ALWAYS_BLOCKING = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
                     "unique_consecutive", "unique_dim_consecutive", "bincount", "equal", "is_nonzero"}
 _HOST_COPIES = ("tolist", "numpy", "cpu")
+_METADATA_ONLY = {"_unsafe_view", "promote_types", "sym_size", "sym_stride", "sym_numel"}   # no kernel either
 
 
 def _has_bool_index(args) -> bool:
@@ -52,11 +53,14 @@ def blocks_host(name: str, overload: str, args: tuple, kwargs: dict) -> bool:
 
 
 class OpCounter(TorchDispatchMode):
-    """with OpCounter() as counter: ... ; counter.ops, counter.host_syncs, counter.by_name."""
+    """with OpCounter() as counter: ... ; counter.ops, counter.kernel_ops, counter.host_syncs, counter.by_name.
+
+    `kernel_ops` leaves out views (view, slice, transpose, expand, detach, ...) and other metadata-only operations:
+    what launches work on a device."""
 
     def __init__(self):
         super().__init__()
-        self.ops, self.by_name, self.syncs = 0, Counter(), Counter()
+        self.ops, self.kernel_ops, self.by_name, self.syncs = 0, 0, Counter(), Counter()
         self._patched: dict[str, object] = {}
 
     @property
@@ -67,6 +71,7 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         self.ops += 1
+        self.kernel_ops += not (func.is_view or name in _METADATA_ONLY)
         self.by_name[name] += 1
         if blocks_host(name, func._overloadname, args, kwargs):
             self.syncs[name] += 1
