@@ -46,3 +46,12 @@ def keep_freed_memory(environ: dict[str, str] | None = None) -> bool:
             bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     except (OSError, AttributeError):   # no libc to load, or one without mallopt: glibc's defaults stay
         return False
+
+
+def apply_process_settings() -> None:
+    """What the `moe-scale` command and the benchmarks do first, before torch allocates: transparent huge pages
+    for torch's large CPU allocations (expert gradients are multi-GB tensors, and with 4 KiB pages every first
+    write to a page faults; torch reads THP_MEM_ALLOC_ENABLE at its first allocation; a user's setting wins),
+    and `keep_freed_memory`. A library user importing moe_scale gets neither unless they call this."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    keep_freed_memory()

@@ -18,6 +18,8 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 # now and then as the routing's varying sizes fragment it.
 _FAULTS_PER_STEP = """
 import resource, torch
+from moe_scale.host_memory import apply_process_settings
+apply_process_settings()
 from moe_scale.moe.layer import MoELayer
 torch.manual_seed(0)
 layer = MoELayer(256, 512, 256, 2, seed=0)
@@ -56,7 +58,9 @@ def test_steps_after_warm_up_reuse_freed_memory_instead_of_fresh_pages():
 # The router's [tokens, experts] tensors at 2048 tokens and 4096 experts: 32 MiB each, glibc's usual mmap ceiling.
 _FAULTS_PER_ROUTER_STEP = """
 import resource, torch
-from moe_scale.moe.routers import NoisyTopKRouter
+from moe_scale.host_memory import apply_process_settings
+apply_process_settings()
+from moe_scale.moe.router import NoisyTopKRouter
 torch.manual_seed(0)
 router = NoisyTopKRouter(64, 4096, 2)
 x = torch.randn(2048, 64, requires_grad=True)
@@ -111,3 +115,13 @@ def test_a_glibc_that_refuses_thresholds_above_32_mib_gets_32_mib(monkeypatch):
     monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda *a: libc)
     assert host_memory.keep_freed_memory({}) is True
     assert libc.settings == {-3: 32 * 2**20, -1: 2**31 - 1}
+
+
+def test_importing_the_package_changes_nothing_in_the_process():
+    """The memory settings are the command's (cli.main) and the benchmarks', never an import's side effect."""
+    script = ("import os; before = dict(os.environ)\n"
+              "import moe_scale, moe_scale.moe.layer, moe_scale.models.build\n"
+              "print(dict(os.environ) == before)")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.stdout.split()[-1] == "True", result.stderr

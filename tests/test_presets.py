@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from moe_scale.errors import UserError
-from moe_scale.flops_command import flops_report
+from moe_scale.commands.flops import flops_report
 from moe_scale.metrics.flops import MoATransformer, lstm_lm_accounting
 from moe_scale.presets import PRESETS, get_preset, preset_config
 
@@ -103,7 +103,8 @@ def test_flops_cli_errors(tmp_path, capsys):
 
 
 def test_preset_then_flags_override():
-    from moe_scale.cli import _config_from_args, build_parser
+    from moe_scale.cli import build_parser
+    from moe_scale.commands.train import config_from_args as _config_from_args
 
     args = build_parser().parse_args(["train", "--preset", "lm1b-moe-32-mini", "--num-experts", "8"])
     config = _config_from_args(args)
@@ -111,7 +112,7 @@ def test_preset_then_flags_override():
 
 
 def test_text_report_shows_ours_beside_the_paper():
-    from moe_scale.flops_command import format_report
+    from moe_scale.commands.flops import format_report
 
     text = format_report(flops_report("news100b-moe-65536-h"))
     assert "68791.05M   paper 68791.0M" in text and "9.18M   paper 9.2M" in text

@@ -49,7 +49,7 @@ def test_bench_experts_tiny(tmp_path):
 
 
 def test_bench_experts_times_each_kernel_asked_for_and_checks_it_against_the_loop():
-    from moe_scale.moe import cpu_kernels
+    from moe_scale.moe.cpu_backend import kernels as cpu_kernels
     import torch
 
     kernels = ["loop", "grouped"] + (["native"] if cpu_kernels.available(torch.empty(0)) else [])

@@ -6,7 +6,7 @@ H expert hidden dim, E experts. Rows per expert are drawn from a uniform multino
 
 Implementations, all timed in the same run, interleaved repeat by repeat so machine noise hits them alike:
   grouped      moe_scale's GroupedExperts (custom grouped-matmul autograd function), once per --kernels entry:
-               auto (GroupLayout's choice), native (moe/cpu_kernels.c), grouped (torch's grouped GEMM),
+               auto (GroupLayout's choice), native (moe/cpu_backend/cpu_kernels.c), grouped (torch's grouped GEMM),
                triton (DeepSpeed's Triton grouped GEMM, CUDA), loop.
   sliced_loop  the naive reference: a Python loop of relu(x[a:b] @ w_in[e].T) @ w_out[e] over nn.Parameter
                stacks. Autograd builds a full-size [E, D, H] gradient per expert slice: O(E^2). Skipped
@@ -32,11 +32,13 @@ from pathlib import Path
 from tool_args import OneLineParser, check_out_file, non_negative_int, positive_int, positive_int_list
 
 import torch
+
+from moe_scale.host_memory import apply_process_settings
 from torch import nn
 
-from moe_scale.moe import cpu_kernels
+from moe_scale.moe.cpu_backend import kernels as cpu_kernels
 from moe_scale.moe.experts import GroupedExperts, expert_ffn
-from moe_scale.moe.grouped_gemm import KERNELS, GroupLayout, kernel_for
+from moe_scale.moe.experts.grouped_gemm import KERNELS, GroupLayout, kernel_for
 
 KERNEL_CHOICES = ("auto",) + KERNELS
 
@@ -191,6 +193,7 @@ def bench_one(num_experts: int, args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_settings()   # as the moe-scale command does: THP and freed memory kept
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)

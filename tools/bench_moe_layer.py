@@ -66,13 +66,14 @@ from pathlib import Path
 from typing import Callable
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")   # as moe_scale sets it; here before torch is imported
 
 from json_lines import emit, sig
 from tool_args import (OneLineParser, check_out_file, non_negative_float, non_negative_int, positive_float,
                         positive_int, positive_int_list)
 
 import torch
+
+from moe_scale.host_memory import apply_process_settings
 from torch import nn
 
 from moe_scale.distributed.launch import release_deepspeed_shm_name
@@ -188,7 +189,7 @@ class _NaiveLoopLayer(nn.Module):
 
     def __init__(self, d, h, e, k):
         super().__init__()
-        from moe_scale.moe.routers import NoisyTopKRouter
+        from moe_scale.moe.router import NoisyTopKRouter
 
         self.router = NoisyTopKRouter(d, e, k)
         self.experts = nn.ModuleList(_ffn(d, h) for _ in range(e))
@@ -658,6 +659,7 @@ def multi_rank(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    apply_process_settings()   # as the moe-scale command does: THP and freed memory kept
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -43,6 +43,8 @@ from tool_args import OneLineParser, check_out_file, positive_int, positive_int_
 import moe_scale  # noqa: F401  (first: its host-memory policy, as the layer is trained with, before torch allocates)
 import torch
 
+from moe_scale.host_memory import apply_process_settings
+
 from moe_scale.moe.experts import GroupedExperts
 
 
@@ -177,6 +179,7 @@ def measure(e: int, k: int, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    apply_process_settings()   # as the moe-scale command does: THP and freed memory kept
     args = parse_args(argv)
     for e in args.experts:
         for k in args.k:

@@ -84,7 +84,7 @@ def hierarchical_shape(num_experts: int, ranks: int, k: int) -> tuple[int, int, 
 
 
 def build_layer(gate: str, local_experts: int, ranks: int, rank: int, k: int, d: int, h: int):
-    from moe_scale.moe.hierarchical import HierarchicalRouter
+    from moe_scale.moe.router.hierarchical import HierarchicalRouter
     from moe_scale.moe.layer import MoELayer
 
     num_experts = local_experts * ranks

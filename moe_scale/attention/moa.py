@@ -21,9 +21,9 @@ alternative, sending q back to the token's rank and o forward again, needs two m
 In one process the gather is the identity. The gather is an autograd all-to-all of P copies (gloo has no
 reduce-scatter), so every rank gets the K/V gradient its sequences received on any rank.
 
-Attention experts are DeepSpeed expert parameters exactly like the FFN experts of `MoELayer`, whose
-DeepSpeed wiring this class inherits (expert-parallel groups, `allreduce=False` / `group_name`, one
-checkpoint file per global expert through the same state-dict hooks); only forward differs.
+Attention experts are DeepSpeed expert parameters exactly like the FFN experts of `MoELayer`: both derive from
+moe/deepspeed_adapter.py's `ExpertParallelModule` (expert-parallel groups, `allreduce=False` / `group_name`,
+one checkpoint file per global expert through the same state-dict hooks).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from torch import nn
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.experts import grouped_matmul
 from moe_scale.moe.kernel_policy import count_per_bin
-from moe_scale.moe.layer import MoELayer, MoEStats, _per_expert_to_stacked_keys, _stacked_to_per_expert_keys
-from moe_scale.moe.softmax_router import SoftmaxTopKRouter
+from moe_scale.moe.deepspeed_adapter import ExpertParallelModule, ParallelGroups
+from moe_scale.moe.layer import MoEStats
+from moe_scale.moe.router.softmax_topk import SoftmaxTopKRouter
 
 
 class AttentionExperts(nn.Module):
@@ -58,42 +59,35 @@ class AttentionExperts(nn.Module):
                     weight[local_id].copy_(torch.empty(weight.shape[1:]).uniform_(-bound, bound, generator=generator))
 
 
-class MoAAttention(MoELayer):
+class MoAAttention(ExpertParallelModule):
     """Causal MoA self-attention; returns (y_BTD, aux_loss). `stats` holds the router's balance numbers."""
 
     def __init__(self, d_model: int, head_dim: int, num_experts: int, k: int, ep_size: int = 1, ep_rank: int = 0,
                  seed: int = 0, router: nn.Module | None = None, dropout: float = 0.0):
-        nn.Module.__init__(self)   # MoELayer's __init__ builds FFN experts; we reuse its DeepSpeed wiring only
-        if num_experts % ep_size:
-            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
-        self.num_experts, self.ep_size, self.k, self.ep_rank = num_experts, ep_size, k, ep_rank
-        self.num_local_experts = num_experts // ep_size
-        self.expert_group_name = f"ep_size_{ep_size}"
-        self.head_dim, self.dropout = head_dim, dropout
+        self.init_expert_parallel(num_experts, ep_size, ep_rank)
+        self.k, self.head_dim, self.dropout = k, head_dim, dropout
         self.router = router if router is not None else SoftmaxTopKRouter(d_model, num_experts, k)
         self.experts = AttentionExperts(self.num_local_experts, d_model, head_dim,
                                         first_global_expert=ep_rank * self.num_local_experts, seed=seed)
-        for param in self.experts.parameters():
-            param.allreduce = False
-            param.group_name = self.expert_group_name
+        self.mark_expert_parameters()
         # Shared K and V: one head each, no bias; gain 1/√2 as MoA's code when the q/k/v widths are equal.
         self.k_proj = nn.Linear(d_model, head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, head_dim, bias=False)
         for proj in (self.k_proj, self.v_proj):
             nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
         self.dispatcher = AllToAllDispatcher(num_experts, self.num_local_experts)
-        self.all_to_all, self.node_size, self.data_parallel_group = "flat", 0, None   # what MoELayer's wiring reads
         self.stats: MoEStats | None = None
-        self._register_state_dict_hook(_stacked_to_per_expert_keys)
-        self._register_load_state_dict_pre_hook(_per_expert_to_stacked_keys, with_module=True)
+
+    def connect(self, parallel: ParallelGroups) -> None:
+        self.router.connect(parallel.data_parallel)
+        self.dispatcher.ep_group = parallel.expert_parallel
 
     def shared_kv(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """K and V of this rank's sequences, computed once: [B, T, 2d]."""
         return torch.cat([self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.ep_size > 1 and self.dispatcher.ep_group is None:
-            raise RuntimeError("ep_size > 1 needs set_deepspeed_parallelism() (deepspeed.initialize calls it)")
+        self.require_groups()
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         route = self.router(x_ND)

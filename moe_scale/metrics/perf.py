@@ -4,7 +4,7 @@ Peak: a table of dense matmul peaks keyed by GPU name (bf16/fp16 when the run tr
 else fp32). On CPU, and on a GPU missing from the table, the peak is measured once per run: the best of
 a few large matmuls, on every rank at the same time (so processes sharing cores each see their share).
 
-All-to-all time: every exchange times its all-to-all calls (moe/exchange.py), forward and backward; the
+All-to-all time: every exchange times its all-to-all calls (moe/dispatch/exchange.py), forward and backward; the
 time includes waiting for the slowest rank of the expert-parallel group, which is what a user pays.
 Peak memory: the process's peak resident set.
 """
@@ -83,7 +83,7 @@ def device_peak_tflops(device: torch.device, half_precision: bool) -> tuple[floa
 
 
 def all_to_all_seconds(moe_layers) -> float:
-    """Seconds the layers' exchanges have spent in all-to-all calls so far (moe/exchange.py's CommTimer:
+    """Seconds the layers' exchanges have spent in all-to-all calls so far (moe/dispatch/exchange.py's CommTimer:
     counts and rows, forward and backward, including the wait for the slowest rank of the group)."""
     return sum(layer.dispatcher.exchange.timer.seconds for layer in moe_layers)
 

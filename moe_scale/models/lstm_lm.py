@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from moe_scale.config import ModelConfig
-from moe_scale.moe.gates import build_router
+from moe_scale.moe.router import build_router
+from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 from moe_scale.moe.layer import MoELayer
 from moe_scale.models.softmax import FullSoftmax
 
@@ -56,7 +57,7 @@ class LSTMMoELM(nn.Module):
         self.softmax = FullSoftmax(d, vocab_size)
 
     def moe_layers(self) -> list[MoELayer]:
-        return [m for m in self.modules() if isinstance(m, MoELayer)]
+        return [m for m in self.modules() if isinstance(m, ExpertParallelModule)]
 
     def forward(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> LMOutput:
         B, T = inputs_BT.shape

@@ -22,7 +22,8 @@ from moe_scale.config import ModelConfig
 from moe_scale.models.lstm_lm import LMOutput
 from moe_scale.models.softmax import FullSoftmax
 from moe_scale.models.transformer_config import head_width
-from moe_scale.moe.gates import build_router
+from moe_scale.moe.router import build_router
+from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 from moe_scale.moe.layer import MoELayer
 
 
@@ -102,7 +103,7 @@ class TransformerLM(nn.Module):
 
     def moe_layers(self) -> list[MoELayer]:
         """Every expert layer (MoA attention and MoE FFNs), in forward order."""
-        return [m for m in self.modules() if isinstance(m, MoELayer)]
+        return [m for m in self.modules() if isinstance(m, ExpertParallelModule)]
 
     def attention_layers(self) -> list[nn.Module]:
         return [block.attn for block in self.blocks]

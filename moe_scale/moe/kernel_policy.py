@@ -1,9 +1,9 @@
 """Which kernels the MoE layer runs, decided by the device its tensors live on.
 
-    CPU   float32 products and the noisy gate on the native C kernels (moe/cpu_kernels.c) where they are
+    CPU   float32 products and the noisy gate on the native C kernels (moe/cpu_backend/cpu_kernels.c) where they are
           built; other dtypes on torch's grouped GEMM; the gate's [tokens, experts] arithmetic in row chunks
           (it stays in cache).
-    GPU   grouped GEMMs (torch's F.grouped_mm, DeepSpeed's Triton kernel, see moe/grouped_gemm.py), at most
+    GPU   grouped GEMMs (torch's F.grouped_mm, DeepSpeed's Triton kernel, see moe/experts/grouped_gemm.py), at most
           1,023 experts per call (the CUTLASS kernel's limit); the gate as whole-tensor ops, so the number
           of kernels launched depends on neither the number of tokens nor the number of experts.
 

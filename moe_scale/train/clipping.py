@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
-from deepspeed.utils import groups
 
 from moe_scale.distributed.comm import collective_device
+from moe_scale.moe.deepspeed_adapter import expert_data_parallel_group
 
 
 def expert_aware_clip_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -32,7 +32,7 @@ def expert_aware_clip_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     group_names = {p.group_name for p in model.parameters() if is_moe_param(p)}
     if dist.is_initialized() and dist.get_world_size() > 1 and group_names:
         (name,) = group_names   # one expert-parallel size per model
-        sums[1] /= dist.get_world_size(groups._get_expert_data_parallel_group(name))
+        sums[1] /= dist.get_world_size(expert_data_parallel_group(name))
         dist.all_reduce(sums[1:])
     norm = sums.sum().sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -33,7 +33,7 @@ def optimizer_groups(model: nn.Module) -> list[dict[str, Any]]:
         {"params": [p for p in model.parameters() if p.requires_grad], "name": "dense"})
 
 
-class Trainer:
+class TrainingEngine:
     """The DeepSpeed engine plus the one thing we do around its step: expert-aware clipping without ZeRO."""
 
     def __init__(self, model: nn.Module, ds_config: dict[str, Any], train: TrainConfig):

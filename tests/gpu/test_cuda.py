@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_scale.moe.grouped_gemm import choose_kernel
-from moe_scale.moe.hierarchical import HierarchicalRouter
+from moe_scale.moe.experts.grouped_gemm import choose_kernel
+from moe_scale.moe.router.hierarchical import HierarchicalRouter
 from moe_scale.moe.layer import MoELayer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

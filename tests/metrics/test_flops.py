@@ -11,7 +11,7 @@ from moe_scale.metrics.flops import (MoATransformer, SoftmaxCost, lstm_lm_accoun
                                      moa_layer_macs, moa_layer_params, tflops_per_device)
 from moe_scale.metrics.perf import efficiency, table_peak_gbs, table_peak_tflops
 from moe_scale.models.lstm_lm import LSTMMoELM
-from moe_scale.moe import cpu_kernels
+from moe_scale.moe.cpu_backend import kernels as cpu_kernels
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import torch
 from types import SimpleNamespace
 
 from moe_scale.metrics.perf import all_to_all_seconds, device_peak_tflops
-from moe_scale.moe.exchange import CommTimer
+from moe_scale.moe.dispatch.exchange import CommTimer
 
 DELAY = 0.05
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from moe_scale.distributed.comm import RowGatherer, autograd_all_reduce_sum
-from moe_scale.moe.batchwise import BatchwiseRouter, PairRouting, batchwise_mask
+from moe_scale.moe.router.batchwise import BatchwiseRouter, PairRouting, batchwise_mask
 from tests.multiproc import run_ranks
 
 

@@ -1,4 +1,4 @@
-"""The native CPU expert kernels (moe/cpu_kernels.c) against per-expert float64 products at the shapes where
+"""The native CPU expert kernels (moe/cpu_backend/cpu_kernels.c) against per-expert float64 products at the shapes where
 their code paths split: rows_times_wt's three kernels (dot products for <= LANES rows, in one group of rows
 up to LANES/2 and two beyond, with 2 or 4 rows of W at a time; transposed tiles for blocks of LANES rows where
 LANES < 16; transposed W panels from 17 rows, 16 with narrower vectors), rows_times_w's row blocks and passes
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from moe_scale.moe import cpu_kernels
+from moe_scale.moe.cpu_backend import kernels as cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.empty(0)),
                                 reason="native kernels not built (see the warning); torch's GEMMs are used")
@@ -160,8 +160,9 @@ def test_non_contiguous_operands_are_taken_as_their_values():
 def _probe(env_update: dict, tmp_path) -> subprocess.CompletedProcess:
     """A fresh process (the library is loaded once per process): is it available, and what was warned."""
     code = ("import warnings, torch\n"
-            "from moe_scale.moe import cpu_kernels\n"
-            "from moe_scale.moe.experts import GroupLayout, expert_ffn\n"
+            "from moe_scale.moe.cpu_backend import kernels as cpu_kernels\n"
+            "from moe_scale.moe.experts import expert_ffn\n"
+            "from moe_scale.moe.experts.grouped_gemm import GroupLayout\n"
             "with warnings.catch_warnings(record=True) as caught:\n"
             "    warnings.simplefilter('always')\n"
             "    ok = cpu_kernels.available(torch.empty(0))\n"
@@ -216,6 +217,6 @@ def test_every_kernel_source_ships_in_the_package():
     from pathlib import Path
 
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["moe_scale.moe"]
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["moe_scale.moe.cpu_backend"]
     for source in cpu_kernels._SOURCES:
         assert any(fnmatch.fnmatch(source.name, pattern) for pattern in patterns), source.name

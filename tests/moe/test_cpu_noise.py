@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from moe_scale.moe import cpu_kernels
-from moe_scale.moe.routers import sample_noise
+from moe_scale.moe.cpu_backend import kernels as cpu_kernels
+from moe_scale.moe.router import sample_noise
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.empty(0)),
                                 reason="native kernels not built (see the warning); torch.randn is used")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_scale.moe.dispatch import AllToAllDispatcher
-from moe_scale.moe.exchange import HierarchicalExchange, block_transpose_index, build_hierarchical_groups
+from moe_scale.moe.dispatch.exchange import HierarchicalExchange, block_transpose_index, build_hierarchical_groups
 from tests.multiproc import run_ranks
 
 D = 8

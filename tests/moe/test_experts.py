@@ -10,9 +10,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from moe_scale.moe import cpu_kernels, grouped_gemm
+from moe_scale.moe.cpu_backend import kernels as cpu_kernels
+from moe_scale.moe.experts import grouped_gemm
 from moe_scale.moe.experts import GroupedExperts, expert_ffn, grouped_matmul
-from moe_scale.moe.grouped_gemm import GroupLayout, kernel_for, per_expert_outer, rows_times_expert
+from moe_scale.moe.experts.grouped_gemm import GroupLayout, kernel_for, per_expert_outer, rows_times_expert
 from moe_scale.moe.kernel_policy import KernelPolicy, forced_policy
 
 NATIVE_BUILT = cpu_kernels.available(torch.empty(0))

@@ -4,8 +4,8 @@ three [N, E] tensors for the backward."""
 import pytest
 import torch
 
-from moe_scale.moe.gating_ops import noisy_top_k
-from moe_scale.moe.routers import NoisyTopKRouter, prob_in_top_k
+from moe_scale.moe.router.gating_ops import noisy_top_k
+from moe_scale.moe.router import NoisyTopKRouter, prob_in_top_k
 
 EPS = 1e-2
 
@@ -112,7 +112,7 @@ def test_native_float32_matches_the_float64_reference(n, e, k, spread):
     k + 1 == E, k == E (no load), row block edges (64 rows: n = 70, 130, 300), E past vector widths, and a
     rank with no tokens. `spread` scales the logits past the kernel's clamps (z beyond -60 and 20, Gaussian
     factors below exp(-50)), where the results must not change."""
-    from moe_scale.moe import cpu_kernels
+    from moe_scale.moe.cpu_backend import kernels as cpu_kernels
     if not cpu_kernels.available(torch.empty(0)):
         pytest.skip("native kernels not built")
     smooth = k < e
@@ -141,7 +141,7 @@ def test_spread_logits_give_no_denormal_gradients(path, monkeypatch):
     """Once a router has learnt, most experts sit far from a token's threshold, and exp(-z^2) of the smooth
     load underflows. Its gradient must hold zeros there, not denormals: the router's matmul backward takes it
     next, and MKL runs about 80x slower on denormal inputs. Both paths, float32."""
-    from moe_scale.moe import cpu_kernels
+    from moe_scale.moe.cpu_backend import kernels as cpu_kernels
     if path == "native" and not cpu_kernels.available(torch.empty(0)):
         pytest.skip("native kernels not built")
     if path == "torch":

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_scale.moe.hierarchical import HierarchicalRouter
+from moe_scale.moe.router.hierarchical import HierarchicalRouter
 from moe_scale.moe.losses import cv_squared
-from moe_scale.moe.routers import GlobalTokenNoise, NoisyTopKRouter
+from moe_scale.moe.router import GlobalTokenNoise, NoisyTopKRouter
 from tests.multiproc import run_ranks
 
 STD_AT_ZERO_INIT = math.log(2.0) + 0.01  # softplus(0) + noise_epsilon = 0.703147

@@ -15,7 +15,7 @@ from torch import nn
 
 from moe_scale.moe.layer import MoELayer
 from moe_scale.moe.losses import cv_squared
-from moe_scale.moe.routers import GlobalTokenNoise
+from moe_scale.moe.router import GlobalTokenNoise
 from tests.multiproc import run_ranks
 
 D, H, E, K = 8, 16, 8, 2
@@ -246,7 +246,7 @@ def test_two_ranks_refuse_a_mismatched_expert_parallel_rank():
 def _router(gate):
     if gate == "noisy_topk":
         return None
-    from moe_scale.moe.hierarchical import HierarchicalRouter
+    from moe_scale.moe.router.hierarchical import HierarchicalRouter
 
     router = HierarchicalRouter(D, 4, E // 4, k_primary=2, k_secondary=2).double()
     gen = torch.Generator().manual_seed(5)

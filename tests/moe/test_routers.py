@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_scale.moe.losses import cv_squared
-from moe_scale.moe.routers import GlobalTokenNoise, NoisyTopKRouter, prob_in_top_k
+from moe_scale.moe.router import GlobalTokenNoise, NoisyTopKRouter, prob_in_top_k
 
 STD_AT_ZERO_INIT = math.log(2.0) + 0.01  # softplus(0) + noise_epsilon = 0.703147
 
@@ -214,7 +214,7 @@ def test_aux_loss_gradient_matches_finite_differences():
 def test_gate_and_noise_logits_as_one_product_equal_two(e, monkeypatch):
     """With few experts x multiplies w_gate and w_noise side by side in one product: same gates, experts,
     aux loss and gradients as the two products apart (forced either way at both sizes)."""
-    from moe_scale.moe import routers
+    from moe_scale.moe.router import noisy_topk as routers
 
     x, noise, y_E = torch.randn(40, 8), torch.randn(40, e), torch.randn(e)
     results = []

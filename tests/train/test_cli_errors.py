@@ -148,7 +148,7 @@ def test_bad_dispatch_and_parallel_settings(tmp_path, text_file, flags, fragment
 
 def test_hierarchical_node_layout_is_checked(monkeypatch):
     from moe_scale.errors import UserError
-    from moe_scale.train.trainer import _check_node_layout
+    from moe_scale.train.loop import _check_node_layout
 
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
         monkeypatch.delenv(name, raising=False)

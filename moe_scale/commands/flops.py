@@ -7,6 +7,7 @@ them, with the paper's numbers. MoA presets are analytic (eq. 18–20).
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from moe_scale.metrics.flops import (MoATransformer, SoftmaxCost, lstm_lm_accounting, moa_layer_macs,
@@ -14,6 +15,20 @@ from moe_scale.metrics.flops import (MoATransformer, SoftmaxCost, lstm_lm_accoun
 from moe_scale.models.meta_build import build_lstm_lm_on_meta, parameter_counts
 from moe_scale.errors import UserError
 from moe_scale.presets import PRESETS, get_preset, preset_config
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("flops", help="parameters, ops/timestep and training FLOPs of a paper preset")
+    p.add_argument("--preset", help="preset name (see --list)")
+    p.add_argument("--list", action="store_true", help="list the presets")
+    p.add_argument("--softmax", choices=("full", "sampled"), help="count this softmax instead of the preset's")
+    p.add_argument("--softmax-samples", type=int, default=0, help="samples of a sampled softmax")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run_command=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    print(run_flops(args.preset, args.json, args.softmax, args.softmax_samples, args.list))
 
 
 def flops_report(name: str, softmax: SoftmaxCost | None = None) -> dict:

@@ -8,7 +8,7 @@ import json
 from moe_scale.plan import GIB, MAX_NODES, Cluster, plan, smallest_fitting
 
 
-def add_plan_parser(sub) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="per-GPU memory of a preset on a cluster, and the smallest cluster that fits",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", required=True, help="an LSTM preset (`moe-scale flops --list`)")
@@ -22,6 +22,11 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--batch-tokens", type=int, default=None,
                    help="tokens per global batch (default: the paper's batch for the preset)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run_command=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    print(run_plan(args))
 
 
 def run_plan(args: argparse.Namespace) -> str:

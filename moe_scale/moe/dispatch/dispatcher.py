@@ -10,7 +10,7 @@ Expert e lives on EP rank e // L. Memory grows with N*K, never with N*E: no dens
     dispatch:  sort the copies by expert (capacity mode: by expert, then by gate, highest first, and move
                each expert's copies beyond its capacity to the end) ─▶ one row per (token, destination rank),
                however many of its experts live there, plus one int per pair saying which of those rows it
-               uses ─▶ the exchange (moe/exchange.py: counts of pairs and rows in one exchange and one read to
+               uses ─▶ the exchange (moe/dispatch/exchange.py: counts of pairs and rows in one exchange and one read to
                the host, then variable-size all-to-alls, flat or hierarchical) ─▶ the receiver expands rows to
                pairs, grouped by local expert
     combine:   the gates follow the pairs; the receiver sums gate x expert output per arrived row, so the
@@ -23,7 +23,7 @@ counts. No unique, nonzero, bincount or item on the way.
 
 The MoE layer uses the row-level halves: `dispatch_rows` stops at the arrived rows and `combine_rows` starts
 from the per-row sums, because its experts gather the pairs' rows and sum their gated outputs themselves
-(moe/experts.py), which saves neither a per-pair copy of the inputs nor of the outputs. With one rank and
+(moe/experts/ffn.py), which saves neither a per-pair copy of the inputs nor of the outputs. With one rank and
 every token routed, the rows are the tokens themselves: nothing is copied at all.
 
 A token with several experts on one rank crosses the network once: with the hierarchical gate (a group's
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_scale.distributed.comm import world_size
-from moe_scale.moe.exchange import FlatExchange, LocalExchange, Route
+from moe_scale.moe.dispatch.exchange import FlatExchange, LocalExchange, Route
 from moe_scale.moe.kernel_policy import count_per_bin
 
 MODES = ("dropless", "capacity")

@@ -17,15 +17,15 @@ the same as a flat gate over A*B experts, and the secondary logits are computed 
 """
 
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.losses import cv_squared
-from moe_scale.moe.gating_ops import noisy_top_k
-from moe_scale.moe.routers import NoiseSampler, RouterOutput, _identity, sample_noise
+from moe_scale.moe.router.gating_ops import noisy_top_k
+from moe_scale.moe.router.base import Router, RouterOutput
 
 _EPS = 1e-10  # t2t's epsilon in eq. 14's denominator: a group that got no token has load 0, not NaN
 
@@ -52,7 +52,7 @@ def _top_k(clean_RC: Tensor, raw_noise_RC: Optional[Tensor], noise_RC: Optional[
     return torch.softmax(top_values_RM[:, :k], dim=1), top_idx_RM[:, :k], load
 
 
-class HierarchicalRouter(nn.Module):
+class HierarchicalRouter(Router):
     """Hierarchical MoE gate with Importance_H / Load_H CV² losses over all A*B experts (eq. 13-14).
 
     Exactly as t2t's ``DistributedMixtureOfExperts`` hierarchical branch (spec §1.6):
@@ -89,7 +89,6 @@ class HierarchicalRouter(nn.Module):
         noisy: bool = True,
         noise_epsilon: float = 1e-2,
     ):
-        super().__init__()
         a, b = num_groups, experts_per_group
         if a < 1 or b < 1:
             raise ValueError(f"hierarchical router needs num_groups >= 1 and experts_per_group >= 1, got {a} and {b}")
@@ -99,10 +98,9 @@ class HierarchicalRouter(nn.Module):
             raise ValueError(
                 f"hierarchical router: k_secondary must be in [1, experts_per_group={b}], got {k_secondary}"
             )
-        self.d_model, self.num_groups, self.experts_per_group = d_model, a, b
-        self.num_experts = a * b
+        super().__init__(d_model, a * b, k_primary * k_secondary)   # k: experts per token
+        self.num_groups, self.experts_per_group = a, b
         self.k_primary, self.k_secondary = k_primary, k_secondary
-        self.k = k_primary * k_secondary  # experts per token
         self.w_importance, self.w_load = w_importance, w_load
         self.noisy, self.noise_epsilon = noisy, noise_epsilon
         # Names avoid the substring "expert": DeepSpeed's checkpointing treats such names as expert weights.
@@ -113,8 +111,6 @@ class HierarchicalRouter(nn.Module):
         if not noisy:
             nn.init.normal_(self.w_gate_primary, std=1e-2 / math.sqrt(d_model))
             nn.init.normal_(self.w_gate_secondary, std=1e-2 / math.sqrt(d_model))
-        self.sum_over_batch: Callable[[Tensor], Tensor] = _identity
-        self.noise_sampler: Optional[NoiseSampler] = None
 
     def extra_repr(self) -> str:
         return (
@@ -122,9 +118,6 @@ class HierarchicalRouter(nn.Module):
             f"k_primary={self.k_primary}, k_secondary={self.k_secondary}, noisy={self.noisy}, "
             f"w_importance={self.w_importance}, w_load={self.w_load}"
         )
-
-    def _sample_noise(self, n: int, e: int, device: torch.device) -> Tensor:
-        return sample_noise(self.noise_sampler, n, e, device)
 
     def forward(self, x_ND: Tensor) -> RouterOutput:
         a, b, kp, ks = self.num_groups, self.experts_per_group, self.k_primary, self.k_secondary

@@ -3,27 +3,48 @@ expert-utilisation statistics and top tokens per expert of every MoE layer."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
-import deepspeed
-import torch
-
 from moe_scale.config import RunConfig
-from moe_scale.data import Vocab, load_sentences, resolve_text_files, sentence_texts, split_files
-from moe_scale.data.eval_windows import EvalWindows
-from moe_scale.distributed.launch import init_distributed
 from moe_scale.errors import UserError
-from moe_scale.models.build import build_model
-from moe_scale.train.data_setup import load_run_splits
-from moe_scale.train.evaluate import evaluate
-from moe_scale.train.expert_tokens import ExpertTokenStats, format_expert_report
-from moe_scale.train.scale_options import build_softmax
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="perplexity of a trained run on a split or on other text")
+    p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
+    p.add_argument("--split", choices=("valid", "test"), default="valid")
+    p.add_argument("--data", metavar="PATH", help="evaluate on this text instead (file, dir or glob)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--expert-stats", action="store_true", help="per MoE layer: load and importance per "
+                   "expert, CV and max/mean load over the evaluated text")
+    p.add_argument("--top-tokens", type=int, default=0, metavar="N", help="per expert: the N positions with "
+                   "the largest gate (with context) and the N words routed there most often")
+    p.set_defaults(run_command=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    result = run_eval(args.run, args.split, args.data, args.expert_stats, args.top_tokens)
+    if result is not None:
+        print(json.dumps(result) if args.json else format_eval(result))
 
 
 def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = False,
              top_tokens: int = 0) -> dict | None:
     """Evaluates the newest complete checkpoint; returns the result on rank 0 (None elsewhere)."""
+    import deepspeed   # here: flag errors come back before these slow imports
+    import torch
+
+    from moe_scale.data import Vocab, load_sentences, resolve_text_files, sentence_texts
+    from moe_scale.data.eval_windows import EvalWindows
+    from moe_scale.distributed.launch import init_distributed
+    from moe_scale.models.build import build_model
+    from moe_scale.train.data_setup import load_run_splits
+    from moe_scale.train.evaluate import evaluate
+    from moe_scale.train.expert_tokens import ExpertTokenStats
+    from moe_scale.train.scale_options import build_softmax
+
     run = Path(run_dir)
     marker = run / "checkpoints" / "complete"
     if not (run / "config.json").exists() or not marker.exists():
@@ -68,6 +89,8 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
 
 def split_source(config: RunConfig, split: str) -> list[str] | str:
     """Which files a split came from (so a report never hides that it used a held-out part of train)."""
+    from moe_scale.data import resolve_text_files, split_files
+
     given = config.data.valid_data if split == "valid" else config.data.test_data
     if given:
         return [str(f) for f in resolve_text_files(given, f"--{split}-data")]
@@ -76,6 +99,8 @@ def split_source(config: RunConfig, split: str) -> list[str] | str:
 
 
 def format_eval(result: dict) -> str:
+    from moe_scale.train.expert_tokens import format_expert_report
+
     lines = []
     for key, value in result.items():
         if key == "expert_stats":

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_scale.moe.losses import cv_squared
+from moe_scale.moe.router.base import Router
 
 _MASK32 = 0xFFFFFFFF
 
@@ -97,7 +98,7 @@ def midpoint_thresholds(s_BE: Tensor, m: int, valid_B: Tensor) -> Tensor:
     return 0.5 * (top_vals[m - 1] + below_E)
 
 
-class BatchwiseRouter(nn.Module):
+class BatchwiseRouter(Router):
     """Strictly balanced gate (App. F) with learned thresholds for inference.
 
     Parameters: ``w_gate [D, E]`` (no bias) and ``thresholds [E]`` (names avoid "expert": DeepSpeed treats such
@@ -136,6 +137,8 @@ class BatchwiseRouter(nn.Module):
       ``tokens_per_expert`` = m; ``threshold_loss`` = this rank's L_bw (training).
     """
 
+    selects_over_global_batch = True   # scope "global": top-m over the gathered batch
+
     def __init__(
         self,
         d_model: int,
@@ -148,14 +151,11 @@ class BatchwiseRouter(nn.Module):
         detach_scores: bool = True,
         init_thresholds_from_batch: bool = True,
     ):
-        super().__init__()
-        if not 1 <= k <= num_experts:
-            raise ValueError(f"batchwise router k must be in [1, num_experts={num_experts}], got k={k}")
+        super().__init__(d_model, num_experts, k)
         if threshold_reduction not in ("mean", "sum"):
             raise ValueError(f"threshold_reduction must be 'mean' or 'sum', got {threshold_reduction!r}")
         if scope not in ("local", "global"):
             raise ValueError(f"batchwise router scope must be 'local' or 'global', got {scope!r}")
-        self.d_model, self.num_experts, self.k = d_model, num_experts, k
         self.w_importance, self.threshold_loss_weight = w_importance, threshold_loss_weight
         self.threshold_reduction, self.scope = threshold_reduction, scope
         self.detach_scores, self.init_thresholds_from_batch = detach_scores, init_thresholds_from_batch
@@ -163,7 +163,6 @@ class BatchwiseRouter(nn.Module):
         nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
         self.thresholds = nn.Parameter(torch.full((num_experts,), 1.0 / num_experts))
         self.register_buffer("thresholds_initialized", torch.zeros((), dtype=torch.bool))
-        self.sum_over_batch: Callable[[Tensor], Tensor] = _identity
         self.gather_over_batch: Callable[[Tensor], Tensor] = _identity
         self.rank_in_batch: Optional[Callable[[], tuple[int, int]]] = None
 

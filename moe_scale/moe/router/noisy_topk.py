@@ -7,53 +7,20 @@ and the noise (``noise_sampler``) are callables injected by the MoE layer.
 """
 
 import math
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_scale.moe import cpu_kernels
-from moe_scale.moe.gating_ops import noisy_top_k
+from moe_scale.moe.router.base import Router, RouterOutput
+from moe_scale.moe.router.gating_ops import noisy_top_k
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.losses import cv_squared
 
 NoiseSampler = Callable[[int, int, torch.device], Tensor]
 
 _FUSED_GATE_MAX_EXPERTS = 16   # w_gate and w_noise multiply x as one matrix up to this many experts
-
-
-@dataclass
-class RouterOutput:
-    gates_NK: Tensor  # float32 [N, K], softmax over the K kept (noisy) logits; rows sum to 1
-    experts_NK: Tensor  # int64 [N, K], expert ids of those gates, in descending logit order
-    aux_loss: Tensor  # scalar, w_importance * cv2(importance_E) + w_load * cv2(load_E)
-    importance_E: Tensor  # float32 [E], summed gates over the whole data-parallel batch
-    load_E: Tensor  # float32 [E], smooth load (training, noisy, K < E) or hard count, whole batch
-    metrics: dict[str, float] = field(default_factory=dict)  # gate-specific numbers for logging
-
-    def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(token_index_P, expert_P, gate_P): the routing as (token, expert) pairs, P = N*K, what a
-        dispatcher consumes (gates whose tokens get a variable number of experts produce pairs directly)."""
-        n, k = self.experts_NK.shape
-        token_index_P = torch.arange(n, device=self.experts_NK.device).repeat_interleave(k)
-        return token_index_P, self.experts_NK.reshape(-1), self.gates_NK.reshape(-1)
-
-
-def _identity(t: Tensor) -> Tensor:
-    return t
-
-
-def sample_noise(sampler: Optional[NoiseSampler], n: int, e: int, device: torch.device) -> Tensor:
-    """Standard normal noise [n, e]: from the installed sampler (e.g. GlobalTokenNoise), else seeded by the
-    global RNG: on CPU from the native counter-based generator (cpu_kernels.standard_normal: 3-4x faster than
-    torch.randn, whose Mersenne Twister is serial), elsewhere or without the kernels from torch.randn."""
-    if sampler is not None:
-        return sampler(n, e, device)
-    if torch.device(device).type == "cpu" and cpu_kernels.available(torch.empty(0)):
-        return cpu_kernels.standard_normal(n, e)
-    return torch.randn(n, e, device=device)
 
 
 def prob_in_top_k(clean_NE: Tensor, noisy_NE: Tensor, std_NE: Tensor, top_values_NM: Tensor, k: int) -> Tensor:
@@ -73,7 +40,7 @@ def prob_in_top_k(clean_NE: Tensor, noisy_NE: Tensor, std_NE: Tensor, top_values
     return torch.where(is_in_NE, p_in_NE, p_out_NE)
 
 
-class NoisyTopKRouter(nn.Module):
+class NoisyTopKRouter(Router):
     """Noisy top-k gate with importance and load CV² losses.
 
     Both gating matrices start at zero (paper App. A), so at init routing is uniformly random (noise only, std
@@ -102,10 +69,7 @@ class NoisyTopKRouter(nn.Module):
         noisy: bool = True,
         noise_epsilon: float = 1e-2,
     ):
-        super().__init__()
-        if not 1 <= k <= num_experts:
-            raise ValueError(f"router top-k must be in [1, num_experts={num_experts}], got k={k}")
-        self.d_model, self.num_experts, self.k = d_model, num_experts, k
+        super().__init__(d_model, num_experts, k)
         self.w_importance, self.w_load = w_importance, w_load
         self.noisy, self.noise_epsilon = noisy, noise_epsilon
         # Names avoid the substring "expert": DeepSpeed's checkpointing treats such names as expert weights.
@@ -113,17 +77,12 @@ class NoisyTopKRouter(nn.Module):
         self.w_noise = nn.Parameter(torch.zeros(d_model, num_experts))
         if not noisy:
             nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
-        self.sum_over_batch: Callable[[Tensor], Tensor] = _identity
-        self.noise_sampler: Optional[NoiseSampler] = None
 
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, noisy={self.noisy}, "
             f"w_importance={self.w_importance}, w_load={self.w_load}"
         )
-
-    def _sample_noise(self, n: int, e: int, device: torch.device) -> Tensor:
-        return sample_noise(self.noise_sampler, n, e, device)
 
     def _gate_and_noise_logits(self, x_ND: Tensor) -> tuple[Tensor, Tensor]:
         """(x @ w_gate, x @ w_noise) in x's dtype. With few experts, as one product with both matrices side by
@@ -183,47 +142,3 @@ class NoisyTopKRouter(nn.Module):
             cv2_2 = cv_squared(stats_2E)
             aux_loss = self.w_importance * cv2_2[0] + self.w_load * cv2_2[1]
         return RouterOutput(gates_NK, experts_NK, aux_loss, importance_E, load_E)
-
-
-def _mix_seed(*values: int) -> int:
-    """Deterministic 63-bit seed from a tuple of ints (splitmix64 steps), identical on every rank and run."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
-        h = (h + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h >> 1
-
-
-class GlobalTokenNoise:
-    """Noise that depends on the global token index, so a 1-process run and an N-process run with the same
-    global batch draw identical noise (used by the multi-process equivalence tests and ``--noise-rng global``).
-
-    Every rank generates the noise of the whole global batch ``[N_local * world_size, E]`` from a CPU generator
-    seeded with (seed, layer_index, step, micro_step) and keeps its own rows ``[rank*N_local, (rank+1)*N_local)``.
-    A CPU generator makes the noise independent of the device type. Assumes every rank has the same N_local (the
-    global batch is split evenly). Costs global tokens x experts memory and time: a test/debug option, not the default.
-
-    Call ``set_step(step)`` once per optimizer step; each call within the step (gradient-accumulation micro-steps)
-    advances a micro-step counter, so micro-batches draw different noise. A forward that is recomputed (activation
-    checkpointing) would advance the counter too: don't combine the two.
-    """
-
-    def __init__(self, seed: int, layer_index: int, rank: int, world_size: int):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        self.seed, self.layer_index, self.rank, self.world_size = seed, layer_index, rank, world_size
-        self.step, self.micro_step = 0, 0
-
-    def set_step(self, step: int) -> None:
-        self.step, self.micro_step = step, 0
-
-    def __call__(self, n_tokens_local: int, n_experts: int, device) -> Tensor:
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(_mix_seed(self.seed, self.layer_index, self.step, self.micro_step))
-        self.micro_step += 1
-        noise_GE = torch.randn(n_tokens_local * self.world_size, n_experts, generator=gen)
-        start = self.rank * n_tokens_local
-        return noise_GE[start : start + n_tokens_local].to(device)

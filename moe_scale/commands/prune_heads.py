@@ -12,6 +12,7 @@ fraction pruned) to --out (default DIR/pruning), only once everything is compute
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import statistics
@@ -33,6 +34,28 @@ from moe_scale.train.run_dir import write_json_atomic
 
 TIMING_BATCHES = 4
 TIMING_REPEATS = 7
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("prune-heads", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="head importance and global head pruning of a transformer run (Michel et al. 2019)")
+    p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
+    p.add_argument("--data", metavar="PATH", help="text for importance and perplexity (default: the run's "
+                                                  "validation split)")
+    p.add_argument("--steps", type=int, default=10, help="pruning steps (the first prunes nothing)")
+    p.add_argument("--fraction-per-step", type=float, default=0.1, help="share of all heads removed per step")
+    p.add_argument("--max-batches", type=int, default=0, help="cap on batches of the data (0: all)")
+    p.add_argument("--abs-granularity", choices=("token", "example"), default="token",
+                   help="|A·dL/dA| per token (released code) or per sequence (paper)")
+    p.add_argument("--recompute-importance", action="store_true", help="re-score the pruned model every step")
+    p.add_argument("--out", metavar="DIR", help="where pruning.{json,md,png} go (default: RUN/pruning)")
+    p.set_defaults(run_command=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    prune_schedule(1, args.fraction_per_step, args.steps)   # flag errors before the slow work
+    print(format_report(run_prune_heads(args.run, args.data, args.steps, args.fraction_per_step, args.max_batches,
+                                        args.abs_granularity, args.recompute_importance, args.out)))
 
 
 def load_trained(run: Path):

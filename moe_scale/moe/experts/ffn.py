@@ -10,7 +10,7 @@ writes each expert's gradient straight into one [E, ...] buffer, and experts wit
 fill. The whole FFN is one function, so `recompute` (Shazeer et al. App. D) simply saves the inputs instead
 of the hidden activations and redoes the first matmul in the backward.
 
-Each per-expert product is one grouped GEMM for all experts (moe/grouped_gemm.py picks the kernel: the
+Each per-expert product is one grouped GEMM for all experts (moe/experts/grouped_gemm.py picks the kernel: the
 native CPU kernels for float32 on CPU, which also gather each pair's input row while reading it and apply
 the ReLU as they store; torch's or DeepSpeed's grouped GEMMs elsewhere), so the number of kernels a step
 launches does not depend on the number of experts.
@@ -23,8 +23,8 @@ import math
 import torch
 from torch import nn
 
-from moe_scale.moe import cpu_kernels
-from moe_scale.moe.grouped_gemm import Counts, GroupLayout, per_expert_outer, rows_times_expert
+from moe_scale.moe.cpu_backend import kernels as cpu_kernels
+from moe_scale.moe.experts.grouped_gemm import Counts, GroupLayout, per_expert_outer, rows_times_expert
 from moe_scale.moe.kernel_policy import policy_for
 
 

@@ -10,7 +10,7 @@ backward (in row chunks on CPU, where a chunk stays in cache; as whole tensors o
 launched do not grow with the tokens), whose [N, E] outputs are only the two gradients autograd needs (for x @ W_g and
 x @ W_noise). Tests compare it with the plain-autograd reference (`routers.prob_in_top_k`) in value and
 gradient. On CPU in float32 the same arithmetic runs as one pass over each row per direction in C
-(cpu_gating.c, through moe/cpu_kernels.py) when the native kernels are built.
+(cpu_gating.c, through moe/cpu_backend/kernels.py) when the native kernels are built.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-from moe_scale.moe import cpu_kernels
+from moe_scale.moe.cpu_backend import kernels as cpu_kernels
 from moe_scale.moe.kernel_policy import policy_for
 
 _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)

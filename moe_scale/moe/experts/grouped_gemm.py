@@ -9,7 +9,7 @@ for the device.
 
 Kernels (`GroupLayout` picks one per layer from the device and dtype; tests force each in turn):
 
-    native   cpu_kernels.c: CPU float32, register-tiled, each expert's weights streamed once (moe/cpu_kernels.py)
+    native   cpu_kernels.c: CPU float32, register-tiled, each expert's weights streamed once (moe/cpu_backend/kernels.py)
     grouped  torch's F.grouped_mm. On CUDA its fast path is bfloat16 on compute capability 9.x/10.x (a CUTLASS
              kernel that takes at most 1,023 groups: more experts run as several calls); on CPU every dtype.
     triton   DeepSpeed's Triton grouped GEMM, on CUDA where F.grouped_mm has no fast path (float32, float16,
@@ -30,7 +30,7 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
-from moe_scale.moe import cpu_kernels
+from moe_scale.moe.cpu_backend import kernels as cpu_kernels
 from moe_scale.moe.kernel_policy import policy_for
 
 KERNELS = ("loop", "grouped", "triton", "native")

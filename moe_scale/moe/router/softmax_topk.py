@@ -3,17 +3,16 @@
 Legend: N tokens, D model dim, E experts, K top-k, S = 3E + 2 entries of the stacked batch statistics.
 
 A router never talks to the network: the data-parallel sum of its statistics (``sum_over_batch``) is a callable
-injected by the MoE layer, exactly as for :class:`moe_scale.moe.routers.NoisyTopKRouter`.
+injected by the MoE layer, exactly as for :class:`moe_scale.moe.router.NoisyTopKRouter`.
 """
 
 import math
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
 from moe_scale.moe.kernel_policy import count_per_bin
-from moe_scale.moe.routers import RouterOutput
+from moe_scale.moe.router.base import Router, RouterOutput
 
 RENORMALIZE_MODES = ("none", "detached")
 
@@ -36,7 +35,7 @@ def switch_loss(prob_sum_E: Tensor, count_E: Tensor) -> Tensor:
     return e * (p_E * f_E).sum()
 
 
-class SoftmaxTopKRouter(nn.Module):
+class SoftmaxTopKRouter(Router):
     """Softmax top-k gate of MoA with the switch (load-balancing) loss and the z-loss.
 
     Routing (eq. 7-9): ``probs_NE = softmax(x W_g)`` over all E experts, in float32 (at least) with autocast off;
@@ -87,16 +86,12 @@ class SoftmaxTopKRouter(nn.Module):
         z_weight: float = 0.001,
         renormalize: str = "none",
     ):
-        super().__init__()
-        if not 1 <= k <= num_experts:
-            raise ValueError(f"router top-k must be in [1, num_experts={num_experts}], got k={k}")
+        super().__init__(d_model, num_experts, k)
         if renormalize not in RENORMALIZE_MODES:
             raise ValueError(f"renormalize must be one of {RENORMALIZE_MODES}, got {renormalize!r}")
-        self.d_model, self.num_experts, self.k = d_model, num_experts, k
         self.aux_weight, self.z_weight, self.renormalize = aux_weight, z_weight, renormalize
         self.w_gate = nn.Parameter(torch.empty(d_model, num_experts))
         nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
-        self.sum_over_batch: Callable[[Tensor], Tensor] = _identity
 
     def extra_repr(self) -> str:
         return (

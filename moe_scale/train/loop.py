@@ -21,11 +21,11 @@ from moe_scale.metrics.flops import tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.metrics.perf import all_to_all_seconds, device_peak_tflops, efficiency, peak_rss_mib
 from moe_scale.models.build import build_model, describe_parameters, forward_macs_per_token
-from moe_scale.moe.routers import GlobalTokenNoise
+from moe_scale.moe.router import GlobalTokenNoise
 from moe_scale.train.checkpoint import load_checkpoint, save_checkpoint
 from moe_scale.train.data_setup import apply_token_budget, build_lm_data
 from moe_scale.train.ds_config import complete_ds_config, load_ds_config
-from moe_scale.train.engine import Trainer
+from moe_scale.train.engine import TrainingEngine
 from moe_scale.train.evaluate import evaluate
 from moe_scale.train.mae_bcd import mae_schedule
 from moe_scale.train.factored_optimizer import check_optimizer_fits
@@ -90,7 +90,7 @@ def run_training(config: RunConfig) -> dict:
     for layer in model.moe_layers():   # how rows travel; groups are built when DeepSpeed connects the layer
         layer.all_to_all, layer.node_size = t.all_to_all, t.node_size
     mae = mae_schedule(model, config, getattr(data.train, "num_windows", None))   # MAE's G steps, else None
-    trainer = Trainer(model.to(env.device), ds_config, t)
+    trainer = TrainingEngine(model.to(env.device), ds_config, t)
     engine = trainer.engine
     noises = _install_noise(model, config, env)
     start_step = load_checkpoint(engine, run, data.train) if t.resume else 0

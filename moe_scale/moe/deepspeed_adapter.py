@@ -1,0 +1,101 @@
+"""Every contract between moe_scale's expert layers and DeepSpeed's engine, in one place.
+
+DeepSpeed recognises MoE layers with `isinstance(module, deepspeed.moe.layer.MoE)`; that decides how expert
+gradients are reduced (over the expert-data-parallel group only), how ZeRO partitions expert parameters, and
+how checkpoints are written (one file per global expert). `ExpertParallelModule` subclasses it for that check
+only (none of DeepSpeed's gate or dispatch code runs) and provides what the engine reads:
+
+- `num_experts`, `num_local_experts`, `ep_size`, `expert_group_name`, and `set_deepspeed_parallelism()`, which
+  builds (or finds) the expert-parallel and data-parallel groups and hands them to the layer's `connect`;
+- expert parameters flagged `allreduce=False` with `group_name` (DeepSpeed's `is_moe_param`);
+- state-dict keys `deepspeed_moe.experts.deepspeed_experts.<local id>.<name>` for expert weights (its per-expert
+  checkpoint files are keyed by that pattern) and no "expert" in any other key. Expert weights are stacked
+  [L, ...]; two state-dict hooks present them per expert and stack them back.
+
+The group helpers are private in DeepSpeed 0.19 (`deepspeed.utils.groups._*`); pyproject.toml bounds DeepSpeed to
+the versions tested, and this module is the only one that calls them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from deepspeed.moe.layer import MoE as DeepSpeedMoE
+from deepspeed.utils import groups
+from torch import nn
+
+DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
+STACKED_PREFIX = "experts."
+
+
+@dataclass
+class ParallelGroups:
+    """The process groups an expert layer works with (None: one process)."""
+
+    expert_parallel: object        # the ranks that split this layer's experts (tokens travel among them)
+    data_parallel: object          # the ranks whose batches make up the global batch (balance statistics)
+    expert_parallel_rank: int
+
+
+class ExpertParallelModule(DeepSpeedMoE):
+    """Base of every module whose `experts` DeepSpeed must treat as expert parameters (the MoE FFN layer, MoA's
+    attention experts). Subclasses call `init_expert_parallel` in their __init__, build `self.experts`, call
+    `mark_expert_parameters`, and implement `connect(groups)`."""
+
+    def init_expert_parallel(self, num_experts: int, ep_size: int, ep_rank: int) -> None:
+        nn.Module.__init__(self)   # DeepSpeed's MoE.__init__ would build its own gate and experts
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        self.num_experts, self.ep_size, self.ep_rank = num_experts, ep_size, ep_rank
+        self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.groups: ParallelGroups | None = None
+        self._register_state_dict_hook(_stacked_to_per_expert_keys)
+        self._register_load_state_dict_pre_hook(_per_expert_to_stacked_keys, with_module=True)
+
+    def mark_expert_parameters(self) -> None:
+        for param in self.experts.parameters():
+            param.allreduce = False
+            param.group_name = self.expert_group_name
+
+    # Called by deepspeed.initialize (and by tests) once torch.distributed is up.
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        if self.expert_group_name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(
+                self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        actual_rank = groups._get_expert_parallel_rank(self.expert_group_name)
+        if actual_rank != self.ep_rank:
+            raise RuntimeError(f"built for expert-parallel rank {self.ep_rank}, but DeepSpeed placed this "
+                               f"process at rank {actual_rank} of its expert-parallel group")
+        self.groups = ParallelGroups(groups._get_expert_parallel_group(self.expert_group_name),
+                                     groups._get_data_parallel_group(), actual_rank)
+        self.connect(self.groups)
+
+    def connect(self, parallel: ParallelGroups) -> None:
+        raise NotImplementedError
+
+    def require_groups(self) -> None:
+        if self.ep_size > 1 and self.groups is None:
+            raise RuntimeError("ep_size > 1 needs set_deepspeed_parallelism() (deepspeed.initialize calls it)")
+
+
+def expert_data_parallel_group(group_name: str):
+    """The ranks that hold copies of the same experts (their gradients are averaged over these)."""
+    return groups._get_expert_data_parallel_group(group_name)
+
+
+def _stacked_to_per_expert_keys(module: ExpertParallelModule, state_dict, prefix, local_metadata):
+    for name, _ in module.experts.named_parameters():
+        stacked = state_dict.pop(prefix + STACKED_PREFIX + name)
+        for local_id in range(stacked.shape[0]):
+            state_dict[f"{prefix}{DS_EXPERT_PREFIX}{local_id}.{name}"] = stacked[local_id]
+    return state_dict
+
+
+def _per_expert_to_stacked_keys(module: ExpertParallelModule, state_dict, prefix, local_metadata, strict,
+                                missing_keys, unexpected_keys, error_msgs):
+    for name, _ in module.experts.named_parameters():
+        keys = [f"{prefix}{DS_EXPERT_PREFIX}{i}.{name}" for i in range(module.num_local_experts)]
+        if all(key in state_dict for key in keys):
+            state_dict[prefix + STACKED_PREFIX + name] = torch.stack([state_dict.pop(key) for key in keys])

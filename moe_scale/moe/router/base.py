@@ -1,0 +1,127 @@
+"""What every router is and returns: the contract between a gate and the MoE layer.
+
+Legend: N tokens, D model dim, E experts, K experts per token.
+
+A router maps token rows [N, D] to a `RouterOutput`: which experts each token goes to with which gates, the
+balancing loss, and the balance statistics over the whole data-parallel batch. It never talks to the network
+itself: `connect(data_parallel_group)` (called once by the layer, with the group DeepSpeed built) installs the
+autograd-aware sum over the batch, and, for gates that select over the global batch, the row gatherer; noise
+comes from `noise_sampler` (None: the global RNG). Subclasses call `Router.__init__` and implement `forward`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from moe_scale.moe.cpu_backend import kernels as cpu_kernels
+
+NoiseSampler = Callable[[int, int, torch.device], Tensor]
+
+
+class Router(nn.Module):
+    """Base of every gate: its size, its top-k, and the plumbing to the data-parallel batch and the noise."""
+
+    selects_over_global_batch = False   # True: connect() also installs gather_over_batch / rank_in_batch
+
+    def __init__(self, d_model: int, num_experts: int, k: int):
+        super().__init__()
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"router top-k must be in [1, num_experts={num_experts}], got k={k}")
+        self.d_model, self.num_experts, self.k = d_model, num_experts, k
+        self.sum_over_batch: Callable[[Tensor], Tensor] = _identity
+        self.noise_sampler: Optional[NoiseSampler] = None
+
+    def connect(self, data_parallel_group) -> None:
+        """Sum (and, where the gate needs it, gather) over the data-parallel group from now on."""
+        from moe_scale.distributed.comm import RowGatherer, autograd_all_reduce_sum
+
+        self.sum_over_batch = autograd_all_reduce_sum(data_parallel_group)
+        if self.selects_over_global_batch:
+            gatherer = RowGatherer(data_parallel_group)
+            self.gather_over_batch, self.rank_in_batch = gatherer, gatherer.position
+
+    def _sample_noise(self, n: int, e: int, device: torch.device) -> Tensor:
+        return sample_noise(self.noise_sampler, n, e, device)
+
+    def forward(self, x_ND: Tensor) -> "RouterOutput":
+        raise NotImplementedError
+
+
+@dataclass
+class RouterOutput:
+    gates_NK: Tensor  # float32 [N, K], softmax over the K kept (noisy) logits; rows sum to 1
+    experts_NK: Tensor  # int64 [N, K], expert ids of those gates, in descending logit order
+    aux_loss: Tensor  # scalar, w_importance * cv2(importance_E) + w_load * cv2(load_E)
+    importance_E: Tensor  # float32 [E], summed gates over the whole data-parallel batch
+    load_E: Tensor  # float32 [E], smooth load (training, noisy, K < E) or hard count, whole batch
+    metrics: dict[str, float | Tensor] = field(default_factory=dict)  # gate-specific numbers (read at log points)
+
+    def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(token_index_P, expert_P, gate_P): the routing as (token, expert) pairs, P = N*K, what a
+        dispatcher consumes (gates whose tokens get a variable number of experts produce pairs directly)."""
+        n, k = self.experts_NK.shape
+        token_index_P = torch.arange(n, device=self.experts_NK.device).repeat_interleave(k)
+        return token_index_P, self.experts_NK.reshape(-1), self.gates_NK.reshape(-1)
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def sample_noise(sampler: Optional[NoiseSampler], n: int, e: int, device: torch.device) -> Tensor:
+    """Standard normal noise [n, e]: from the installed sampler (e.g. GlobalTokenNoise), else seeded by the
+    global RNG: on CPU from the native counter-based generator (cpu_kernels.standard_normal: 3-4x faster than
+    torch.randn, whose Mersenne Twister is serial), elsewhere or without the kernels from torch.randn."""
+    if sampler is not None:
+        return sampler(n, e, device)
+    if torch.device(device).type == "cpu" and cpu_kernels.available(torch.empty(0)):
+        return cpu_kernels.standard_normal(n, e)
+    return torch.randn(n, e, device=device)
+
+
+def _mix_seed(*values: int) -> int:
+    """Deterministic 63-bit seed from a tuple of ints (splitmix64 steps), identical on every rank and run."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
+        h = (h + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h >> 1
+
+
+class GlobalTokenNoise:
+    """Noise that depends on the global token index, so a 1-process run and an N-process run with the same
+    global batch draw identical noise (used by the multi-process equivalence tests and ``--noise-rng global``).
+
+    Every rank generates the noise of the whole global batch ``[N_local * world_size, E]`` from a CPU generator
+    seeded with (seed, layer_index, step, micro_step) and keeps its own rows ``[rank*N_local, (rank+1)*N_local)``.
+    A CPU generator makes the noise independent of the device type. Assumes every rank has the same N_local (the
+    global batch is split evenly). Costs global tokens x experts memory and time: a test/debug option, not the default.
+
+    Call ``set_step(step)`` once per optimizer step; each call within the step (gradient-accumulation micro-steps)
+    advances a micro-step counter, so micro-batches draw different noise. A forward that is recomputed (activation
+    checkpointing) would advance the counter too: don't combine the two.
+    """
+
+    def __init__(self, seed: int, layer_index: int, rank: int, world_size: int):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.seed, self.layer_index, self.rank, self.world_size = seed, layer_index, rank, world_size
+        self.step, self.micro_step = 0, 0
+
+    def set_step(self, step: int) -> None:
+        self.step, self.micro_step = step, 0
+
+    def __call__(self, n_tokens_local: int, n_experts: int, device) -> Tensor:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(_mix_seed(self.seed, self.layer_index, self.step, self.micro_step))
+        self.micro_step += 1
+        noise_GE = torch.randn(n_tokens_local * self.world_size, n_experts, generator=gen)
+        start = self.rank * n_tokens_local
+        return noise_GE[start : start + n_tokens_local].to(device)
