@@ -1,82 +1,300 @@
-"""Typed run configuration: one tree of dataclasses, one flag per field, saved with every run.
+"""Typed run configuration: a tree of per-component dataclasses, one flag per leaf, saved with every run.
 
-`moe-scale train --help` is generated from these fields (a field `num_experts` is the flag
-`--num-experts`), so a flag and the saved `config.json` key never drift apart.
+    RunConfig
+      model       ModelConfig        kind (lstm | transformer), width, dropout; lstm: LSTMConfig, transformer: ...
+      moe         MoEConfig          router: RouterConfig (one sub-config per gate), dispatch: DispatchConfig,
+                                     experts: ExpertsConfig
+      attention   AttentionConfig    kind (mha | moa | mae), heads; moa: MoAConfig, mae: MAEConfig
+      softmax     SoftmaxConfig      full | sampled | adaptive
+      data        DataConfig         text, vocabulary, windows, streaming
+      train       TrainConfig        batch, steps, optimizer, schedule, seed
+      parallel    ParallelConfig     expert parallelism, the DeepSpeed JSON
+      run         RunDirConfig       run directory, resume, intervals
+
+Every leaf has a key, its field name unless it says otherwise (`gate` for moe.router.gate), which is its flag
+(`--gate`) and its name in a preset; keys are unique over the tree. `moe-scale train --help` is generated from
+this tree, so a flag and the saved `config.json` never drift apart. Each component validates its own fields
+(`validate()`); `RunConfig.validate()` adds the checks that span components. A `config.json` written before
+the tree existed (sections model, data, train, flat) is read by key and migrated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from moe_scale.errors import UserError
 
+FORMAT = 2   # config.json's "format": 2 is this tree; files without it are the flat layout of format 1
 
-def _f(default, help: str, choices: tuple | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+
+def _f(default, help: str, choices: tuple | None = None, key: str | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices, "key": key})
+
+
+def _sub(cls):
+    return field(default_factory=cls, metadata={"section": True})
+
+
+def _positive(**values: int | float) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+
+
+# ---------------------------------------------------------------- model
+
+
+@dataclass
+class LSTMConfig:
+    layout: str = _f("lstm-moe-lstm", "LSTM LM: layer stack between embedding and softmax: App. C.1's model, or a "
+                                      "computationally matched baseline: a dense FFN instead of the MoE "
+                                      "(MoE-1-Deep), four LSTMs (4xLSTM-512), or one LSTM (LSTM-2048-512)",
+                     ("lstm-moe-lstm", "lstm-ffn-lstm", "4xlstm", "lstm"))
+    hidden: int = _f(0, "LSTM units (0: d_model); more than d_model adds an output projection back to d_model "
+                        "(Sak et al. 2014)", key="lstm_hidden")
+    ffn_layers: int = _f(1, "lstm-ffn-lstm: ReLU hidden layers of width expert_hidden in the dense FFN")
+
+    def validate(self) -> None:
+        if self.hidden < 0 or self.ffn_layers < 1:
+            raise UserError(f"--lstm-hidden must be 0 (= d_model) or positive and --ffn-layers at least 1 "
+                            f"(got {self.hidden}, {self.ffn_layers})")
+
+
+@dataclass
+class TransformerConfig:
+    num_layers: int = _f(2, "transformer: decoder blocks")
+    ffn: str = _f("dense", "transformer: feed-forward of every block: dense, or an MoE layer with --gate",
+                  ("dense", "moe"))
+    ffn_hidden: int = _f(256, "transformer: hidden width of the dense feed-forward")
+
+    def validate(self) -> None:
+        _positive(num_layers=self.num_layers, ffn_hidden=self.ffn_hidden)
 
 
 @dataclass
 class ModelConfig:
+    kind: str = _f("lstm", "architecture: Shazeer's LSTM-MoE (App. C.1) or a decoder-only transformer LM",
+                   ("lstm", "transformer"), key="model")
     d_model: int = _f(64, "embedding, LSTM and MoE input/output width")
-    expert_hidden: int = _f(128, "hidden width of each expert FFN")
-    num_experts: int = _f(16, "experts in the MoE layer")
-    top_k: int = _f(2, "experts per token (k); k=1 gives the router no task-loss gradient")
     dropout: float = _f(0.1, "DropProb applied to every layer output but the softmax")
-    w_importance: float = _f(0.1, "weight of the CV^2(importance) loss")
-    w_load: float = _f(0.1, "weight of the CV^2(load) loss (smooth load estimator)")
-    noisy_gating: bool = _f(True, "trainable Gaussian noise on the gate logits during training")
-    gate: str = _f("noisy_topk", "router: noisy top-k (Shazeer §2.1), two-level hierarchical (App. B), strictly "
-                                 "balanced batchwise with learned thresholds (App. F), or MoA's softmax top-k",
-                   ("noisy_topk", "hierarchical", "batchwise", "softmax_topk"))
+    lstm: LSTMConfig = _sub(LSTMConfig)
+    transformer: TransformerConfig = _sub(TransformerConfig)
+
+    def validate(self) -> None:
+        _positive(d_model=self.d_model)
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"--dropout must be in [0, 1) (got {self.dropout})")
+        (self.transformer if self.kind == "transformer" else self.lstm).validate()
+
+
+# ---------------------------------------------------------------- the MoE layer
+
+
+@dataclass
+class HierarchicalConfig:
     num_groups: int = _f(4, "hierarchical: primary groups a (each holds num_experts / a experts); --top-k is k "
                             "of the primary level")
     top_k_secondary: int = _f(2, "hierarchical: experts per token chosen inside each selected group")
-    batchwise_scope: str = _f("local", "batchwise: top-m per expert over this rank's batch, or over the whole "
-                                       "data-parallel batch", ("local", "global"))
-    threshold_reduction: str = _f("mean", "batchwise: threshold loss as the paper's sum over the batch, or "
-                                          "divided by the batch size", ("mean", "sum"))
-    moa_aux_weight: float = _f(0.01, "softmax_topk: weight α of the switch-style load-balancing loss")
-    moa_z_weight: float = _f(0.001, "softmax_topk: weight β of the router z-loss")
-    moa_renormalize: str = _f("none", "softmax_topk: keep the top-k probabilities as they are (released code) or "
-                                      "divide by their detached sum (paper eq. 9)", ("none", "detached"))
-    dispatch: str = _f("dropless", "token dispatch: every routed copy reaches its expert, or each expert takes at "
-                                   "most capacity_factor x its fair share and the lowest-gate copies are dropped",
-                       ("dropless", "capacity"))
+
+
+@dataclass
+class BatchwiseConfig:
+    scope: str = _f("local", "batchwise: top-m per expert over this rank's batch, or over the whole data-parallel "
+                             "batch", ("local", "global"), key="batchwise_scope")
+    threshold_reduction: str = _f("mean", "batchwise: threshold loss as the paper's sum over the batch, or divided "
+                                          "by the batch size", ("mean", "sum"))
+
+
+@dataclass
+class SoftmaxTopKConfig:
+    aux_weight: float = _f(0.01, "softmax_topk: weight α of the switch-style load-balancing loss",
+                           key="moa_aux_weight")
+    z_weight: float = _f(0.001, "softmax_topk: weight β of the router z-loss", key="moa_z_weight")
+    renormalize: str = _f("none", "softmax_topk: keep the top-k probabilities as they are (released code) or "
+                                  "divide by their detached sum (paper eq. 9)", ("none", "detached"),
+                          key="moa_renormalize")
+
+
+@dataclass
+class RouterConfig:
+    gate: str = _f("noisy_topk", "router: noisy top-k (Shazeer §2.1), two-level hierarchical (App. B), strictly "
+                                 "balanced batchwise with learned thresholds (App. F), or MoA's softmax top-k",
+                   ("noisy_topk", "hierarchical", "batchwise", "softmax_topk"))
+    top_k: int = _f(2, "experts per token (k); k=1 gives the router no task-loss gradient")
+    w_importance: float = _f(0.1, "weight of the CV^2(importance) loss")
+    w_load: float = _f(0.1, "weight of the CV^2(load) loss (smooth load estimator)")
+    noisy_gating: bool = _f(True, "trainable Gaussian noise on the gate logits during training")
+    hierarchical: HierarchicalConfig = _sub(HierarchicalConfig)
+    batchwise: BatchwiseConfig = _sub(BatchwiseConfig)
+    softmax_topk: SoftmaxTopKConfig = _sub(SoftmaxTopKConfig)
+
+    def validate(self, num_experts: int, ep_size: int) -> None:
+        _positive(top_k=self.top_k)
+        if min(self.w_importance, self.w_load) < 0:
+            raise UserError("--w-importance and --w-load must not be negative")
+        if self.top_k > num_experts:
+            raise UserError(f"--top-k {self.top_k} is larger than --num-experts {num_experts}; "
+                            f"choose k <= number of experts")
+        if self.gate == "hierarchical":
+            h = self.hierarchical
+            if h.num_groups < 1 or num_experts % h.num_groups:
+                raise UserError(f"--num-groups {h.num_groups} must divide --num-experts {num_experts} "
+                                f"(a groups x b experts = n)")
+            per_group = num_experts // h.num_groups
+            if self.top_k > h.num_groups:
+                raise UserError(f"--top-k {self.top_k} (primary k) is larger than --num-groups {h.num_groups}")
+            if not 1 <= h.top_k_secondary <= per_group:
+                raise UserError(f"--top-k-secondary {h.top_k_secondary} must be between 1 and the {per_group} "
+                                f"experts per group")
+            if h.num_groups % ep_size:
+                raise UserError(f"--num-groups {h.num_groups} is not divisible by --ep-size {ep_size}; each "
+                                f"group's experts must live on one expert-parallel rank")
+
+
+@dataclass
+class DispatchConfig:
+    mode: str = _f("dropless", "token dispatch: every routed copy reaches its expert, or each expert takes at most "
+                               "capacity_factor x its fair share and the lowest-gate copies are dropped",
+                   ("dropless", "capacity"), key="dispatch")
     capacity_factor: float = _f(1.0, "capacity dispatch: expert capacity = ceil(factor x tokens x k / experts)")
-    expert_recompute: bool = _f(False, "recompute the experts' hidden activations in the backward pass instead "
-                                       "of storing them (Shazeer et al. App. D)")
-    expert_grad_reuse: bool = _f(True, "CPU: write the expert weights' gradients into the memory of the last "
-                                       "ones, not onto fresh pages the kernel must zero first (faster; that "
-                                       "memory, one gradient per expert weight, stays allocated between steps)")
-    layout: str = _f("lstm-moe-lstm", "layer stack between embedding and softmax: App. C.1's model, or a computationally "
-                                      "matched baseline: a dense FFN instead of the MoE (MoE-1-Deep), four LSTMs "
-                                      "(4xLSTM-512), or one LSTM (LSTM-2048-512)",
-                     ("lstm-moe-lstm", "lstm-ffn-lstm", "4xlstm", "lstm"))
-    lstm_hidden: int = _f(0, "LSTM units (0: d_model); more than d_model adds an output projection back to d_model "
-                             "(Sak et al. 2014)")
-    ffn_layers: int = _f(1, "lstm-ffn-lstm: ReLU hidden layers of width expert_hidden in the dense FFN")
-    model: str = _f("lstm", "architecture: Shazeer's LSTM-MoE (App. C.1) or a decoder-only transformer LM",
-                    ("lstm", "transformer"))
-    attention: str = _f("mha", "transformer: attention of every layer: multi-head with head masks, MoA "
-                               "attention experts, or MAE (mixture of h-1 heads)", ("mha", "moa", "mae"))
-    num_layers: int = _f(2, "transformer: decoder blocks")
+    all_to_all: str = _f("flat", "token exchange: one all-to-all over the expert-parallel group, or within each "
+                                 "node first and then across nodes", ("flat", "hierarchical"))
+    node_size: int = _f(0, "hierarchical all-to-all: ranks per node (0: the launcher's LOCAL_WORLD_SIZE)")
+
+    def validate(self) -> None:
+        if not self.capacity_factor > 0:
+            raise UserError(f"--capacity-factor must be positive (got {self.capacity_factor}); 1.0 gives each "
+                            f"expert exactly its fair share of tokens x k / experts")
+        if self.node_size < 0:
+            raise UserError(f"--node-size must be 0 (from the launcher) or a positive rank count (got "
+                            f"{self.node_size})")
+
+
+@dataclass
+class ExpertsConfig:
+    num_experts: int = _f(16, "experts in the MoE layer")
+    hidden: int = _f(128, "hidden width of each expert FFN", key="expert_hidden")
+    recompute: bool = _f(False, "recompute the experts' hidden activations in the backward pass instead of "
+                                "storing them (Shazeer et al. App. D)", key="expert_recompute")
+    grad_reuse: bool = _f(True, "CPU: write the expert weights' gradients into the memory of the last ones, not "
+                                "onto fresh pages the kernel must zero first (faster; that memory, one gradient "
+                                "per expert weight, stays allocated between steps)", key="expert_grad_reuse")
+
+    def validate(self, ep_size: int) -> None:
+        _positive(num_experts=self.num_experts, expert_hidden=self.hidden)
+        if self.num_experts % ep_size:
+            raise UserError(f"--num-experts {self.num_experts} is not divisible by --ep-size {ep_size}; "
+                            f"each expert-parallel rank must hold the same number of experts")
+
+
+@dataclass
+class MoEConfig:
+    router: RouterConfig = _sub(RouterConfig)
+    dispatch: DispatchConfig = _sub(DispatchConfig)
+    experts: ExpertsConfig = _sub(ExpertsConfig)
+
+    def validate(self, ep_size: int) -> None:
+        self.experts.validate(ep_size)
+        self.router.validate(self.experts.num_experts, ep_size)
+        self.dispatch.validate()
+
+
+# ---------------------------------------------------------------- attention (transformer)
+
+
+@dataclass
+class MoAConfig:
+    num_experts: int = _f(8, "moa: attention experts per layer (E)", key="moa_num_experts")
+    top_k: int = _f(2, "moa: attention experts per query token (k)", key="moa_top_k")
+
+
+@dataclass
+class MAEConfig:
+    g_every: int = _f(5, "mae: G steps (gate only) on one epoch (or step, --mae-g-unit) in every n, each before the "
+                         "F step on the same batch (Alg. 3)", key="mae_g_every")
+    g_unit: str = _f("epoch", "mae: what --mae-g-every counts", ("epoch", "step"), key="mae_g_unit")
+    training: str = _f("bcd", "mae: block coordinate descent (G and F steps), or the NoBCD ablation: gate and model "
+                              "trained jointly through the mixture", ("bcd", "joint"), key="mae_training")
+    gate_lr: float = _f(1.0, "mae: plain-SGD learning rate of the gate in G steps", key="mae_gate_lr")
+
+
+@dataclass
+class AttentionConfig:
+    kind: str = _f("mha", "transformer: attention of every layer: multi-head with head masks, MoA attention "
+                          "experts, or MAE (mixture of h-1 heads)", ("mha", "moa", "mae"), key="attention")
     num_heads: int = _f(4, "transformer: heads per attention layer (mha, mae); MoA uses --moa-top-k")
     head_dim: int = _f(0, "transformer: width per head (0: d_model / num_heads)")
-    ffn: str = _f("dense", "transformer: feed-forward of every block: dense, or an MoE layer with --gate",
-                  ("dense", "moe"))
-    ffn_hidden: int = _f(256, "transformer: hidden width of the dense feed-forward")
-    moa_num_experts: int = _f(8, "moa: attention experts per layer (E)")
-    moa_top_k: int = _f(2, "moa: attention experts per query token (k)")
-    mae_g_every: int = _f(5, "mae: G steps (gate only) on one epoch (or step, --mae-g-unit) in every n, each "
-                             "before the F step on the same batch (Alg. 3)")
-    mae_g_unit: str = _f("epoch", "mae: what --mae-g-every counts", ("epoch", "step"))
-    mae_training: str = _f("bcd", "mae: block coordinate descent (G and F steps), or the NoBCD ablation: gate "
-                                  "and model trained jointly through the mixture", ("bcd", "joint"))
-    mae_gate_lr: float = _f(1.0, "mae: plain-SGD learning rate of the gate in G steps")
+    moa: MoAConfig = _sub(MoAConfig)
+    mae: MAEConfig = _sub(MAEConfig)
+
+    def head_width(self, d_model: int) -> int:
+        """Width of one head (MHA/MAE) or one attention expert (MoA): --head-dim, or d_model / heads."""
+        if self.head_dim:
+            return self.head_dim
+        return d_model // (self.moa.top_k if self.kind == "moa" else self.num_heads)
+
+    def validate(self, d_model: int, ep_size: int) -> None:
+        _positive(num_heads=self.num_heads, moa_num_experts=self.moa.num_experts, moa_top_k=self.moa.top_k,
+                  mae_g_every=self.mae.g_every)
+        if self.head_dim < 0:
+            raise UserError(f"--head-dim must be 0 (d_model / heads) or positive (got {self.head_dim})")
+        if self.kind == "moa" and self.moa.top_k > self.moa.num_experts:
+            raise UserError(f"--moa-top-k {self.moa.top_k} is larger than --moa-num-experts {self.moa.num_experts}; "
+                            f"choose k <= number of attention experts")
+        heads, flag = (self.moa.top_k, "--moa-top-k") if self.kind == "moa" else (self.num_heads, "--num-heads")
+        if not self.head_dim and d_model % heads:
+            raise UserError(f"{flag} {heads} does not divide --d-model {d_model}; choose a divisor of the width "
+                            f"or set --head-dim explicitly")
+        if self.kind == "moa" and self.moa.num_experts % ep_size:
+            raise UserError(f"--moa-num-experts {self.moa.num_experts} is not divisible by --ep-size {ep_size}; "
+                            f"each expert-parallel rank must hold the same number of attention experts")
+        if self.kind == "mae" and self.num_heads < 2:
+            raise UserError(f"--attention mae needs --num-heads >= 2 (experts are groups of h-1 heads; got "
+                            f"{self.num_heads})")
+        if self.mae.gate_lr <= 0:
+            raise UserError(f"--mae-gate-lr must be positive (got {self.mae.gate_lr})")
+
+
+# ---------------------------------------------------------------- output layer, data, training, parallelism, run
+
+
+@dataclass
+class SoftmaxConfig:
+    kind: str = _f("full", "output layer: exact softmax, importance-sampled softmax in training (exact at eval; "
+                           "Jozefowicz et al. 2016), or adaptive softmax", ("full", "sampled", "adaptive"),
+                   key="softmax")
+    num_sampled: int = _f(8192, "sampled softmax: classes drawn per batch (shared by all its tokens)")
+    sampler: str = _f("log_uniform", "sampled softmax proposal: Zipfian over frequency-sorted ids, or the training "
+                                     "unigram counts", ("log_uniform", "unigram"))
+    adaptive_cutoffs: str = _f("2000,10000", "adaptive softmax: comma-separated cluster boundaries (word ids)")
+
+    def validate(self, vocab_size: int) -> None:
+        if self.kind == "sampled" and self.num_sampled < 1:
+            raise UserError(f"--num-sampled must be at least 1 (got {self.num_sampled})")
+        if self.kind == "sampled" and self.num_sampled >= vocab_size:
+            raise UserError(f"--num-sampled {self.num_sampled} is not smaller than --vocab-size {vocab_size}; "
+                            "sample fewer classes or use --softmax full")
+        if self.kind == "adaptive":
+            cutoffs = parse_cutoffs(self.adaptive_cutoffs)
+            if cutoffs[-1] >= vocab_size:
+                raise UserError(f"--adaptive-cutoffs {self.adaptive_cutoffs}: the last cutoff must be below "
+                                f"--vocab-size {vocab_size}")
+
+
+def parse_cutoffs(text: str) -> list[int]:
+    try:
+        cutoffs = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--adaptive-cutoffs {text!r} is not a comma-separated list of integers; "
+                        "use e.g. --adaptive-cutoffs 2000,10000") from None
+    if not cutoffs or any(b <= a for a, b in zip(cutoffs, cutoffs[1:])) or cutoffs[0] < 1:
+        raise UserError(f"--adaptive-cutoffs {text!r} must be increasing positive word ids, e.g. 2000,10000")
+    return cutoffs
 
 
 @dataclass
@@ -89,6 +307,25 @@ class DataConfig:
     vocab_size: int = _f(10000, "largest vocabulary, including <UNK>, <S>, </S>")
     min_count: int = _f(1, "drop words seen fewer times than this from the vocabulary")
     seq_len: int = _f(32, "tokens per training window (truncated back-propagation length)")
+    stream: bool = _f(False, "stream the training shards (never loads them into memory; the position is "
+                             "checkpointed) instead of loading them")
+    shuffle_buffer: int = _f(10000, "streaming: sentences in the shuffle buffer of each reader (0 or 1: no shuffle)")
+    stream_workers: int = _f(1, "streaming: shard readers per rank (shards are split over ranks x readers)")
+    token_budget: int = _f(0, "streaming: stop after this many training tokens (0: --max-steps); one pass, "
+                              "training also stops when the data runs out")
+
+    def validate(self) -> None:
+        _positive(seq_len=self.seq_len, min_count=self.min_count)
+        if not 0.0 < self.holdout_fraction < 0.5:
+            raise UserError(f"--holdout-fraction must be in (0, 0.5) (got {self.holdout_fraction})")
+        if self.vocab_size < 4:
+            raise UserError(f"--vocab-size must be at least 4 (3 special symbols and a word); got {self.vocab_size}")
+        if min(self.shuffle_buffer, self.token_budget) < 0 or self.stream_workers < 1:
+            raise UserError("--shuffle-buffer and --token-budget must not be negative and --stream-workers must be "
+                            "at least 1")
+        if self.token_budget and not self.stream:
+            raise UserError("--token-budget needs --stream (one pass over streamed shards); with in-memory data "
+                            "use --max-steps")
 
 
 @dataclass
@@ -99,68 +336,149 @@ class TrainConfig:
     lr: float = _f(3e-3, "peak Adam learning rate")
     warmup_steps: int = _f(100, "linear warm-up steps, then lr ∝ 1/sqrt(step) (Shazeer et al. App. C.1)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
+    optimizer: str = _f("adam", "AdamW everywhere, or for expert matrices a factored second moment without first "
+                                "moment (Shazeer et al. App. D) and AdamW for the rest", ("adam", "factored"))
     seed: int = _f(1234, "seed for initialisation, data order, dropout and gate noise")
     noise_rng: str = _f("rank", "gate noise per rank, or drawn per global token so any world size draws the "
                                 "same noise (costs global tokens x experts memory)", ("rank", "global"))
+    preset: str | None = _f(None, "start from a paper model's settings (`moe-scale flops --list`; NAME-mini for a "
+                                  "CPU-sized miniature); other flags given override them")
+
+    def validate(self) -> None:
+        _positive(batch_size=self.batch_size, grad_accum=self.grad_accum, max_steps=self.max_steps)
+        if min(self.lr, self.weight_decay, self.warmup_steps) < 0:
+            raise UserError("--lr, --weight-decay and --warmup-steps must not be negative")
+
+
+@dataclass
+class ParallelConfig:
     ep_size: int = _f(1, "expert-parallel ranks: experts are split over groups of this many ranks")
-    all_to_all: str = _f("flat", "token exchange: one all-to-all over the expert-parallel group, or within each "
-                                 "node first and then across nodes", ("flat", "hierarchical"))
-    node_size: int = _f(0, "hierarchical all-to-all: ranks per node (0: the launcher's LOCAL_WORLD_SIZE)")
     ds_config: str | None = _f(None, "DeepSpeed JSON (default: the built-in CPU config, ds_configs/cpu.json)")
+
+    def validate(self) -> None:
+        _positive(ep_size=self.ep_size)
+
+
+@dataclass
+class RunDirConfig:
     out: str = _f("runs/lstm-moe", "run directory: config, vocab, summary, TensorBoard events, checkpoints")
     resume: bool = _f(False, "continue from the latest complete checkpoint in --out")
     overwrite: bool = _f(False, "replace an existing run in --out")
     log_interval: int = _f(50, "steps between log lines and TensorBoard points")
     eval_interval: int = _f(200, "steps between validation passes (and at the end)")
     eval_max_batches: int = _f(0, "cap on validation batches per pass (0: the whole split)")
-    checkpoint_interval: int = _f(200, "steps between checkpoints (and at the end); 0: never (benchmarks: "
-                                       "such a run cannot be resumed or evaluated)")
-    preset: str | None = _f(None, "start from a paper model's settings (`moe-scale flops --list`; NAME-mini for a "
-                                  "CPU-sized miniature); other flags given override them")
-    softmax: str = _f("full", "output layer: exact softmax, importance-sampled softmax in training (exact at eval; "
-                              "Jozefowicz et al. 2016), or adaptive softmax", ("full", "sampled", "adaptive"))
-    num_sampled: int = _f(8192, "sampled softmax: classes drawn per batch (shared by all its tokens)")
-    sampler: str = _f("log_uniform", "sampled softmax proposal: Zipfian over frequency-sorted ids, or the "
-                                     "training unigram counts", ("log_uniform", "unigram"))
-    adaptive_cutoffs: str = _f("2000,10000", "adaptive softmax: comma-separated cluster boundaries (word ids)")
-    optimizer: str = _f("adam", "AdamW everywhere, or for expert matrices a factored second moment without first "
-                                "moment (Shazeer et al. App. D) and AdamW for the rest", ("adam", "factored"))
-    stream: bool = _f(False, "stream the training shards (never loads them into memory; the position is "
-                             "checkpointed) instead of loading them")
-    shuffle_buffer: int = _f(10000, "streaming: sentences in the shuffle buffer of each reader (0 or 1: no shuffle)")
-    stream_workers: int = _f(1, "streaming: shard readers per rank (shards are split over ranks x readers)")
-    token_budget: int = _f(0, "streaming: stop after this many training tokens (0: --max-steps); one pass, "
-                              "training also stops when the data runs out")
+    checkpoint_interval: int = _f(200, "steps between checkpoints (and at the end); 0: never (benchmarks: such a "
+                                       "run cannot be resumed or evaluated)")
+
+    def validate(self) -> None:
+        _positive(log_interval=self.log_interval, eval_interval=self.eval_interval)
+        if self.eval_max_batches < 0:
+            raise UserError("--eval-max-batches must not be negative")
+        if self.checkpoint_interval < 0:
+            raise UserError(f"--checkpoint-interval must be 0 (never) or positive (got {self.checkpoint_interval})")
+        if self.resume and self.overwrite:
+            raise UserError("--resume and --overwrite contradict each other; pass one of them")
+
+
+# ---------------------------------------------------------------- the whole run
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One setting: its key (= flag name and preset key), where it lives, and its field."""
+
+    key: str
+    path: tuple[str, ...]
+    field: dataclasses.Field
+    type: Any
+    section: str   # the top-level component, for --help's groups
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
 
 
 @dataclass
 class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    model: ModelConfig = _sub(ModelConfig)
+    moe: MoEConfig = _sub(MoEConfig)
+    attention: AttentionConfig = _sub(AttentionConfig)
+    softmax: SoftmaxConfig = _sub(SoftmaxConfig)
+    data: DataConfig = _sub(DataConfig)
+    train: TrainConfig = _sub(TrainConfig)
+    parallel: ParallelConfig = _sub(ParallelConfig)
+    run: RunDirConfig = _sub(RunDirConfig)
+
+    # ------------------------------------------------------------ leaves by key
+
+    @classmethod
+    def leaves(cls) -> dict[str, Leaf]:
+        """Every setting by key, in the tree's order."""
+        return dict(_LEAVES)
+
+    @classmethod
+    def from_settings(cls, **settings: Any) -> "RunConfig":
+        """The defaults with these settings, given by key: `RunConfig.from_settings(num_experts=64, top_k=4)`."""
+        config = cls()
+        for key, value in settings.items():
+            config.set(key, value)
+        return config
+
+    def get(self, key: str) -> Any:
+        leaf = _leaf(key)
+        node = self
+        for name in leaf.path:
+            node = getattr(node, name)
+        return node
+
+    def set(self, key: str, value: Any) -> None:
+        leaf = _leaf(key)
+        node = self
+        for name in leaf.path[:-1]:
+            node = getattr(node, name)
+        setattr(node, leaf.path[-1], value)
+
+    # ------------------------------------------------------------ files
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"format": FORMAT, **dataclasses.asdict(self)}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str) -> "RunConfig":
         if not isinstance(raw, dict):
-            raise UserError(f"{source}: expected a JSON object with sections model, data, train")
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+            raise UserError(f"{source}: expected a JSON object with the sections {[f.name for f in _fields(cls)]}")
+        raw = dict(raw)
+        version = raw.pop("format", 1)
+        if version == 1:
+            return cls._from_flat(raw, source)
+        if version != FORMAT:
+            raise UserError(f"{source}: format {version!r} is newer than this moe_scale reads ({FORMAT}); "
+                            f"update moe_scale")
+        config = cls()
+        _fill(config, raw, source, "")
+        return config
+
+    @classmethod
+    def _from_flat(cls, raw: dict[str, Any], source: str) -> "RunConfig":
+        """Format 1: sections model, data, train holding flat keys; every key is a leaf's key."""
+        sections = ("model", "data", "train")
         unknown = set(raw) - set(sections)
         if unknown:
-            raise UserError(f"{source}: unknown section(s) {sorted(unknown)}; allowed: {sorted(sections)}")
-        built = {}
-        for f in dataclasses.fields(cls):
-            section_cls = type(getattr(cls(), f.name))
-            values = raw.get(f.name, {})
-            names = {sf.name for sf in dataclasses.fields(section_cls)}
-            bad = set(values) - names
+            raise UserError(f"{source}: unknown section(s) {sorted(unknown)}; allowed: {sorted(sections)} (format 1) "
+                            f"or {[f.name for f in _fields(cls)]} with \"format\": {FORMAT}")
+        config = cls()
+        for section in sections:
+            values = raw.get(section, {})
+            if not isinstance(values, dict):
+                raise UserError(f"{source}: section '{section}' must be an object")
+            bad = sorted(k for k in values if k not in _LEAVES)
             if bad:
-                raise UserError(f"{source}: unknown key(s) {sorted(bad)} in section '{f.name}'; "
-                                f"see `moe-scale train --help` for the valid settings")
-            built[f.name] = section_cls(**values)
-        return cls(**built)
+                raise UserError(f"{source}: unknown key(s) {bad} in section '{section}'; see `moe-scale train "
+                                f"--help` for the valid settings")
+            for key, value in values.items():
+                _check_type(_LEAVES[key], value, f"{source}: '{section}.{key}'")
+                config.set(key, value)
+        return config
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -180,67 +498,96 @@ class RunConfig:
         config.validate()
         return config
 
+    @property
+    def has_moe_ffn(self) -> bool:
+        """Whether the model has MoE feed-forward layers (the LSTM LM's middle, or the transformer's FFNs)."""
+        if self.model.kind == "transformer":
+            return self.model.transformer.ffn == "moe"
+        return self.model.lstm.layout == "lstm-moe-lstm"
+
+    # ------------------------------------------------------------ checks
+
     def validate(self) -> None:
         """Checks that need no data or processes; the trainer checks world-size-dependent ones."""
-        m, d, t = self.model, self.data, self.train
-        positive = {"--d-model": m.d_model, "--expert-hidden": m.expert_hidden, "--num-experts": m.num_experts,
-                    "--top-k": m.top_k, "--seq-len": d.seq_len, "--batch-size": t.batch_size,
-                    "--grad-accum": t.grad_accum, "--max-steps": t.max_steps, "--ep-size": t.ep_size,
-                    "--log-interval": t.log_interval, "--eval-interval": t.eval_interval,
-                    "--min-count": d.min_count}
-        for flag, value in positive.items():
-            if value < 1:
-                raise UserError(f"{flag} must be at least 1 (got {value})")
-        if t.checkpoint_interval < 0:
-            raise UserError(f"--checkpoint-interval must be 0 (never) or positive (got {t.checkpoint_interval})")
-        if m.top_k > m.num_experts:
-            raise UserError(f"--top-k {m.top_k} is larger than --num-experts {m.num_experts}; "
-                            f"choose k <= number of experts")
-        if m.num_experts % t.ep_size:
-            raise UserError(f"--num-experts {m.num_experts} is not divisible by --ep-size {t.ep_size}; "
-                            f"each expert-parallel rank must hold the same number of experts")
-        if m.gate == "hierarchical":
-            self._validate_hierarchical()
-        if m.lstm_hidden < 0 or m.ffn_layers < 1:
-            raise UserError(f"--lstm-hidden must be 0 (= d_model) or positive and --ffn-layers at least 1 "
-                            f"(got {m.lstm_hidden}, {m.ffn_layers})")
-        if not 0.0 <= m.dropout < 1.0:
-            raise UserError(f"--dropout must be in [0, 1) (got {m.dropout})")
-        if not 0.0 < d.holdout_fraction < 0.5:
-            raise UserError(f"--holdout-fraction must be in (0, 0.5) (got {d.holdout_fraction})")
-        if d.vocab_size < 4:
-            raise UserError(f"--vocab-size must be at least 4 (3 special symbols and a word); got {d.vocab_size}")
-        if min(m.w_importance, m.w_load, t.lr, t.weight_decay, t.warmup_steps, t.eval_max_batches) < 0:
-            raise UserError("--w-importance, --w-load, --lr, --weight-decay, --warmup-steps and "
-                            "--eval-max-batches must not be negative")
-        if m.capacity_factor <= 0:
-            raise UserError(f"--capacity-factor must be positive (got {m.capacity_factor}); 1.0 gives each "
-                            f"expert exactly its fair share of tokens x k / experts")
-        if t.node_size < 0:
-            raise UserError(f"--node-size must be 0 (from the launcher) or a positive rank count (got {t.node_size})")
-        if t.resume and t.overwrite:
-            raise UserError("--resume and --overwrite contradict each other; pass one of them")
-        if m.model == "transformer":
-            from moe_scale.models.transformer_config import validate_transformer
-
-            validate_transformer(m, t.ep_size)
-            if m.attention == "mae" and m.mae_training == "bcd" and m.mae_g_unit == "epoch" and t.stream:
+        ep = self.parallel.ep_size
+        self.parallel.validate()
+        self.model.validate()
+        self.moe.validate(ep)
+        if self.model.kind == "transformer":
+            self.attention.validate(self.model.d_model, ep)
+            if self.attention.kind == "mae" and self.attention.mae.training == "bcd" \
+                    and self.attention.mae.g_unit == "epoch" and self.data.stream:
                 raise UserError("--mae-g-unit epoch needs epochs, and streamed data (--stream) is one pass; "
                                 "pass --mae-g-unit step")
-        from moe_scale.train.scale_options import validate_scale_options   # softmax, optimizer, streaming
-        validate_scale_options(self)
+        self.softmax.validate(self.data.vocab_size)
+        self.data.validate()
+        self.train.validate()
+        self.run.validate()
 
-    def _validate_hierarchical(self) -> None:
-        m, ep = self.model, self.train.ep_size
-        if m.num_groups < 1 or m.num_experts % m.num_groups:
-            raise UserError(f"--num-groups {m.num_groups} must divide --num-experts {m.num_experts} "
-                            f"(a groups x b experts = n)")
-        per_group = m.num_experts // m.num_groups
-        if m.top_k > m.num_groups:
-            raise UserError(f"--top-k {m.top_k} (primary k) is larger than --num-groups {m.num_groups}")
-        if not 1 <= m.top_k_secondary <= per_group:
-            raise UserError(f"--top-k-secondary {m.top_k_secondary} must be between 1 and the {per_group} experts "
-                            f"per group")
-        if m.num_groups % ep:
-            raise UserError(f"--num-groups {m.num_groups} is not divisible by --ep-size {ep}; each group's "
-                            f"experts must live on one expert-parallel rank")
+
+def _fields(cls) -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(cls)
+
+
+def _walk(cls, path: tuple[str, ...], section: str) -> Iterator[Leaf]:
+    hints = typing.get_type_hints(cls)
+    for f in _fields(cls):
+        if f.metadata.get("section"):
+            yield from _walk(hints[f.name], path + (f.name,), section or f.name)
+        else:
+            yield Leaf(f.metadata.get("key") or f.name, path + (f.name,), f, hints[f.name], section)
+
+
+def _build_leaves() -> dict[str, Leaf]:
+    leaves: dict[str, Leaf] = {}
+    for leaf in _walk(RunConfig, (), ""):
+        if leaf.key in leaves:
+            raise AssertionError(f"config key {leaf.key!r} is used twice: {leaves[leaf.key].path} and {leaf.path}")
+        leaves[leaf.key] = leaf
+    return leaves
+
+
+_LEAVES = _build_leaves()
+
+
+def _leaf(key: str) -> Leaf:
+    try:
+        return _LEAVES[key]
+    except KeyError:
+        raise KeyError(f"no setting {key!r}") from None
+
+
+def _check_type(leaf: Leaf, value: Any, where: str) -> None:
+    """A value read from a file must have its setting's type (JSON has no other check)."""
+    base = leaf.type
+    allowed = tuple(a for a in typing.get_args(base) if a is not type(None)) or (base,)
+    if value is None and type(None) in typing.get_args(base):
+        return
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return
+    if not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool)):
+        names = "/".join(a.__name__ for a in allowed)
+        raise UserError(f"{where} must be {names}, got {value!r}; fix or delete the key")
+    choices = leaf.field.metadata.get("choices")
+    if choices and value not in choices:
+        raise UserError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _fill(node, raw: Any, source: str, where: str) -> None:
+    """Set a component's fields from its JSON object, recursively; unknown keys and wrong types are one line."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{source}: '{where or 'the top level'}' must be an object")
+    hints = typing.get_type_hints(type(node))
+    fields = {f.name: f for f in _fields(type(node))}
+    bad = sorted(set(raw) - set(fields))
+    if bad:
+        raise UserError(f"{source}: unknown key(s) {bad} in '{where or 'the top level'}'; see `moe-scale train "
+                        f"--help` for the valid settings")
+    for name, value in raw.items():
+        path = f"{where}.{name}" if where else name
+        if fields[name].metadata.get("section"):
+            _fill(getattr(node, name), value, source, path)
+        else:
+            leaf = Leaf(fields[name].metadata.get("key") or name, (), fields[name], hints[name], "")
+            _check_type(leaf, value, f"{source}: '{path}'")
+            setattr(node, name, value)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_scale.config import ModelConfig
+from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 from moe_scale.metrics.flops import SoftmaxCost, active_experts, lstm_layer_shape, lstm_lm_accounting, moe_gating
 from moe_scale.presets import get_preset, preset_config
@@ -63,33 +63,33 @@ def check_cluster(cluster: Cluster) -> None:
         raise UserError("--optimizer must be adam or factored, --precision fp32 or bf16")
 
 
-def expert_parallel_size(model: ModelConfig, world: int) -> int:
-    num_experts = model.num_experts
+def expert_parallel_size(config: RunConfig, world: int) -> int:
+    num_experts, groups = config.moe.experts.num_experts, config.moe.router.hierarchical.num_groups
     ep = min(world, num_experts)
     if num_experts % ep or world % ep:
         raise UserError(f"a world size of {world} GPUs does not divide the {num_experts} experts (nor do the "
                         f"experts divide it): choose a GPU count that divides {num_experts} or is a multiple of it")
-    if model.gate == "hierarchical" and model.num_groups % ep:
-        raise UserError(f"a world size of {world} GPUs: the {model.num_groups} expert groups of the hierarchical MoE "
+    if config.moe.router.gate == "hierarchical" and groups % ep:
+        raise UserError(f"a world size of {world} GPUs: the {groups} expert groups of the hierarchical MoE "
                         f"cannot be split over {ep} expert-parallel ranks (each group lives on one rank); use a "
-                        f"GPU count that divides {model.num_groups}")
+                        f"GPU count that divides {groups}")
     return ep
 
 
-def _activation_floats_per_token(model: ModelConfig, vocab: int, softmax: SoftmaxCost) -> tuple[float, int]:
+def _activation_floats_per_token(config: RunConfig, vocab: int, softmax: SoftmaxCost) -> tuple[float, int]:
     """(floats, layer outputs) stored per token for the backward pass."""
-    d = model.d_model
-    units, _ = lstm_layer_shape(model)
-    n_lstm = {"lstm-moe-lstm": 2, "lstm-ffn-lstm": 2, "4xlstm": 4, "lstm": 1}[model.layout]
+    d, lstm, experts = config.model.d_model, config.model.lstm, config.moe.experts
+    units, _ = lstm_layer_shape(config)
+    n_lstm = {"lstm-moe-lstm": 2, "lstm-ffn-lstm": 2, "4xlstm": 4, "lstm": 1}[lstm.layout]
     outputs = 1 + n_lstm                          # embedding and LSTM outputs (each the next layer's input)
     floats = n_lstm * 7 * units
-    if model.layout == "lstm-moe-lstm":
-        k = active_experts(model)
-        floats += moe_gating(model)[1] / d + 2 * k * d + d      # gate logits, expert in/out, sigmoid
-        floats += 0 if model.expert_recompute else k * model.expert_hidden
+    if lstm.layout == "lstm-moe-lstm":
+        k = active_experts(config)
+        floats += moe_gating(config)[1] / d + 2 * k * d + d      # gate logits, expert in/out, sigmoid
+        floats += 0 if experts.recompute else k * experts.hidden
         outputs += 1
-    elif model.layout == "lstm-ffn-lstm":
-        floats += model.ffn_layers * model.expert_hidden + d
+    elif lstm.layout == "lstm-ffn-lstm":
+        floats += lstm.ffn_layers * experts.hidden + d
         outputs += 1
     logits = vocab if softmax.kind == "full" else min(softmax.num_samples, vocab) + 1
     return floats + logits + outputs * d, outputs
@@ -101,15 +101,15 @@ def plan(preset_name: str, cluster: Cluster, batch_tokens: int | None = None) ->
     if preset.kind != "lstm":
         raise UserError(f"--preset {preset.name}: the planner covers the LSTM presets; MoA needs the transformer LM")
     config = preset_config(preset.name)
-    model, vocab = config.model, config.data.vocab_size
-    is_moe = model.layout == "lstm-moe-lstm"
+    vocab = config.data.vocab_size
+    is_moe = config.has_moe_ffn
     if cluster.zero_stage == 3 and is_moe:
         raise UserError("--zero 3: DeepSpeed's MoE refuses ZeRO stage 3; use --zero 2 (gradients and optimizer "
                         "state partitioned)")
     world = cluster.world
-    ep = expert_parallel_size(model, world) if is_moe else 1
+    ep = expert_parallel_size(config, world) if is_moe else 1
     tokens = batch_tokens or preset.batch_words or config.train.batch_size * config.data.seq_len
-    counts = lstm_lm_accounting(model, vocab, preset.softmax)
+    counts = lstm_lm_accounting(config, vocab, preset.softmax)
     expert_total = counts.params.get("experts", 0)
     dense = counts.total_params - expert_total
     experts_here = expert_total // ep
@@ -122,10 +122,10 @@ def plan(preset_name: str, cluster: Cluster, batch_tokens: int | None = None) ->
     def part(n_params: float, group: int, partitioned: bool) -> float:
         return n_params / group if partitioned else n_params
 
-    h = model.expert_hidden
-    local_experts = model.num_experts // ep if is_moe else 0
+    h, d = config.moe.experts.hidden, config.model.d_model
+    local_experts = config.moe.experts.num_experts // ep if is_moe else 0
     if cluster.optimizer == "factored" and is_moe:
-        expert_opt = local_experts * 2 * (model.d_model + h) * 4 + experts_here * master_b
+        expert_opt = local_experts * 2 * (d + h) * 4 + experts_here * master_b
     else:
         expert_opt = experts_here * (8 + master_b)
     memory = {
@@ -133,9 +133,9 @@ def plan(preset_name: str, cluster: Cluster, batch_tokens: int | None = None) ->
         "gradients": part(dense, world, stage >= 2) * grad_b + part(experts_here, expert_dp, stage >= 2) * grad_b,
         "optimizer_state": part(dense * (8 + master_b), world, stage >= 1) + part(expert_opt, expert_dp, stage >= 1),
     }
-    floats, outputs = _activation_floats_per_token(model, vocab, preset.softmax)
+    floats, outputs = _activation_floats_per_token(config, vocab, preset.softmax)
     tokens_per_gpu = tokens / world
-    memory["activations"] = tokens_per_gpu * (floats * 4 + outputs * model.d_model)   # + 1-byte dropout masks
+    memory["activations"] = tokens_per_gpu * (floats * 4 + outputs * d)   # + 1-byte dropout masks
     total = sum(memory.values())
     return {"preset": preset.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node, "world": world,
             "ep_size": ep, "experts_per_gpu": local_experts, "zero_stage": stage, "optimizer": cluster.optimizer,

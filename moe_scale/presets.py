@@ -153,11 +153,12 @@ def preset_config(name: str) -> RunConfig:
 
 
 def apply_preset(config: RunConfig, name: str) -> None:
+    """The preset's settings (by key, as flags name them) on top of `config`."""
     preset = get_preset(name)
     require_trainable(preset)
-    for section, values in (("model", preset.model), ("data", preset.data), ("train", preset.train)):
+    for values in (preset.model, preset.data, preset.train):
         for key, value in values.items():
-            setattr(getattr(config, section), key, value)
+            config.set(key, value)
     config.train.preset = preset.name
 
 

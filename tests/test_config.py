@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -21,28 +20,63 @@ def parse(*argv: str) -> RunConfig:
     return _config_from_args(build_parser().parse_args(["train", *argv]))
 
 
-def test_every_field_is_a_flag_and_round_trips():
+def test_every_setting_is_a_flag_and_round_trips():
     config = RunConfig()
     help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
-    for section in dataclasses.fields(RunConfig):
-        for f in dataclasses.fields(getattr(config, section.name)):
-            assert "--" + f.name.replace("_", "-") in help_text, f.name
+    leaves = RunConfig.leaves()
+    assert len(leaves) == len({leaf.path for leaf in leaves.values()})      # one key per setting, keys unique
+    for key, leaf in leaves.items():
+        assert leaf.flag in help_text, key
+        assert config.get(key) == leaf.field.default
     assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict())), "test") == config
+    assert config.to_dict()["format"] == 2 and set(config.to_dict()["moe"]) == {"router", "dispatch", "experts"}
+
+
+def test_flat_config_json_of_the_previous_format_is_migrated(tmp_path):
+    """A run written before the component tree: sections model, data, train with flat keys."""
+    old = {"model": {"num_experts": 32, "top_k": 4, "gate": "hierarchical", "num_groups": 8, "dispatch": "capacity",
+                     "attention": "moa", "model": "transformer", "moa_top_k": 3, "lstm_hidden": 256},
+           "data": {"seq_len": 20},
+           "train": {"ep_size": 2, "softmax": "sampled", "out": "runs/x", "stream": True, "all_to_all": "hierarchical"}}
+    config = RunConfig.from_dict(old, "old")
+    assert (config.moe.experts.num_experts, config.moe.router.top_k, config.moe.router.gate) == (32, 4, "hierarchical")
+    assert (config.moe.router.hierarchical.num_groups, config.moe.dispatch.mode) == (8, "capacity")
+    assert (config.model.kind, config.attention.kind, config.attention.moa.top_k) == ("transformer", "moa", 3)
+    assert (config.model.lstm.hidden, config.data.seq_len, config.parallel.ep_size) == (256, 20, 2)
+    assert (config.softmax.kind, config.run.out, config.data.stream) == ("sampled", "runs/x", True)
+    assert config.moe.dispatch.all_to_all == "hierarchical"
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    ({"format": 2, "moe": {"router": {"gatee": "x"}}}, "unknown key(s) ['gatee'] in 'moe.router'"),
+    ({"format": 2, "model": {"dropout": "abc"}}, "'model.dropout' must be float"),
+    ({"format": 2, "moe": {"experts": {"num_experts": None}}}, "'moe.experts.num_experts' must be int"),
+    ({"format": 2, "moe": {"dispatch": {"mode": "dropfull"}}}, "must be one of dropless, capacity"),
+    ({"format": 2, "moe": 3}, "'moe' must be an object"),
+    ({"format": 9}, "format 9 is newer"),
+    ({"model": {"dropout": "abc"}}, "'model.dropout' must be float"),
+    ({"train": {"noisy": 1}}, "unknown key(s) ['noisy'] in section 'train'"),
+])
+def test_edited_config_json_is_one_line_naming_the_key(raw, fragment):
+    with pytest.raises(UserError) as error:
+        RunConfig.from_dict(raw, "config.json")
+    assert fragment in str(error.value) and "\n" not in str(error.value)
 
 
 def test_flags_override_defaults_and_saved_config(tmp_path):
     config = parse("--num-experts", "32", "--top-k", "4", "--ep-size", "2", "--no-noisy-gating", "--data", "x.txt",
                    "--seed", "7", "--max-steps", "9", "--out", "somewhere")
-    assert (config.model.num_experts, config.model.top_k, config.model.noisy_gating) == (32, 4, False)
-    assert (config.train.ep_size, config.train.seed, config.train.max_steps, config.train.out) == (2, 7, 9, "somewhere")
+    assert (config.moe.experts.num_experts, config.moe.router.top_k, config.moe.router.noisy_gating) == (32, 4, False)
+    assert (config.parallel.ep_size, config.train.seed, config.train.max_steps, config.run.out) == \
+        (2, 7, 9, "somewhere")
     assert config.data.data == "x.txt"
     saved = tmp_path / "config.json"
-    config.train.resume = True
+    config.run.resume = True
     config.save(saved)
     reloaded = parse("--config", str(saved), "--top-k", "2")
-    assert reloaded.model.num_experts == 32 and reloaded.model.top_k == 2
-    assert reloaded.train.resume is False             # a reloaded config starts a new run unless told
-    assert parse("--config", str(tmp_path)).model.num_experts == 32   # a run directory works too
+    assert reloaded.moe.experts.num_experts == 32 and reloaded.moe.router.top_k == 2
+    assert reloaded.run.resume is False             # a reloaded config starts a new run unless told
+    assert parse("--config", str(tmp_path)).moe.experts.num_experts == 32   # a run directory works too
 
 
 def test_launcher_local_rank_is_accepted():
@@ -110,11 +144,11 @@ def test_gate_choice_is_validated_by_the_parser(capsys):
 def test_every_gate_builds_and_routes(gate):
     import torch
 
-    from moe_scale.config import ModelConfig
+    from moe_scale.config import RunConfig
     from moe_scale.models.lstm_lm import LSTMMoELM
 
     torch.manual_seed(0)
-    model = LSTMMoELM(ModelConfig(d_model=8, expert_hidden=8, num_experts=8, top_k=2, gate=gate, num_groups=2),
+    model = LSTMMoELM(RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=8, top_k=2, gate=gate, num_groups=2),
                       vocab_size=20)
     x = torch.randint(0, 20, (4, 6))
     out = model(x, x)

@@ -31,10 +31,10 @@ def test_tables_7_and_8(preset):
 def test_meta_model_matches_the_analytic_count(preset):
     """Module parameters == the formulas, but for torch's second LSTM bias vector (4h per LSTM)."""
     config = preset_config(preset.name)
-    analytic = lstm_lm_accounting(config.model, config.data.vocab_size)
+    analytic = lstm_lm_accounting(config, config.data.vocab_size)
     report = flops_report(preset.name)
-    lstms = {"lstm-moe-lstm": 2, "lstm-ffn-lstm": 2, "4xlstm": 4, "lstm": 1}[config.model.layout]
-    units = config.model.lstm_hidden or config.model.d_model
+    lstms = {"lstm-moe-lstm": 2, "lstm-ffn-lstm": 2, "4xlstm": 4, "lstm": 1}[config.model.lstm.layout]
+    units = config.model.lstm.hidden or config.model.d_model
     assert report["module_total_params"] == analytic.total_params + lstms * 4 * units
     assert report["total_params"] == analytic.total_params
 
@@ -108,7 +108,8 @@ def test_preset_then_flags_override():
 
     args = build_parser().parse_args(["train", "--preset", "lm1b-moe-32-mini", "--num-experts", "8"])
     config = _config_from_args(args)
-    assert config.model.num_experts == 8 and config.model.top_k == 4 and config.train.preset == "lm1b-moe-32-mini"
+    assert config.moe.experts.num_experts == 8 and config.moe.router.top_k == 4 \
+        and config.train.preset == "lm1b-moe-32-mini"
 
 
 def test_text_report_shows_ours_beside_the_paper():

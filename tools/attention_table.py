@@ -100,9 +100,9 @@ def measure(run: Path) -> dict:
 
     config = RunConfig.load(run / "config.json")
     vocab_size = len(Vocab.load(run / "vocab"))
-    model = build_model(config.model, vocab_size)
+    model = build_model(config, vocab_size)
     attention_params = sum(p.numel() for block in model.blocks for p in block.attn.parameters())
-    macs = forward_macs_per_token(config.model, vocab_size, config.data.seq_len)
+    macs = forward_macs_per_token(config, vocab_size, config.data.seq_len)
     summary = json.loads((run / "summary.json").read_text())
     return {"params": parameter_counts(model)["total"], "attention_params": attention_params,
             "macs_per_token": sum(macs.values()), "attention_macs_per_token": macs["attention"],

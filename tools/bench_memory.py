@@ -73,7 +73,7 @@ def measure_one(args, name: str) -> dict:
     """Runs in the child process: build, train --steps steps, measure."""
     import torch
 
-    from moe_scale.config import ModelConfig, TrainConfig
+    from moe_scale.config import RunConfig, TrainConfig
     from moe_scale.models.lstm_lm import LSTMMoELM
     from moe_scale.train.engine import optimizer_groups
     from moe_scale.train.factored_optimizer import build_optimizer, optimizer_state_numel
@@ -82,8 +82,8 @@ def measure_one(args, name: str) -> dict:
     recompute, optimizer_name = CONFIGS[name]
     device = torch.device(args.device)
     torch.manual_seed(0)
-    config = ModelConfig(d_model=args.d, expert_hidden=args.h, num_experts=args.experts, top_k=args.top_k,
-                         dropout=0.0, expert_recompute=recompute)
+    config = RunConfig.from_settings(d_model=args.d, expert_hidden=args.h, num_experts=args.experts,
+                                     top_k=args.top_k, dropout=0.0, expert_recompute=recompute)
     model = LSTMMoELM(config, args.vocab, seed=0).to(device).train()
     optimizer = build_optimizer(optimizer_groups(model), TrainConfig(optimizer=optimizer_name, lr=1e-3))
     if device.type == "cuda":

@@ -47,6 +47,8 @@ from pathlib import Path
 
 from tool_args import OneLineParser, positive_int
 
+from moe_scale.config import RunConfig
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"
 
@@ -207,20 +209,23 @@ def collect(args: argparse.Namespace) -> dict:
                      "cv_load": summary["cv_load"], "max_over_mean_load": summary["max_over_mean_load"],
                      "train_ppl": summary.get("train_ppl"), "steps": summary.get("steps"),
                      "run_dir": str(run)})
-    m, d, t = configs[0]["model"], configs[0]["data"], configs[0]["train"]
-    tokens = t["max_steps"] * t["batch_size"] * d["seq_len"]
+    config = RunConfig.from_dict(configs[0], "config.json")
+    m, d, t = config.model, config.data, config.train
+    experts, router = config.moe.experts, config.moe.router
+    tokens = t.max_steps * t.batch_size * d.seq_len
     params = _param_line(args, args.rows[0])
     caption = (
-        f"Table 6 in small: LSTM-MoE (d_model {m['d_model']}, {m['num_experts']} experts of hidden "
-        f"{m['expert_hidden']}, k={m['top_k']}, vocabulary {d['vocab_size']}"
+        f"Table 6 in small: LSTM-MoE (d_model {m.d_model}, {experts.num_experts} experts of hidden "
+        f"{experts.hidden}, k={router.top_k}, vocabulary {d.vocab_size}"
         + (f"; {params}" if params else "") + f"), "
-        f"{t['max_steps']} steps of {t['batch_size']}x{d['seq_len']} tokens = {tokens:,} training tokens "
-        f"of WikiText-2 valid.txt, lr {t['lr']}, seed {t['seed']}. Valid PPL: perplexity on WikiText-2 test.txt "
+        f"{t.max_steps} steps of {t.batch_size}x{d.seq_len} tokens = {tokens:,} training tokens "
+        f"of WikiText-2 valid.txt, lr {t.lr}, seed {t.seed}. Valid PPL: perplexity on WikiText-2 test.txt "
         f"after training (summary.json valid_ppl). CV(Importance), CV(Load) (coefficient of variation, not "
         f"squared; smooth load estimator) and max(Load)/mean(Load): summary.json cv_importance, cv_load, "
-        f"max_over_mean_load, means over the last logging interval of training (the last {t['log_interval']} "
-        f"steps). Paper (MoE-256, 1B words): CVs 3.04/3.01 and max/mean 17.80 without losses.")
-    return {"caption": caption, "tokens": tokens, "model": m, "data": d, "train": t, "rows": rows}
+        f"max_over_mean_load, means over the last logging interval of training (the last "
+        f"{config.run.log_interval} steps). Paper (MoE-256, 1B words): CVs 3.04/3.01 and max/mean 17.80 without "
+        f"losses.")
+    return {"caption": caption, "tokens": tokens, "config": configs[0], "rows": rows}
 
 
 def _num(x, digits: int) -> str:

@@ -43,7 +43,7 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
     from moe_scale.train.data_setup import load_run_splits
     from moe_scale.train.evaluate import evaluate
     from moe_scale.train.expert_tokens import ExpertTokenStats
-    from moe_scale.train.scale_options import build_softmax
+    from moe_scale.models.build_softmax import build_softmax
 
     run = Path(run_dir)
     marker = run / "checkpoints" / "complete"
@@ -55,8 +55,8 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
     config = RunConfig.load(run / "config.json")
     vocab = Vocab.load(run / "vocab")
     env = init_distributed()
-    if config.model.num_experts % env.world_size:
-        raise UserError(f"{config.model.num_experts} experts cannot be split over {env.world_size} processes; "
+    if config.moe.experts.num_experts % env.world_size:
+        raise UserError(f"{config.moe.experts.num_experts} experts cannot be split over {env.world_size} processes; "
                         f"launch a number of processes that divides it")
     if data is not None:
         files = resolve_text_files(data, "--data")
@@ -70,8 +70,8 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
 
     torch.manual_seed(config.train.seed)
     ep_size = env.world_size   # evaluation spreads the experts over all processes
-    model = build_model(config.model, len(vocab), ep_size=ep_size, ep_rank=env.rank, seed=config.train.seed)
-    model.softmax = build_softmax(config.train, model.softmax, vocab.counts)
+    model = build_model(config, len(vocab), ep_size=ep_size, ep_rank=env.rank, seed=config.train.seed)
+    model.softmax = build_softmax(config.softmax, model.softmax, vocab.counts)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
     tag = json.loads(marker.read_text())["tag"]

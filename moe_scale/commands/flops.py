@@ -12,7 +12,7 @@ import json
 
 from moe_scale.metrics.flops import (MoATransformer, SoftmaxCost, lstm_lm_accounting, moa_layer_macs,
                                      moa_layer_params)
-from moe_scale.models.meta_build import build_lstm_lm_on_meta, parameter_counts
+from moe_scale.models.meta_build import build_lstm_lm_on_meta, parameters_per_child
 from moe_scale.errors import UserError
 from moe_scale.presets import PRESETS, get_preset, preset_config
 
@@ -52,9 +52,9 @@ def flops_report(name: str, softmax: SoftmaxCost | None = None) -> dict:
         return report
     config = preset_config(preset.name)
     vocab = config.data.vocab_size
-    counts = parameter_counts(build_lstm_lm_on_meta(config.model, vocab))
+    counts = parameters_per_child(build_lstm_lm_on_meta(config, vocab))
     total = sum(counts.values())
-    analytic = lstm_lm_accounting(config.model, vocab, softmax)
+    analytic = lstm_lm_accounting(config, vocab, softmax)
     # The paper's convention counts one LSTM bias vector; torch's module has two (4h more per LSTM).
     report.update(
         vocab_size=vocab,

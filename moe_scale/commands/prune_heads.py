@@ -65,8 +65,8 @@ def load_trained(run: Path):
         raise UserError(f"--run {run}: no trained run there (config.json and a complete checkpoint are needed); "
                         f"pass the --out directory of a finished `moe-scale train`")
     config = RunConfig.load(run / "config.json")
-    if config.model.model != "transformer" or config.model.attention == "moa":
-        what = "an LSTM" if config.model.model != "transformer" else "an MoA"
+    if config.model.kind != "transformer" or config.attention.kind == "moa":
+        what = "an LSTM" if config.model.kind != "transformer" else "an MoA"
         raise UserError(f"--run {run} holds {what} model; prune-heads works on transformer runs with "
                         f"--attention mha or mae")
     vocab = Vocab.load(run / "vocab")
@@ -76,7 +76,7 @@ def load_trained(run: Path):
     import deepspeed   # here, not at the top: flag errors come back before this slow import
 
     torch.manual_seed(config.train.seed)
-    model = build_model(config.model, len(vocab), seed=config.train.seed)
+    model = build_model(config, len(vocab), seed=config.train.seed)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
     tag = json.loads(marker.read_text())["tag"]
@@ -101,7 +101,7 @@ def run_prune_heads(run_dir: str, data: str | None, steps: int, fraction_per_ste
                         what="the pruning data" if data else "the validation data")
     batches = _batches(windows, max_batches)
     layers = prunable_layers(model)
-    num_heads = config.model.num_heads
+    num_heads = config.attention.num_heads
     total = len(layers) * num_heads
     schedule = prune_schedule(total, fraction_per_step, steps)
     scores = head_importance(model, batches, num_heads, abs_granularity, device)

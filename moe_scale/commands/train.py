@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import typing
 
 from moe_scale.config import RunConfig
@@ -21,39 +20,37 @@ def add_parser(sub) -> None:
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field; defaults are suppressed so we can tell which flags were given."""
-    hints_cache = {}
-    for section in dataclasses.fields(RunConfig):
-        section_cls = type(getattr(RunConfig(), section.name))
-        hints = hints_cache.setdefault(section_cls, typing.get_type_hints(section_cls))
-        group = parser.add_argument_group(f"{section.name} settings")
-        for f in dataclasses.fields(section_cls):
-            flag = "--" + f.name.replace("_", "-")
-            choices = f.metadata.get("choices")
-            help_text = f"{f.metadata['help']}" + (f" ({', '.join(choices)})" if choices else "") + \
-                f" (default: {f.default})"
-            kind = hints[f.name]
-            if kind is bool:
-                group.add_argument(flag, dest=f"{section.name}.{f.name}", action=argparse.BooleanOptionalAction,
-                                   default=argparse.SUPPRESS, help=help_text)
-                continue
-            base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-            group.add_argument(flag, dest=f"{section.name}.{f.name}", type=base, default=argparse.SUPPRESS,
-                               choices=choices, metavar="{" + ",".join(choices) + "}" if choices else
-                               f.name.upper(), help=help_text)
+    """One flag per setting of the config tree; defaults are suppressed so we can tell which flags were given."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for key, leaf in RunConfig.leaves().items():
+        if leaf.section not in groups:
+            groups[leaf.section] = parser.add_argument_group(f"{leaf.section} settings")
+        group = groups[leaf.section]
+        choices = leaf.field.metadata.get("choices")
+        help_text = leaf.field.metadata["help"] + (f" ({', '.join(choices)})" if choices else "") + \
+            f" (default: {leaf.field.default})"
+        if leaf.type is bool:
+            group.add_argument(leaf.flag, dest=_DEST + key, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
+            continue
+        base = next((a for a in typing.get_args(leaf.type) if a is not type(None)), leaf.type)
+        group.add_argument(leaf.flag, dest=_DEST + key, type=base, default=argparse.SUPPRESS, choices=choices,
+                           metavar="{" + ",".join(choices) + "}" if choices else key.upper(), help=help_text)
+
+
+_DEST = "setting:"
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     config = RunConfig.load(args.config) if args.config else RunConfig()
-    given = {k: v for k, v in vars(args).items() if "." in k}
+    given = {k[len(_DEST):]: v for k, v in vars(args).items() if k.startswith(_DEST)}
     if args.config:   # a reloaded run starts fresh unless told otherwise
-        config.train.resume = config.train.overwrite = False
-    if given.get("train.preset"):   # the preset first, so that flags given beside it override it
+        config.run.resume = config.run.overwrite = False
+    if given.get("preset"):   # the preset first, so that flags given beside it override it
         from moe_scale.presets import apply_preset
-        apply_preset(config, given.pop("train.preset"))
-    for dotted, value in given.items():
-        section, name = dotted.split(".")
-        setattr(getattr(config, section), name, value)
+        apply_preset(config, given.pop("preset"))
+    for key, value in given.items():
+        config.set(key, value)
     config.validate()
     return config
 

@@ -12,8 +12,7 @@ paper, counts the full T² score matrix (a causal model could skip half of it).
 
 from __future__ import annotations
 
-from moe_scale.config import ModelConfig
-from moe_scale.models.transformer_config import head_width
+from moe_scale.config import RunConfig
 
 
 def moa_macs(T: int, d_model: int, head_dim: int, k: int) -> int:
@@ -28,21 +27,25 @@ def moa_params(num_experts: int, d_model: int, head_dim: int, with_router: bool 
     return (2 * num_experts + 2) * head_dim * d_model + (d_model * num_experts if with_router else 0)
 
 
-def transformer_forward_macs_per_token(m: ModelConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
+def transformer_forward_macs_per_token(config: RunConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
     """Forward MACs per token of TransformerLM by component (active experts only)."""
-    d, h, T = m.d_model, head_width(m), seq_len
-    if m.attention == "moa":
-        attention = moa_macs(T, d, h, m.moa_top_k) // T + d * m.moa_num_experts
+    from moe_scale.metrics.flops import active_experts, moe_gating
+
+    attn, transformer = config.attention, config.model.transformer
+    d, T = config.model.d_model, seq_len
+    h = attn.head_width(d)
+    if attn.kind == "moa":
+        attention = moa_macs(T, d, h, attn.moa.top_k) // T + d * attn.moa.num_experts
     else:
-        width = m.num_heads * h   # eq. 19 with the attention width H·d_h in place of d_m
+        width = attn.num_heads * h   # eq. 19 with the attention width H·d_h in place of d_m
         attention = T * width + 4 * d * width
-        if m.attention == "mae":
+        if attn.kind == "mae":
             from moe_scale.attention.mae import GATE_HIDDEN
 
-            attention += d * GATE_HIDDEN + GATE_HIDDEN * m.num_heads
-    if m.ffn == "dense":
-        ffn = 2 * d * m.ffn_hidden
+            attention += d * GATE_HIDDEN + GATE_HIDDEN * attn.num_heads
+    if transformer.ffn == "dense":
+        ffn = 2 * d * transformer.ffn_hidden
     else:
-        gating = 2 * d * m.num_experts if m.gate in ("noisy_topk",) else d * m.num_experts
-        ffn = gating + m.top_k * 2 * d * m.expert_hidden
-    return {"attention": m.num_layers * attention, "ffn": m.num_layers * ffn, "softmax": d * vocab_size}
+        ffn = moe_gating(config)[1] + active_experts(config) * 2 * d * config.moe.experts.hidden
+    return {"attention": transformer.num_layers * attention, "ffn": transformer.num_layers * ffn,
+            "softmax": d * vocab_size}

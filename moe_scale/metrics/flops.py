@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_scale.config import ModelConfig
+from moe_scale.config import RunConfig
 
 SOFTMAX_KINDS = ("full", "sampled")
 
@@ -83,47 +83,50 @@ def ffn_macs(d_model: int, d_hidden: int, hidden_layers: int = 1) -> int:
     return 2 * d_model * d_hidden + (hidden_layers - 1) * d_hidden * d_hidden
 
 
-def lstm_layer_shape(model: ModelConfig) -> tuple[int, int]:
+def lstm_layer_shape(config: RunConfig) -> tuple[int, int]:
     """(units, projection) of every LSTM of the model: wider than d_model means projected back to d_model."""
-    units = model.lstm_hidden or model.d_model
-    return units, (model.d_model if units != model.d_model else 0)
+    d = config.model.d_model
+    units = config.model.lstm.hidden or d
+    return units, (d if units != d else 0)
 
 
-def moe_gating(model: ModelConfig) -> tuple[int, int]:
+def moe_gating(config: RunConfig) -> tuple[int, int]:
     """(parameters, forward MACs) of the gating network, W_g and W_noise both (softmax_topk has no W_noise)."""
-    d, n = model.d_model, model.num_experts
-    matrices = 1 if model.gate == "softmax_topk" else 2
-    if model.gate == "hierarchical":
-        a, b = model.num_groups, n // model.num_groups
-        return matrices * d * a + a * matrices * d * b, matrices * d * a + model.top_k * matrices * d * b
-    params = matrices * d * n + (n if model.gate == "batchwise" else 0)   # batchwise: one threshold per expert
+    router, d, n = config.moe.router, config.model.d_model, config.moe.experts.num_experts
+    matrices = 1 if router.gate == "softmax_topk" else 2
+    if router.gate == "hierarchical":
+        a = router.hierarchical.num_groups
+        b = n // a
+        return matrices * d * a + a * matrices * d * b, matrices * d * a + router.top_k * matrices * d * b
+    params = matrices * d * n + (n if router.gate == "batchwise" else 0)   # batchwise: one threshold per expert
     return params, matrices * d * n
 
 
-def active_experts(model: ModelConfig) -> int:
-    return model.top_k * model.top_k_secondary if model.gate == "hierarchical" else model.top_k
+def active_experts(config: RunConfig) -> int:
+    router = config.moe.router
+    return router.top_k * router.hierarchical.top_k_secondary if router.gate == "hierarchical" else router.top_k
 
 
-def lstm_lm_accounting(model: ModelConfig, vocab_size: int, softmax: SoftmaxCost = SoftmaxCost()) -> Accounting:
+def lstm_lm_accounting(config: RunConfig, vocab_size: int, softmax: SoftmaxCost = SoftmaxCost()) -> Accounting:
     """Counts for LSTMMoELM under each `--layout` (App. C.1 model and the computationally matched baselines)."""
-    d = model.d_model
-    units, proj = lstm_layer_shape(model)
-    n_lstm = {"lstm-moe-lstm": 2, "lstm-ffn-lstm": 2, "4xlstm": 4, "lstm": 1}[model.layout]
+    d, lstm, experts = config.model.d_model, config.model.lstm, config.moe.experts
+    units, proj = lstm_layer_shape(config)
+    n_lstm = {"lstm-moe-lstm": 2, "lstm-ffn-lstm": 2, "4xlstm": 4, "lstm": 1}[lstm.layout]
     params = {"embedding": vocab_size * d, "lstm": n_lstm * lstm_params(d, units, proj),
               "softmax": vocab_size * d + vocab_size}
     macs = {"lstm": n_lstm * lstm_macs(d, units, proj)}
-    if model.layout == "lstm-moe-lstm":
-        gate_params, gate_macs = moe_gating(model)
-        params.update(gating=gate_params, experts=model.num_experts * ffn_macs(d, model.expert_hidden))
-        macs.update(gating=gate_macs, experts=active_experts(model) * ffn_macs(d, model.expert_hidden))
-    elif model.layout == "lstm-ffn-lstm":
-        params["ffn"] = macs["ffn"] = ffn_macs(d, model.expert_hidden, model.ffn_layers)
+    if lstm.layout == "lstm-moe-lstm":
+        gate_params, gate_macs = moe_gating(config)
+        params.update(gating=gate_params, experts=experts.num_experts * ffn_macs(d, experts.hidden))
+        macs.update(gating=gate_macs, experts=active_experts(config) * ffn_macs(d, experts.hidden))
+    elif lstm.layout == "lstm-ffn-lstm":
+        params["ffn"] = macs["ffn"] = ffn_macs(d, experts.hidden, lstm.ffn_layers)
     return Accounting(params, macs, softmax.forward_macs(d, vocab_size))
 
 
-# Kept for callers of the first version: the App. C.1 model with a full softmax.
-def lstm_moe_forward_macs_per_token(model: ModelConfig, vocab_size: int) -> dict[str, int]:
-    counts = lstm_lm_accounting(model, vocab_size)
+def lstm_moe_forward_macs_per_token(config: RunConfig, vocab_size: int) -> dict[str, int]:
+    """Forward MACs per token of the LSTM LM by component, with a full softmax (the model's own)."""
+    counts = lstm_lm_accounting(config, vocab_size)
     return {**counts.forward_macs, "softmax": counts.softmax_macs}
 
 

@@ -4,25 +4,26 @@ from __future__ import annotations
 
 from torch import nn
 
-from moe_scale.config import ModelConfig
+from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 
 
-def build_model(config: ModelConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0) -> nn.Module:
-    if config.model == "transformer":
+def build_model(config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0) -> nn.Module:
+    if config.model.kind == "transformer":
         from moe_scale.models.transformer_lm import TransformerLM
 
-        if config.attention == "moa" and config.moa_num_experts % ep_size:
-            raise UserError(f"{config.moa_num_experts} attention experts cannot be split over {ep_size} expert-"
-                            f"parallel processes; launch a number of processes that divides --moa-num-experts")
+        moa_experts = config.attention.moa.num_experts
+        if config.attention.kind == "moa" and moa_experts % ep_size:
+            raise UserError(f"{moa_experts} attention experts cannot be split over {ep_size} expert-parallel "
+                            f"processes; launch a number of processes that divides --moa-num-experts")
         return TransformerLM(config, vocab_size, ep_size=ep_size, ep_rank=ep_rank, seed=seed)
     from moe_scale.models.lstm_lm import LSTMMoELM
 
     return LSTMMoELM(config, vocab_size, ep_size=ep_size, ep_rank=ep_rank, seed=seed)
 
 
-def forward_macs_per_token(config: ModelConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
-    if config.model == "transformer":
+def forward_macs_per_token(config: RunConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
+    if config.model.kind == "transformer":
         from moe_scale.metrics.attention_flops import transformer_forward_macs_per_token
 
         return transformer_forward_macs_per_token(config, vocab_size, seq_len)

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_scale.config import ModelConfig
-from moe_scale.moe.router import build_router
+from moe_scale.config import RunConfig
+from moe_scale.models.dense_ffn import ReLUStack
+from moe_scale.models.softmax import FullSoftmax
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 from moe_scale.moe.layer import MoELayer
-from moe_scale.models.softmax import FullSoftmax
 
 
 @dataclass
@@ -34,26 +34,25 @@ class LMOutput:
 
 
 class LSTMMoELM(nn.Module):
-    def __init__(self, config: ModelConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0):
-        """`ep_rank` selects which slice of the experts this process holds; `seed` seeds the experts' init
-        (the rest uses the global RNG, which the caller seeds identically on every rank)."""
+    def __init__(self, config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0):
+        """Built from config.model (width, dropout, config.model.lstm) and config.moe. `ep_rank` selects which
+        slice of the experts this process holds; `seed` seeds the experts' init (the rest uses the global RNG,
+        which the caller seeds identically on every rank)."""
         super().__init__()
-        d = config.d_model
-        self.layout = config.layout
+        model, lstm = config.model, config.model.lstm
+        d = model.d_model
+        self.layout = lstm.layout
         self.embedding = nn.Embedding(vocab_size, d)
-        self.lstm1 = _lstm(config)
-        if config.layout == "lstm-moe-lstm":
-            self.moe = MoELayer(d, config.expert_hidden, config.num_experts, config.top_k, ep_size=ep_size,
-                                ep_rank=ep_rank, seed=seed, router=build_router(config),
-                                recompute=config.expert_recompute, dispatch_mode=config.dispatch,
-                                capacity_factor=config.capacity_factor, reuse_grad_buffers=config.expert_grad_reuse)
-        elif config.layout == "lstm-ffn-lstm":
-            self.ffn = DenseFFN(d, config.expert_hidden, config.ffn_layers)
-        elif config.layout == "4xlstm":
-            self.middle_lstms = nn.ModuleList([_lstm(config), _lstm(config)])
-        if config.layout != "lstm":
-            self.lstm2 = _lstm(config)
-        self.dropout = nn.Dropout(config.dropout)
+        self.lstm1 = _lstm(d, lstm.hidden)
+        if lstm.layout == "lstm-moe-lstm":
+            self.moe = MoELayer.from_config(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed)
+        elif lstm.layout == "lstm-ffn-lstm":
+            self.ffn = ReLUStack(d, config.moe.experts.hidden, lstm.ffn_layers)
+        elif lstm.layout == "4xlstm":
+            self.middle_lstms = nn.ModuleList([_lstm(d, lstm.hidden), _lstm(d, lstm.hidden)])
+        if lstm.layout != "lstm":
+            self.lstm2 = _lstm(d, lstm.hidden)
+        self.dropout = nn.Dropout(model.dropout)
         self.softmax = FullSoftmax(d, vocab_size)
 
     def moe_layers(self) -> list[MoELayer]:
@@ -76,23 +75,6 @@ class LSTMMoELM(nn.Module):
         return LMOutput(nll_N.sum(), B * T, aux_loss)
 
 
-def _lstm(config: ModelConfig) -> nn.LSTM:
-    units = config.lstm_hidden or config.d_model
-    return nn.LSTM(config.d_model, units, batch_first=True,
-                   proj_size=config.d_model if units != config.d_model else 0)
-
-
-class DenseFFN(nn.Module):
-    """d -> h (ReLU) -> ... -> h (ReLU) -> d without biases: the single always-active "expert" of MoE-1-Deep
-    (a one-expert gate always outputs 1, so it is left out)."""
-
-    def __init__(self, d_model: int, d_hidden: int, hidden_layers: int):
-        super().__init__()
-        widths = [d_model] + [d_hidden] * hidden_layers
-        self.hidden = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(widths, widths[1:]))
-        self.out = nn.Linear(d_hidden, d_model, bias=False)
-
-    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        for layer in self.hidden:
-            x_ND = torch.relu(layer(x_ND))
-        return self.out(x_ND)
+def _lstm(d_model: int, hidden: int) -> nn.LSTM:
+    units = hidden or d_model
+    return nn.LSTM(d_model, units, batch_first=True, proj_size=d_model if units != d_model else 0)

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from moe_scale.config import ModelConfig
+from moe_scale.config import RunConfig
 
 
-def build_lstm_lm_on_meta(model: ModelConfig, vocab_size: int) -> torch.nn.Module:
+def build_lstm_lm_on_meta(config: RunConfig, vocab_size: int) -> torch.nn.Module:
     from moe_scale.models.lstm_lm import LSTMMoELM
 
     with torch.device("meta"):
-        return LSTMMoELM(model, vocab_size)
+        return LSTMMoELM(config, vocab_size)
 
 
-def parameter_counts(module: torch.nn.Module) -> dict[str, int]:
+def parameters_per_child(module: torch.nn.Module) -> dict[str, int]:
     """Parameters per top-level child ('embedding', 'lstm1', 'moe', 'softmax', ...)."""
     counts: dict[str, int] = {}
     for name, param in module.named_parameters():

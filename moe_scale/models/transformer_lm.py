@@ -9,7 +9,6 @@ T positions, D model dim, V vocabulary. Interface as the LSTM model: `moe_layers
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -18,13 +17,13 @@ from torch import nn
 from moe_scale.attention.mae import MAEAttention
 from moe_scale.attention.mha import MultiHeadAttention
 from moe_scale.attention.moa import MoAAttention
-from moe_scale.config import ModelConfig
+from moe_scale.config import RouterConfig, RunConfig
+from moe_scale.models.dense_ffn import GELUFFN
 from moe_scale.models.lstm_lm import LMOutput
 from moe_scale.models.softmax import FullSoftmax
-from moe_scale.models.transformer_config import head_width
-from moe_scale.moe.router import build_router
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 from moe_scale.moe.layer import MoELayer
+from moe_scale.moe.router import build_router
 
 
 def sinusoidal_positions(T: int, d: int, device=None) -> torch.Tensor:
@@ -36,40 +35,30 @@ def sinusoidal_positions(T: int, d: int, device=None) -> torch.Tensor:
     return table_TD
 
 
-class DenseFFN(nn.Module):
-    def __init__(self, d_model: int, d_hidden: int):
-        super().__init__()
-        self.up = nn.Linear(d_model, d_hidden)
-        self.down = nn.Linear(d_hidden, d_model)
-
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.gelu(self.up(x_BTD)))
-
-
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, ep_size: int, ep_rank: int, seed: int):
+    def __init__(self, config: RunConfig, ep_size: int, ep_rank: int, seed: int):
+        """Built from config.attention, config.model (width, dropout, config.model.transformer) and config.moe."""
         super().__init__()
-        d, h = config.d_model, head_width(config)
-        self.attention_kind = config.attention
-        if config.attention == "mha":
-            self.attn = MultiHeadAttention(d, config.num_heads, h, config.dropout)
-        elif config.attention == "mae":
-            self.attn = MAEAttention(d, config.num_heads, h, config.dropout)
+        attention, dropout = config.attention, config.model.dropout
+        d = config.model.d_model
+        h = attention.head_width(d)
+        self.attention_kind = attention.kind
+        if attention.kind == "mha":
+            self.attn = MultiHeadAttention(d, attention.num_heads, h, dropout)
+        elif attention.kind == "mae":
+            self.attn = MAEAttention(d, attention.num_heads, h, dropout)
+        else:   # MoA's router: softmax top-k over the attention experts, with the softmax_topk gate's settings
+            moa = attention.moa
+            router = build_router(RouterConfig(gate="softmax_topk", top_k=moa.top_k,
+                                               softmax_topk=config.moe.router.softmax_topk), d, moa.num_experts)
+            self.attn = MoAAttention(d, h, moa.num_experts, moa.top_k, ep_size=ep_size, ep_rank=ep_rank, seed=seed,
+                                     router=router, dropout=dropout)
+        if config.model.transformer.ffn == "dense":
+            self.ffn = GELUFFN(d, config.model.transformer.ffn_hidden)
         else:
-            router_config = dataclasses.replace(config, gate="softmax_topk", num_experts=config.moa_num_experts,
-                                                top_k=config.moa_top_k)
-            self.attn = MoAAttention(d, h, config.moa_num_experts, config.moa_top_k, ep_size=ep_size,
-                                     ep_rank=ep_rank, seed=seed, router=build_router(router_config),
-                                     dropout=config.dropout)
-        if config.ffn == "dense":
-            self.ffn = DenseFFN(d, config.ffn_hidden)
-        else:
-            self.ffn = MoELayer(d, config.expert_hidden, config.num_experts, config.top_k, ep_size=ep_size,
-                                ep_rank=ep_rank, seed=seed + 1, router=build_router(config),
-                                recompute=config.expert_recompute, dispatch_mode=config.dispatch,
-                                capacity_factor=config.capacity_factor, reuse_grad_buffers=config.expert_grad_reuse)
+            self.ffn = MoELayer.from_config(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed + 1)
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         aux = x_BTD.new_zeros((), dtype=torch.float32)
@@ -90,16 +79,17 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    def __init__(self, config: ModelConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0):
+    def __init__(self, config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0):
         """`ep_rank` selects which experts (attention and FFN) this process holds; `seed` seeds the experts'
         init (the rest uses the global RNG, which the caller seeds identically on every rank)."""
         super().__init__()
-        self.config = config
-        self.embedding = nn.Embedding(vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config, ep_size, ep_rank, seed + 2 * i) for i in range(config.num_layers))
-        self.final_norm = nn.LayerNorm(config.d_model)
-        self.dropout = nn.Dropout(config.dropout)
-        self.softmax = FullSoftmax(config.d_model, vocab_size)
+        self.d_model = d = config.model.d_model
+        self.embedding = nn.Embedding(vocab_size, d)
+        self.blocks = nn.ModuleList(Block(config, ep_size, ep_rank, seed + 2 * i)
+                                    for i in range(config.model.transformer.num_layers))
+        self.final_norm = nn.LayerNorm(d)
+        self.dropout = nn.Dropout(config.model.dropout)
+        self.softmax = FullSoftmax(d, vocab_size)
 
     def moe_layers(self) -> list[MoELayer]:
         """Every expert layer (MoA attention and MoE FFNs), in forward order."""
@@ -111,7 +101,7 @@ class TransformerLM(nn.Module):
     def forward(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> LMOutput:
         B, T = inputs_BT.shape
         x_BTD = self.embedding(inputs_BT)
-        x_BTD = self.dropout(x_BTD + sinusoidal_positions(T, self.config.d_model, x_BTD.device).to(x_BTD.dtype))
+        x_BTD = self.dropout(x_BTD + sinusoidal_positions(T, self.d_model, x_BTD.device).to(x_BTD.dtype))
         aux = x_BTD.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
             x_BTD, block_aux = block(x_BTD)

@@ -20,7 +20,8 @@ from moe_scale.moe.deepspeed_adapter import ExpertParallelModule, ParallelGroups
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.dispatch.exchange import HierarchicalExchange, build_hierarchical_groups
 from moe_scale.moe.experts import GroupedExperts
-from moe_scale.moe.router import NoisyTopKRouter, Router
+from moe_scale.config import MoEConfig
+from moe_scale.moe.router import NoisyTopKRouter, Router, build_router
 
 ALL_TO_ALL = ("flat", "hierarchical")
 
@@ -58,6 +59,17 @@ class MoELayer(ExpertParallelModule):
         self.dispatcher = AllToAllDispatcher(num_experts, self.num_local_experts, dispatch_mode, capacity_factor)
         self.all_to_all, self.node_size = all_to_all, node_size
         self.stats: MoEStats | None = None
+
+    @classmethod
+    def from_config(cls, config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: int = 0,
+                    seed: int = 0) -> "MoELayer":
+        """The layer of `config` (router, dispatch and experts settings) at width `d_model`."""
+        experts, dispatch = config.experts, config.dispatch
+        return cls(d_model, experts.hidden, experts.num_experts, config.router.top_k, ep_size=ep_size,
+                   ep_rank=ep_rank, seed=seed, router=build_router(config.router, d_model, experts.num_experts),
+                   recompute=experts.recompute, dispatch_mode=dispatch.mode,
+                   capacity_factor=dispatch.capacity_factor, all_to_all=dispatch.all_to_all,
+                   node_size=dispatch.node_size, reuse_grad_buffers=experts.grad_reuse)
 
     def connect(self, parallel: ParallelGroups) -> None:
         """The one place the layer's parts meet the process groups."""

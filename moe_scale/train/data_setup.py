@@ -55,12 +55,12 @@ def load_run_splits(config: DataConfig):
 
 
 def build_lm_data(config: DataConfig, env: DistEnv, global_rows: int, saved_vocab: Path | None,
-                  train_config=None) -> LMData:
+                  seed: int = 0) -> LMData:
     """Loads text and makes this rank's windows. The vocabulary is rebuilt deterministically on every rank
-    (no file exchange needed), or reloaded from a resumed run. With `train_config.stream`, see
-    `build_stream_data`."""
-    if train_config is not None and train_config.stream:
-        return build_stream_data(config, train_config, env, global_rows, saved_vocab)
+    (no file exchange needed), or reloaded from a resumed run. With `config.stream`, see `build_stream_data`
+    (`seed` shuffles its buffers)."""
+    if config.stream:
+        return build_stream_data(config, seed, env, global_rows, saved_vocab)
     train, valid, _ = load_run_splits(config)
     if saved_vocab is not None:
         if not saved_vocab.exists():
@@ -88,7 +88,7 @@ def stream_files(config: DataConfig) -> tuple[list[Path], object]:
     return files["train"], valid
 
 
-def build_stream_data(config: DataConfig, train_config, env: DistEnv, global_rows: int,
+def build_stream_data(config: DataConfig, seed: int, env: DistEnv, global_rows: int,
                       saved_vocab: Path | None) -> LMData:
     """Streaming training batches; the vocabulary counted in one pass and cached (rank 0 counts, the
     others load the cache after a barrier), or reloaded from a resumed run."""
@@ -104,14 +104,15 @@ def build_stream_data(config: DataConfig, train_config, env: DistEnv, global_row
             dist.barrier()
         vocab = cached_stream_vocab(train_files, config.vocab_size, config.min_count)
     train = StreamBatches(train_files, vocab, config.seq_len, global_rows, env.rank, env.world_size,
-                          train_config.stream_workers, train_config.shuffle_buffer, train_config.seed,
+                          config.stream_workers, config.shuffle_buffer, seed,
                           min_over_ranks=min_over_ranks)
     return LMData(vocab, train, EvalWindows(sentence_texts(valid), vocab, config.seq_len, global_rows, env.rank,
                                             env.world_size, what="the validation data"), valid, None)
 
 
-def apply_token_budget(train_config, seq_len: int) -> None:
+def apply_token_budget(config) -> None:
     """--token-budget: the number of steps that reads that many training tokens (rounded up)."""
-    if train_config.stream and train_config.token_budget:
-        tokens_per_step = train_config.batch_size * seq_len
-        train_config.max_steps = -(-train_config.token_budget // tokens_per_step)
+    data = config.data
+    if data.stream and data.token_budget:
+        tokens_per_step = config.train.batch_size * data.seq_len
+        config.train.max_steps = -(-data.token_budget // tokens_per_step)

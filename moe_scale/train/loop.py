@@ -30,7 +30,7 @@ from moe_scale.train.evaluate import evaluate
 from moe_scale.train.mae_bcd import mae_schedule
 from moe_scale.train.factored_optimizer import check_optimizer_fits
 from moe_scale.train.run_dir import check_run_dir, claim_run_dir, write_json_atomic
-from moe_scale.train.scale_options import build_softmax
+from moe_scale.models.build_softmax import build_softmax
 from moe_scale.train.step_stats import PendingSteps, StepTimer
 
 _EVAL_TOTALS = ("ppl", "nll_per_token", "tokens")
@@ -43,12 +43,12 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 def check_parallel_layout(config: RunConfig, env: DistEnv) -> int:
     """Returns the micro-batch (sequences per rank per micro-step)."""
-    t = config.train
-    if env.world_size % t.ep_size:
-        raise UserError(f"--ep-size {t.ep_size} does not divide the {env.world_size} processes; "
-                        f"launch a multiple of {t.ep_size} processes or change --ep-size")
-    if t.all_to_all == "hierarchical" and t.ep_size > 1:
-        _check_node_layout(t.ep_size, t.node_size)
+    t, ep_size, dispatch = config.train, config.parallel.ep_size, config.moe.dispatch
+    if env.world_size % ep_size:
+        raise UserError(f"--ep-size {ep_size} does not divide the {env.world_size} processes; "
+                        f"launch a multiple of {ep_size} processes or change --ep-size")
+    if dispatch.all_to_all == "hierarchical" and ep_size > 1:
+        _check_node_layout(ep_size, dispatch.node_size)
     per_step = env.world_size * t.grad_accum
     if t.batch_size % per_step:
         raise UserError(f"--batch-size {t.batch_size} is not divisible by processes x --grad-accum = {per_step}; "
@@ -70,32 +70,30 @@ def _check_node_layout(ep_size: int, node_size: int) -> None:
 def run_training(config: RunConfig) -> dict:
     # Every input is checked before the run directory is touched: a bad flag leaves nothing half-written.
     config.validate()
-    t, m = config.train, config.model
-    apply_token_budget(t, config.data.seq_len)   # --stream --token-budget sets the number of steps
-    user_ds_config = load_ds_config(t.ds_config)
-    check_optimizer_fits(t, user_ds_config, f"--ds-config {t.ds_config or '(built-in)'}")
-    run = check_run_dir(t.out, t.resume, t.overwrite)
+    t, run_dir, ep_size = config.train, config.run, config.parallel.ep_size
+    apply_token_budget(config)   # --stream --token-budget sets the number of steps
+    ds_source = f"--ds-config {config.parallel.ds_config or '(built-in)'}"
+    user_ds_config = load_ds_config(config.parallel.ds_config)
+    check_optimizer_fits(t, user_ds_config, ds_source)
+    run = check_run_dir(run_dir.out, run_dir.resume, run_dir.overwrite)
     env = init_distributed()
     micro_batch = check_parallel_layout(config, env)
-    ds_config = complete_ds_config(user_ds_config, micro_batch, t.grad_accum, env.world_size,
-                                   f"--ds-config {t.ds_config or '(built-in)'}")
+    ds_config = complete_ds_config(user_ds_config, micro_batch, t.grad_accum, env.world_size, ds_source)
     data = build_lm_data(config.data, env, global_rows=t.batch_size,
-                         saved_vocab=run / "vocab" if t.resume else None, train_config=t)
+                         saved_vocab=run / "vocab" if run_dir.resume else None, seed=t.seed)
 
     if env.device.type == "cuda":   # float32 products on TF32 tensor cores (bf16 runs are unaffected)
         torch.set_float32_matmul_precision("high")
     torch.manual_seed(t.seed)
-    model = build_model(m, len(data.vocab), ep_size=t.ep_size, ep_rank=env.rank % t.ep_size, seed=t.seed)
-    model.softmax = build_softmax(t, model.softmax, data.vocab.counts)   # --softmax full|sampled|adaptive
-    for layer in model.moe_layers():   # how rows travel; groups are built when DeepSpeed connects the layer
-        layer.all_to_all, layer.node_size = t.all_to_all, t.node_size
+    model = build_model(config, len(data.vocab), ep_size=ep_size, ep_rank=env.rank % ep_size, seed=t.seed)
+    model.softmax = build_softmax(config.softmax, model.softmax, data.vocab.counts)   # full|sampled|adaptive
     mae = mae_schedule(model, config, getattr(data.train, "num_windows", None))   # MAE's G steps, else None
     trainer = TrainingEngine(model.to(env.device), ds_config, t)
     engine = trainer.engine
     noises = _install_noise(model, config, env)
-    start_step = load_checkpoint(engine, run, data.train) if t.resume else 0
+    start_step = load_checkpoint(engine, run, data.train) if run_dir.resume else 0
     # Only now, with every input checked and the engine built, does the run directory change.
-    lock = claim_run_dir(run, t.resume, t.overwrite) if env.rank == 0 else None
+    lock = claim_run_dir(run, run_dir.resume, run_dir.overwrite) if env.rank == 0 else None
     try:
         if env.rank == 0:
             data.vocab.save(run / "vocab")
@@ -109,13 +107,13 @@ def run_training(config: RunConfig) -> dict:
 
 
 def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_config) -> dict:
-    t, m = config.train, config.model
+    t, r = config.train, config.run
     engine = trainer.engine
     if getattr(data.train, "last_step", None) is not None:   # resumed a streamed run whose one pass was done
         t.max_steps = start_step
 
     logger = RunLogger(run, t.max_steps, start_step, enabled=env.rank == 0)
-    flops_per_step = training_flops_per_token({**forward_macs_per_token(m, len(data.vocab), config.data.seq_len),
+    flops_per_step = training_flops_per_token({**forward_macs_per_token(config, len(data.vocab), config.data.seq_len),
                                                "softmax": model.softmax.forward_macs_per_token()}) \
         * t.batch_size * config.data.seq_len
     interval, interval_moe = MeanTracker(), MoEMetrics(model.moe_layers())
@@ -123,7 +121,7 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
     timer = StepTimer(env.device, lambda: all_to_all_seconds(model.moe_layers()))
     peak = _peak(env, ds_config)
     last_train, valid, record = {}, {}, {}
-    logger.line(f"training {describe_parameters(model)} on {env.world_size} process(es), ep_size={t.ep_size}, "
+    logger.line(f"training {describe_parameters(model)} on {env.world_size} process(es), ep_size={config.parallel.ep_size}, "
                 f"{data.train.describe()}")
     for step in range(start_step, t.max_steps):
         if step >= t.max_steps:   # a streamed run's data ran out (one pass)
@@ -151,9 +149,9 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
         timer.step_done()
 
         done = step + 1
-        log_now = done % t.log_interval == 0 or done == t.max_steps
-        eval_now = done % t.eval_interval == 0 or done == t.max_steps
-        checkpoint_now = t.checkpoint_interval > 0 and (done % t.checkpoint_interval == 0 or done == t.max_steps)
+        log_now = done % r.log_interval == 0 or done == t.max_steps
+        eval_now = done % r.eval_interval == 0 or done == t.max_steps
+        checkpoint_now = r.checkpoint_interval > 0 and (done % r.checkpoint_interval == 0 or done == t.max_steps)
         if not (log_now or eval_now or checkpoint_now):
             continue
         timer.stop()
@@ -179,7 +177,7 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
                         f"{perf['tokens_per_s']:.0f} tok/s  {perf['tflops_per_device']:.4g} TFLOPS/device  "
                         f"MFU {perf['mfu']:.2%}  all-to-all {perf['all_to_all_share']:.1%}")
         if eval_now:
-            valid = evaluate(model, data.valid, t.eval_max_batches, env.device)
+            valid = evaluate(model, data.valid, r.eval_max_batches, env.device)
             logger.scalars(done, {"valid/ppl": valid["ppl"], **{f"valid_moe/{name}": value for name, value
                                                                   in valid.items() if name not in _EVAL_TOTALS}})
             logger.line(f"step {done}/{t.max_steps}  valid ppl {valid['ppl']:.2f}")
@@ -187,7 +185,7 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
             save_checkpoint(engine, run, done, env.rank, data.train)
 
     if not valid:   # resumed a run that had already finished
-        valid = evaluate(model, data.valid, t.eval_max_batches, env.device)
+        valid = evaluate(model, data.valid, r.eval_max_batches, env.device)
     summary = _summary(config, env, data, last_train, valid, timer.total, peak, flops_per_step)
     peak_mib = torch.tensor([peak_rss_mib()], dtype=torch.float64, device=collective_device())
     dist.all_reduce(peak_mib, op=dist.ReduceOp.MAX)
@@ -248,8 +246,8 @@ def _summary(config, env, data, last_train, valid, timed, peak, flops_per_step) 
     return {
         "steps": config.train.max_steps,
         "world_size": env.world_size,
-        "ep_size": config.train.ep_size,
-        "gate": config.model.gate,
+        "ep_size": config.parallel.ep_size,
+        **({"gate": config.moe.router.gate} if config.has_moe_ffn else {}),
         "train_ppl": train_ppl,
         "valid_ppl": valid["ppl"],
         "unigram_valid_ppl": data.unigram_valid_ppl(),

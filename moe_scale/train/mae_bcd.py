@@ -23,12 +23,12 @@ from moe_scale.distributed.comm import collective_device
 
 class MAEBlockCoordinateDescent:
     def __init__(self, model: torch.nn.Module, config: RunConfig, steps_per_epoch: int):
-        m = config.model
+        mae = config.attention.mae
         self.model, self.grad_accum = model, config.train.grad_accum
         self.layers = [module for module in model.modules() if isinstance(module, MAEAttention)]
         self.gate_params = [p for layer in self.layers for p in layer.gate_parameters()]
-        self.every, self.lr = m.mae_g_every, m.mae_gate_lr
-        self.unit_steps = steps_per_epoch if m.mae_g_unit == "epoch" else 1
+        self.every, self.lr = mae.g_every, mae.gate_lr
+        self.unit_steps = steps_per_epoch if mae.g_unit == "epoch" else 1
         for p in self.gate_params:      # out of the engine's optimizer groups
             p.requires_grad_(False)
         self._set_mode("sample")
@@ -80,7 +80,6 @@ def mae_schedule(model: torch.nn.Module, config: RunConfig,
     """The BCD driver for an MAE model trained with `--mae-training bcd`, else None (joint: nothing to do).
     Call before the engine is built (it takes the gate out of the optimizer). `steps_per_epoch` is None for
     streamed data (one pass, no epochs; the config refuses --mae-g-unit epoch with --stream)."""
-    m = config.model
-    if m.model != "transformer" or m.attention != "mae" or m.mae_training != "bcd":
+    if config.model.kind != "transformer" or config.attention.kind != "mae" or config.attention.mae.training != "bcd":
         return None
     return MAEBlockCoordinateDescent(model, config, steps_per_epoch)

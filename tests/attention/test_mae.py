@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_scale.attention.mae import MAEAttention, causal_window_mean
-from moe_scale.config import ModelConfig, RunConfig
+from moe_scale.config import RunConfig
 from moe_scale.models.transformer_lm import TransformerLM
 from moe_scale.train.engine import optimizer_groups
 from moe_scale.train.mae_bcd import MAEBlockCoordinateDescent, mae_schedule
@@ -80,11 +80,10 @@ def test_causal_window_mean():
 
 
 def _mae_model() -> tuple[TransformerLM, RunConfig]:
-    config = RunConfig()
-    config.model = ModelConfig(model="transformer", attention="mae", d_model=D, num_heads=H, num_layers=2,
-                               ffn_hidden=32, dropout=0.0, mae_g_unit="step", mae_g_every=2)
+    config = RunConfig.from_settings(model="transformer", attention="mae", d_model=D, num_heads=H, num_layers=2,
+                                     ffn_hidden=32, dropout=0.0, mae_g_unit="step", mae_g_every=2)
     torch.manual_seed(0)
-    return TransformerLM(config.model, vocab_size=50), config
+    return TransformerLM(config, vocab_size=50), config
 
 
 def _snapshot(model):
@@ -121,7 +120,7 @@ def test_g_step_changes_only_the_gate_and_f_step_never_the_gate():
 
 def test_joint_training_keeps_the_gate_in_the_optimizer():
     model, config = _mae_model()
-    config.model.mae_training = "joint"
+    config.attention.mae.training = "joint"
     assert mae_schedule(model, config, steps_per_epoch=10) is None
     assert all(p.requires_grad for p in model.parameters())
     assert all(layer.mode == "mixture" for layer in model.attention_layers())
@@ -129,6 +128,6 @@ def test_joint_training_keeps_the_gate_in_the_optimizer():
 
 def test_epoch_schedule():
     model, config = _mae_model()
-    config.model.mae_g_unit, config.model.mae_g_every = "epoch", 5
+    config.attention.mae.g_unit, config.attention.mae.g_every = "epoch", 5
     bcd = mae_schedule(model, config, steps_per_epoch=10)
     assert [s for s in range(120) if bcd.is_g_step(s)] == [*range(0, 10), *range(50, 60), *range(100, 110)]

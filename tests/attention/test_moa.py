@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_scale.attention.moa import MoAAttention
-from moe_scale.config import ModelConfig
+from moe_scale.config import RunConfig
 from moe_scale.metrics.attention_flops import mha_macs, moa_macs, moa_params, transformer_forward_macs_per_token
 
 D, d, B, T = 16, 8, 3, 7
@@ -134,8 +134,9 @@ def test_params_eq20_reproduce_table3(E, dh, table):
 
 
 def test_model_parameters_and_macs_match_eq18_20():
-    m = ModelConfig(model="transformer", attention="moa", d_model=D, head_dim=d, moa_num_experts=6, moa_top_k=2)
+    m = RunConfig.from_settings(model="transformer", attention="moa", d_model=D, head_dim=d, moa_num_experts=6,
+                                moa_top_k=2)
     layer = MoAAttention(D, d, 6, 2)
     assert sum(p.numel() for p in layer.parameters()) == moa_params(6, D, d)     # eq. 20 + router
     per_token = transformer_forward_macs_per_token(m, vocab_size=100, seq_len=T)["attention"]
-    assert per_token == m.num_layers * (moa_macs(T, D, d, 2) // T + D * 6)
+    assert per_token == m.model.transformer.num_layers * (moa_macs(T, D, d, 2) // T + D * 6)

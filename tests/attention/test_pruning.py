@@ -9,7 +9,7 @@ import torch
 from moe_scale.attention.mha import MultiHeadAttention
 from moe_scale.attention.prune_schedule import prune_schedule
 from moe_scale.attention.pruning import apply_masks, apply_pruning, head_importance, heads_to_prune
-from moe_scale.config import ModelConfig
+from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 from moe_scale.models.transformer_lm import TransformerLM
 
@@ -18,7 +18,7 @@ V, D, H, T = 40, 16, 4, 8
 
 def _model(attention="mha", seed=0) -> TransformerLM:
     torch.manual_seed(seed)
-    config = ModelConfig(model="transformer", attention=attention, d_model=D, num_heads=H, num_layers=2,
+    config = RunConfig.from_settings(model="transformer", attention=attention, d_model=D, num_heads=H, num_layers=2,
                          ffn_hidden=32, dropout=0.0)
     return TransformerLM(config, V).eval()
 

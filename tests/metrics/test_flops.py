@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from moe_scale.config import ModelConfig
+from moe_scale.config import RunConfig
 from moe_scale.metrics.flops import (MoATransformer, SoftmaxCost, lstm_lm_accounting, mha_layer_macs,
                                      moa_layer_macs, moa_layer_params, tflops_per_device)
 from moe_scale.metrics.perf import efficiency, table_peak_gbs, table_peak_tflops
@@ -23,7 +23,7 @@ def torch_expert_kernels(monkeypatch):
 B, T, V = 4, 8, 97
 
 
-def _counted_training_flops(config: ModelConfig) -> int:
+def _counted_training_flops(config: RunConfig) -> int:
     torch.manual_seed(0)
     model = LSTMMoELM(config, V)
     inputs, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
@@ -34,19 +34,19 @@ def _counted_training_flops(config: ModelConfig) -> int:
     return counter.get_total_flops()
 
 
-def _first_step_recurrent_grad(config: ModelConfig, lstms: int) -> int:
+def _first_step_recurrent_grad(config: RunConfig, lstms: int) -> int:
     """The one matmul the 3x rule counts that autograd skips: at t=0 the recurrent input is the constant
     zero state, so no gradient flows into it (2 FLOPs x B rows x 4h x r per LSTM)."""
-    units = config.lstm_hidden or config.d_model
-    recurrent = config.d_model if units != config.d_model else units
+    units = config.model.lstm.hidden or config.model.d_model
+    recurrent = config.model.d_model if units != config.model.d_model else units
     return lstms * 2 * B * 4 * units * recurrent
 
 
 @pytest.mark.parametrize("config,lstms", [
-    (ModelConfig(d_model=32, expert_hidden=48, num_experts=8, top_k=2, dropout=0.0), 2),
-    (ModelConfig(d_model=32, expert_hidden=48, num_experts=8, top_k=3, dropout=0.0, lstm_hidden=64), 2),
-    (ModelConfig(d_model=32, layout="4xlstm", dropout=0.0), 4),
-    (ModelConfig(d_model=32, expert_hidden=40, layout="lstm-ffn-lstm", ffn_layers=3, dropout=0.0), 2),
+    (RunConfig.from_settings(d_model=32, expert_hidden=48, num_experts=8, top_k=2, dropout=0.0), 2),
+    (RunConfig.from_settings(d_model=32, expert_hidden=48, num_experts=8, top_k=3, dropout=0.0, lstm_hidden=64), 2),
+    (RunConfig.from_settings(d_model=32, layout="4xlstm", dropout=0.0), 4),
+    (RunConfig.from_settings(d_model=32, expert_hidden=40, layout="lstm-ffn-lstm", ffn_layers=3, dropout=0.0), 2),
 ], ids=["flat", "projected-lstm", "4xlstm", "deep-ffn"])
 def test_analytic_training_flops_match_flop_counter(config, lstms):
     analytic = lstm_lm_accounting(config, V, SoftmaxCost("full")).training_flops_per_token * B * T
@@ -60,7 +60,7 @@ def test_hierarchical_against_flop_counter():
     """The paper's rule counts the secondary gates of the k_p chosen groups; moe_scale's router evaluates all
     a groups' secondary gates in one bmm (cheaper than gathering per token), so the counter sees
     (a - k_p)·2·d·b more MACs per token. Reported TFLOPS follow the paper's rule (useful work)."""
-    config = ModelConfig(d_model=32, expert_hidden=48, gate="hierarchical", num_experts=32, num_groups=4, top_k=2,
+    config = RunConfig.from_settings(d_model=32, expert_hidden=48, gate="hierarchical", num_experts=32, num_groups=4, top_k=2,
                          top_k_secondary=2, dropout=0.0)
     analytic = lstm_lm_accounting(config, V, SoftmaxCost("full")).training_flops_per_token * B * T
     unchosen_secondary = 6 * (4 - 2) * 2 * 32 * 8 * B * T
@@ -70,7 +70,7 @@ def test_hierarchical_against_flop_counter():
 
 
 def test_hierarchical_ops_count_only_the_chosen_groups_secondary_gates():
-    config = ModelConfig(d_model=16, gate="hierarchical", num_experts=32, num_groups=4, top_k=2,
+    config = RunConfig.from_settings(d_model=16, gate="hierarchical", num_experts=32, num_groups=4, top_k=2,
                          top_k_secondary=2, expert_hidden=8)
     counts = lstm_lm_accounting(config, V)
     assert counts.forward_macs["gating"] == 2 * 16 * 4 + 2 * 2 * 16 * 8
@@ -79,7 +79,7 @@ def test_hierarchical_ops_count_only_the_chosen_groups_secondary_gates():
 
 
 def test_softmax_kinds():
-    config = ModelConfig(d_model=16, num_experts=4, expert_hidden=8)
+    config = RunConfig.from_settings(d_model=16, num_experts=4, expert_hidden=8)
     full = lstm_lm_accounting(config, 1000, SoftmaxCost("full"))
     sampled = lstm_lm_accounting(config, 1000, SoftmaxCost("sampled", 63))
     assert full.softmax_macs == 16 * 1000 and sampled.softmax_macs == 16 * 64
@@ -107,7 +107,7 @@ def test_tflops_and_mfu_arithmetic():
 
 def test_paper_tflops_consistency_moe_4096_h():
     """The spec's derived check: 6·(8.9M + 512·8192)·300k words / ((15 h / 27000 steps)·16 GPUs) ≈ 0.74."""
-    config = ModelConfig(d_model=512, expert_hidden=1024, gate="hierarchical", num_experts=4096, num_groups=16,
+    config = RunConfig.from_settings(d_model=512, expert_hidden=1024, gate="hierarchical", num_experts=4096, num_groups=16,
                          top_k=2, top_k_secondary=2)
     flops_per_token = lstm_lm_accounting(config, 793_471, SoftmaxCost("sampled", 8192)).training_flops_per_token
     step_seconds = 15 * 3600 / 27000

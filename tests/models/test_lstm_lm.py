@@ -9,14 +9,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 import torch.nn.functional as F
 
-from moe_scale.config import ModelConfig
+from moe_scale.config import RunConfig
 from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token, training_flops_per_token
 from moe_scale.models.lstm_lm import LSTMMoELM
 
 
 def small_model(dropout=0.0) -> LSTMMoELM:
     torch.manual_seed(0)
-    config = ModelConfig(d_model=16, expert_hidden=24, num_experts=4, top_k=2, dropout=dropout)
+    config = RunConfig.from_settings(d_model=16, expert_hidden=24, num_experts=4, top_k=2, dropout=dropout)
     model = LSTMMoELM(config, vocab_size=50, seed=3)
     with torch.no_grad():   # non-trivial routing
         model.moe.router.w_gate.normal_(0, 1.0)
@@ -52,7 +52,7 @@ def test_dropout_only_in_training_and_gradients_reach_every_parameter():
 
 
 def test_analytic_macs_match_the_parameter_shapes():
-    config = ModelConfig(d_model=16, expert_hidden=24, num_experts=4, top_k=2)
+    config = RunConfig.from_settings(d_model=16, expert_hidden=24, num_experts=4, top_k=2)
     macs = lstm_moe_forward_macs_per_token(config, vocab_size=50)
     model = LSTMMoELM(config, vocab_size=50)
     lstm_weights = sum(p.numel() for n, p in model.named_parameters() if "lstm" in n and "weight" in n)

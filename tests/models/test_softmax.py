@@ -12,7 +12,7 @@ from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 from moe_scale.models.softmax import (IGNORE, AdaptiveSoftmax, FullSoftmax, LogUniformSampler, SampledSoftmax,
                                       UnigramSampler)
-from moe_scale.train.scale_options import build_softmax, validate_scale_options
+from moe_scale.models.build_softmax import build_softmax
 
 
 def test_full_softmax_is_cross_entropy_and_ignores_ignored_targets():
@@ -148,20 +148,20 @@ def test_adaptive_softmax_is_a_distribution_and_counts_its_macs():
 def test_build_softmax_choices_and_their_errors():
     config = RunConfig()
     full = FullSoftmax(8, 100)
-    assert build_softmax(config.train, full, None) is full
-    config.train.softmax, config.train.num_sampled = "sampled", 10
-    sampled = build_softmax(config.train, full, None)
+    assert build_softmax(config.softmax, full, None) is full
+    config.softmax.kind, config.softmax.num_sampled = "sampled", 10
+    sampled = build_softmax(config.softmax, full, None)
     assert isinstance(sampled, SampledSoftmax) and sampled.proj is full.proj
-    config.train.sampler = "unigram"
+    config.softmax.sampler = "unigram"
     with pytest.raises(UserError, match="--sampler unigram needs"):
-        build_softmax(config.train, full, None)
-    assert isinstance(build_softmax(config.train, full, list(range(100))).sampler, UnigramSampler)
-    config.train.softmax, config.train.adaptive_cutoffs = "adaptive", "10,50"
-    assert isinstance(build_softmax(config.train, full, None), AdaptiveSoftmax)
+        build_softmax(config.softmax, full, None)
+    assert isinstance(build_softmax(config.softmax, full, list(range(100))).sampler, UnigramSampler)
+    config.softmax.kind, config.softmax.adaptive_cutoffs = "adaptive", "10,50"
+    assert isinstance(build_softmax(config.softmax, full, None), AdaptiveSoftmax)
     for cutoffs in ("10,5", "a,b", "10,20000"):
-        config.train.adaptive_cutoffs = cutoffs
+        config.softmax.adaptive_cutoffs = cutoffs
         with pytest.raises(UserError, match="--adaptive-cutoffs"):
-            validate_scale_options(config)
-    config.train.softmax, config.train.num_sampled = "sampled", 20000
+            config.validate()
+    config.softmax.kind, config.softmax.num_sampled = "sampled", 20000
     with pytest.raises(UserError, match="--num-sampled"):
-        validate_scale_options(config)
+        config.validate()

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from moe_scale.config import ModelConfig, RunConfig
+from moe_scale.config import RunConfig
 from moe_scale.data import Vocab
 from moe_scale.models.build import build_model
 from moe_scale.models.transformer_lm import TransformerLM
@@ -24,7 +24,7 @@ V, T = 30, 10
 @pytest.mark.parametrize("attention", ["mha", "moa", "mae"])
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_no_variant_lets_position_t_see_t_plus_1(attention, training):
-    config = ModelConfig(model="transformer", attention=attention, d_model=16, num_heads=4, moa_num_experts=4,
+    config = RunConfig.from_settings(model="transformer", attention=attention, d_model=16, num_heads=4, moa_num_experts=4,
                          moa_top_k=2, ffn="moe", num_experts=4, top_k=2, gate="softmax_topk", dropout=0.0,
                          num_layers=2)
     torch.manual_seed(0)
@@ -60,7 +60,7 @@ def test_mae_bcd_train_and_prune_heads_through_the_cli(tmp_path, embedded_cache)
     # the G steps moved the gate: compare the checkpoint with the initial model (same seed as the trainer)
     config = RunConfig.load(run / "config.json")
     torch.manual_seed(config.train.seed)
-    initial = build_model(config.model, len(Vocab.load(run / "vocab")), seed=config.train.seed).state_dict()
+    initial = build_model(config, len(Vocab.load(run / "vocab")), seed=config.train.seed).state_dict()
     trained = torch.load(next((run / "checkpoints").glob("step*/mp_rank_00_model_states.pt")),
                          weights_only=False)["module"]
     assert not torch.equal(trained["blocks.0.attn.gate.out.weight"], initial["blocks.0.attn.gate.out.weight"])
@@ -78,18 +78,3 @@ def test_mae_bcd_train_and_prune_heads_through_the_cli(tmp_path, embedded_cache)
     assert all(r["speedup"] > 0 for r in report["steps"])
     assert (run / "pruning" / "pruning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "heads left" in proc.stdout
-
-
-@pytest.mark.parametrize("model", ["lstm", "transformer"])
-def test_moe_options_reach_every_moe_layer(model):
-    """--dispatch capacity, --capacity-factor and --expert-recompute reach the MoE layers of both models (the
-    transformer once dropped the dispatch settings and ran dropless)."""
-    config = ModelConfig(model=model, ffn="moe", d_model=16, num_heads=4, num_layers=2, num_experts=4, top_k=2,
-                         dispatch="capacity", capacity_factor=1.5, expert_recompute=True)
-    torch.manual_seed(0)
-    lm = build_model(config, V, seed=0)
-    layers = lm.moe_layers()
-    assert layers and all(layer.dispatcher.mode == "capacity" and layer.dispatcher.capacity_factor == 1.5
-                          and layer.experts.recompute for layer in layers)
-    lm(torch.randint(0, V, (2, T)), torch.randint(0, V, (2, T)))
-    assert all("dropped_fraction" in layer.stats.metrics for layer in layers)

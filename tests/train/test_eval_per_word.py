@@ -11,7 +11,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from moe_scale.config import ModelConfig
+from moe_scale.config import RunConfig
 from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.data.text import split_files
 from moe_scale.data.vocab import Vocab
@@ -58,7 +58,7 @@ def test_perplexity_by_hand_on_a_unigram_model():
     the unigram p, so the per-word perplexity is exp(-mean log p) over exactly the counted tokens."""
     vocab = _vocab()
     torch.manual_seed(0)
-    model = LSTMMoELM(ModelConfig(d_model=8, expert_hidden=8, num_experts=4, top_k=2), len(vocab))
+    model = LSTMMoELM(RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=4, top_k=2), len(vocab))
     p = torch.tensor([0.1, 0.05, 0.2, 0.3, 0.15, 0.12, 0.08])[: len(vocab)]
     p = p / p.sum()
     with torch.no_grad():
@@ -76,7 +76,7 @@ def test_perplexity_by_hand_on_a_unigram_model():
 def test_expert_token_stats_count_every_real_token_k_times():
     vocab = _vocab()
     torch.manual_seed(0)
-    model = LSTMMoELM(ModelConfig(d_model=8, expert_hidden=8, num_experts=4, top_k=2), len(vocab))
+    model = LSTMMoELM(RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=4, top_k=2), len(vocab))
     with torch.no_grad():
         model.moe.router.w_gate.normal_(0, 1.0)
     windows = EvalWindows(SENTENCES, vocab, 4, 4)

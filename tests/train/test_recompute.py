@@ -9,13 +9,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 
-from moe_scale.config import ModelConfig
+from moe_scale.config import RunConfig
 from moe_scale.models.lstm_lm import LSTMMoELM
 
 
 def _step(recompute: bool):
     torch.manual_seed(0)
-    config = ModelConfig(d_model=16, expert_hidden=64, num_experts=8, top_k=2, dropout=0.1,
+    config = RunConfig.from_settings(d_model=16, expert_hidden=64, num_experts=8, top_k=2, dropout=0.1,
                          expert_recompute=recompute)
     model = LSTMMoELM(config, vocab_size=40, seed=5).train()
     gen = torch.Generator().manual_seed(1)

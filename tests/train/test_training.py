@@ -30,7 +30,7 @@ def test_embedded_run_writes_a_complete_run_directory(tmp_path, embedded_cache):
     assert summary["tokens_per_s"] > 0 and summary["tflops_per_device"] > 0
     assert math.isfinite(summary["valid_ppl"]) and summary["valid_ppl"] > 1
     config = json.loads((run / "config.json").read_text())
-    assert config["model"]["num_experts"] == 8 and config["data"]["seq_len"] == 16
+    assert config["moe"]["experts"]["num_experts"] == 8 and config["data"]["seq_len"] == 16
     ds_config = json.loads((run / "ds_config.json").read_text())
     assert ds_config["train_batch_size"] == 8 and ds_config["train_micro_batch_size_per_gpu"] == 8
     assert (run / "vocab").read_text().splitlines()[:3] == ["<UNK>", "<S>", "</S>"]
@@ -85,7 +85,7 @@ def test_config_reload_reproduces_a_run(tmp_path, embedded_cache):
     run_train([*TINY, "--num-experts", "4", "--max-steps", "2", "--out", str(first)], cwd=tmp_path,
               cache=embedded_cache)
     run_train(["--config", str(first / "config.json"), "--out", str(second)], cwd=tmp_path, cache=embedded_cache)
-    assert json.loads((second / "config.json").read_text())["model"]["num_experts"] == 4
+    assert json.loads((second / "config.json").read_text())["moe"]["experts"]["num_experts"] == 4
     assert [r["loss"] for r in step_log(first)] == [r["loss"] for r in step_log(second)]
 
 

@@ -1,34 +1,35 @@
-"""Build the router a model config asks for (`--gate`). Every router returns an object with `pairs()`,
-`aux_loss`, `importance_E`, `load_E` and `metrics`, and is wired to the network by the layer only."""
+"""The router a config asks for (`--gate`), built from its own config."""
 
 from __future__ import annotations
 
-from torch import nn
+from moe_scale.config import RouterConfig
+from moe_scale.moe.router.base import Router
 
-from moe_scale.config import ModelConfig
 
-
-def build_router(config: ModelConfig) -> nn.Module:
-    d, n, k = config.d_model, config.num_experts, config.top_k
+def build_router(config: RouterConfig, d_model: int, num_experts: int) -> Router:
+    k = config.top_k
     if config.gate == "noisy_topk":
         from moe_scale.moe.router.noisy_topk import NoisyTopKRouter
 
-        return NoisyTopKRouter(d, n, k, w_importance=config.w_importance, w_load=config.w_load,
+        return NoisyTopKRouter(d_model, num_experts, k, w_importance=config.w_importance, w_load=config.w_load,
                                noisy=config.noisy_gating)
     if config.gate == "hierarchical":
         from moe_scale.moe.router.hierarchical import HierarchicalRouter
 
-        return HierarchicalRouter(d, config.num_groups, n // config.num_groups, k_primary=k,
-                                  k_secondary=config.top_k_secondary, w_importance=config.w_importance,
+        h = config.hierarchical
+        return HierarchicalRouter(d_model, h.num_groups, num_experts // h.num_groups, k_primary=k,
+                                  k_secondary=h.top_k_secondary, w_importance=config.w_importance,
                                   w_load=config.w_load, noisy=config.noisy_gating)
     if config.gate == "batchwise":
         from moe_scale.moe.router.batchwise import BatchwiseRouter
 
-        return BatchwiseRouter(d, n, k, w_importance=config.w_importance,
-                               threshold_reduction=config.threshold_reduction, scope=config.batchwise_scope)
+        return BatchwiseRouter(d_model, num_experts, k, w_importance=config.w_importance,
+                               threshold_reduction=config.batchwise.threshold_reduction,
+                               scope=config.batchwise.scope)
     if config.gate == "softmax_topk":
         from moe_scale.moe.router.softmax_topk import SoftmaxTopKRouter
 
-        return SoftmaxTopKRouter(d, n, k, aux_weight=config.moa_aux_weight, z_weight=config.moa_z_weight,
-                                 renormalize=config.moa_renormalize)
+        s = config.softmax_topk
+        return SoftmaxTopKRouter(d_model, num_experts, k, aux_weight=s.aux_weight, z_weight=s.z_weight,
+                                 renormalize=s.renormalize)
     raise ValueError(f"unknown gate {config.gate!r}")
