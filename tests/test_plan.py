@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from moe_scale.errors import UserError
-from moe_scale.plan import Cluster, plan, smallest_fitting
+from moe_scale.accounting.plan import Cluster, plan, smallest_fitting
 
 K40 = 12.0
 

@@ -10,8 +10,8 @@ import pytest
 
 from moe_scale.errors import UserError
 from moe_scale.commands.flops import flops_report
-from moe_scale.metrics.flops import MoATransformer, lstm_lm_accounting
-from moe_scale.presets import PRESETS, get_preset, preset_config
+from moe_scale.accounting.flops import MoATransformer, lstm_lm_accounting
+from moe_scale.accounting.presets import PRESETS, get_preset, preset_config
 
 PAPER_LSTM = [p for p in PRESETS.values() if p.kind == "lstm" and p.paper is not None]
 

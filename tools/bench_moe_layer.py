@@ -196,16 +196,16 @@ class _NaiveLoopLayer(nn.Module):
 
     def forward(self, x_ND):
         route = self.router(x_ND)
-        token_P, expert_P, gate_P = route.pairs()
-        order_P = torch.argsort(expert_P, stable=True)
-        token_P, gate_P = token_P[order_P], gate_P[order_P]
+        token_C, expert_C, gate_C = route.pairs()
+        order_C = torch.argsort(expert_C, stable=True)
+        token_C, gate_C = token_C[order_C], gate_C[order_C]
         outputs, start = [], 0
-        for expert, count in zip(self.experts, torch.bincount(expert_P, minlength=len(self.experts)).tolist()):
+        for expert, count in zip(self.experts, torch.bincount(expert_C, minlength=len(self.experts)).tolist()):
             if count:
                 rows = slice(start, start + count)
-                outputs.append(expert(x_ND[token_P[rows]]) * gate_P[rows, None])
+                outputs.append(expert(x_ND[token_C[rows]]) * gate_C[rows, None])
                 start += count
-        return x_ND.new_zeros(x_ND.shape).index_add(0, token_P, torch.cat(outputs)), route.aux_loss
+        return x_ND.new_zeros(x_ND.shape).index_add(0, token_C, torch.cat(outputs)), route.aux_loss
 
 
 def build(impl: str, e: int, k: int, args) -> nn.Module:

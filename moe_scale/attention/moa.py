@@ -92,15 +92,15 @@ class MoAAttention(ExpertParallelModule):
         x_ND = x_BTD.reshape(B * T, D)
         route = self.router(x_ND)
         self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach(), dict(route.metrics))
-        token_index_P, expert_P, gate_P = route.pairs()
+        token_index_C, expert_C, gate_C = route.pairs()
 
         kv_STd, group_rank = self._gather_over_experts(self.shared_kv(x_BTD))
         # Each query's position in the group's token list travels with its row.
         position_N1 = (group_rank * B * T + torch.arange(B * T, device=x_BTD.device))[:, None]
-        tokens_MD, state = self.dispatcher.dispatch(x_ND, token_index_P, expert_P)
+        tokens_MD, state = self.dispatcher.dispatch(x_ND, token_index_C, expert_C)
         position_M = self.dispatcher.follow(position_N1, state)[:, 0]
         y_MD = self._experts(tokens_MD, position_M, kv_STd, T, (state.tokens_per_expert_L, state.tokens_per_expert))
-        return self.dispatcher.combine(y_MD, gate_P, state).to(x_BTD.dtype).view(B, T, D), route.aux_loss
+        return self.dispatcher.combine(y_MD, gate_C, state).to(x_BTD.dtype).view(B, T, D), route.aux_loss
 
     def _experts(self, tokens_MD, position_M, kv_STd, T: int, tokens_per_expert) -> torch.Tensor:
         """Each arrived row's expert query attends over its own sequence's shared K/V (causally).

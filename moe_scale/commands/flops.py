@@ -1,7 +1,7 @@
 """`moe-scale flops --preset NAME [--json]`: parameters, ops/timestep and training FLOPs of a preset.
 
 LSTM presets are built on the meta device (no memory, so MoE-131072-h's 137.7B parameters cost nothing)
-and their parameters counted from the module; the analytic counts of metrics/flops.py are printed beside
+and their parameters counted from the module; the analytic counts of accounting/flops.py are printed beside
 them, with the paper's numbers. MoA presets are analytic (eq. 18–20).
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from moe_scale.metrics.flops import (MoATransformer, SoftmaxCost, lstm_lm_accounting, moa_layer_macs,
+from moe_scale.accounting.flops import (MoATransformer, SoftmaxCost, lstm_lm_accounting, moa_layer_macs,
                                      moa_layer_params)
 from moe_scale.models.meta_build import build_lstm_lm_on_meta, parameters_per_child
 from moe_scale.errors import UserError
-from moe_scale.presets import PRESETS, get_preset, preset_config
+from moe_scale.accounting.presets import PRESETS, get_preset, preset_config
 
 
 def add_parser(sub) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from moe_scale.plan import GIB, MAX_NODES, Cluster, plan, smallest_fitting
+from moe_scale.accounting.plan import GIB, MAX_NODES, Cluster, plan, smallest_fitting
 
 
 def add_parser(sub) -> None:

@@ -47,7 +47,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.config:   # a reloaded run starts fresh unless told otherwise
         config.run.resume = config.run.overwrite = False
     if given.get("preset"):   # the preset first, so that flags given beside it override it
-        from moe_scale.presets import apply_preset
+        from moe_scale.accounting.presets import apply_preset
         apply_preset(config, given.pop("preset"))
     for key, value in given.items():
         config.set(key, value)

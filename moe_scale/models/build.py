@@ -24,10 +24,10 @@ def build_model(config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: i
 
 def forward_macs_per_token(config: RunConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
     if config.model.kind == "transformer":
-        from moe_scale.metrics.attention_flops import transformer_forward_macs_per_token
+        from moe_scale.accounting.attention_flops import transformer_forward_macs_per_token
 
         return transformer_forward_macs_per_token(config, vocab_size, seq_len)
-    from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token
+    from moe_scale.accounting.flops import lstm_moe_forward_macs_per_token
 
     return lstm_moe_forward_macs_per_token(config, vocab_size)
 

@@ -5,7 +5,7 @@ Legend: N tokens, D hidden dim, V vocabulary size, S sampled classes (shared by 
 Every layer returns the per-token NLL [N] in float32 and gives 0 for a target equal to IGNORE (-100, as
 in F.cross_entropy), so evaluation can leave out tokens it does not count (padding, <S>).
 `forward_macs_per_token()` is the layer's training-time forward multiply-adds per token, for the FLOP
-accounting (metrics/flops.py counts d*V for the full softmax; the trainer substitutes this value).
+accounting (accounting/flops.py counts d*V for the full softmax; the trainer substitutes this value).
 """
 
 from __future__ import annotations

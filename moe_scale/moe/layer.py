@@ -90,13 +90,13 @@ class MoELayer(ExpertParallelModule):
         self.require_groups()
         route = self.router(x_ND)
         self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach(), dict(route.metrics))
-        token_index_P, expert_P, gate_P = route.pairs()
-        rows_RD, state = self.dispatcher.dispatch_rows(x_ND, token_index_P, expert_P, gate_P)
+        token_index_C, expert_C, gate_C = route.pairs()
+        rows_RD, state = self.dispatcher.dispatch_rows(x_ND, token_index_C, expert_C, gate_C)
         if self.dispatcher.mode == "capacity":
             self.stats.metrics["dropped_fraction"] = self._dropped_fraction(state)
         # The experts gather each arrived pair's row and return the gate-weighted sum per row.
         per_row_RD = self.experts(rows_RD, (state.tokens_per_expert_L, state.tokens_per_expert),
-                                  state.arrived_row_M, self.dispatcher.pair_gates(gate_P, state))
+                                  state.arrived_row_M, self.dispatcher.pair_gates(gate_C, state))
         return self.dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype), route.aux_loss
 
     def _dropped_fraction(self, state) -> torch.Tensor:

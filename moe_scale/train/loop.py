@@ -17,7 +17,7 @@ from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv, init_distributed, ranks_per_node
 from moe_scale.errors import UserError
 from moe_scale.metrics.balance import MeanTracker, MoEMetrics
-from moe_scale.metrics.flops import tflops_per_device, training_flops_per_token
+from moe_scale.accounting.flops import tflops_per_device, training_flops_per_token
 from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.metrics.perf import all_to_all_seconds, device_peak_tflops, efficiency, peak_rss_mib
 from moe_scale.models.build import build_model, describe_parameters, forward_macs_per_token

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moe_scale.metrics.attention_flops import mha_macs
+from moe_scale.accounting.attention_flops import mha_macs
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "attention_table.py"
 

@@ -10,7 +10,7 @@ import torch
 
 from moe_scale.attention.moa import MoAAttention
 from moe_scale.config import RunConfig
-from moe_scale.metrics.attention_flops import mha_macs, moa_macs, moa_params, transformer_forward_macs_per_token
+from moe_scale.accounting.attention_flops import mha_macs, moa_macs, moa_params, transformer_forward_macs_per_token
 
 D, d, B, T = 16, 8, 3, 7
 

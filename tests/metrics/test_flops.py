@@ -7,7 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from moe_scale.config import RunConfig
-from moe_scale.metrics.flops import (MoATransformer, SoftmaxCost, lstm_lm_accounting, mha_layer_macs,
+from moe_scale.accounting.flops import (MoATransformer, SoftmaxCost, lstm_lm_accounting, mha_layer_macs,
                                      moa_layer_macs, moa_layer_params, tflops_per_device)
 from moe_scale.metrics.perf import efficiency, table_peak_gbs, table_peak_tflops
 from moe_scale.models.lstm_lm import LSTMMoELM

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_scale.config import RunConfig
-from moe_scale.metrics.flops import lstm_moe_forward_macs_per_token, training_flops_per_token
+from moe_scale.accounting.flops import lstm_moe_forward_macs_per_token, training_flops_per_token
 from moe_scale.models.lstm_lm import LSTMMoELM
 
 

@@ -1,7 +1,7 @@
 """Row exchanges between expert-parallel ranks: what moves the dispatcher's rows over the network.
 
-Legend: P expert-parallel ranks, X count columns (streams side by side: L local experts of pairs, one of
-rows), S ranks per node, Q = P / S nodes, D row width.
+Legend (docs/shapes.md): P expert-parallel ranks, X count columns (streams side by side: L local experts of
+pairs, one of rows), W ranks per node, Q = P / W nodes, D row width.
 
 An exchange plans `Route`s from counts of rows per (destination rank, column) — one count exchange per
 hop for all streams together, then ONE read of every count to the host, the only device-to-host copy of a
@@ -14,7 +14,7 @@ reuses the split sizes read in the forward. Every step is a permutation or an au
     FlatExchange          one all-to-all of counts, one variable-size all-to-all of rows over the EP group.
     HierarchicalExchange  first within the node, to the rank with the destination's local index; then across
                           nodes among the ranks with that local index. Each row crosses the network once, and
-                          a rank exchanges inter-node messages with Q peers instead of P, each S times larger.
+                          a rank exchanges inter-node messages with Q peers instead of P, each W times larger.
 
 All-to-all time: on a GPU, CUDA events around each call, read when asked (at log intervals), so timing
 never synchronises the device; on CPU, the wall time of each call.
@@ -235,69 +235,69 @@ class FlatExchange(_Exchange):
 
 
 class HierarchicalExchange(_Exchange):
-    """Two hops for P = Q nodes x S ranks per node (EP rank = node * S + local index)."""
+    """Two hops for P = Q nodes x W ranks per node (EP rank = node * W + local index)."""
 
     def __init__(self, group, intra_group, inter_group, ranks_per_node: int, num_nodes: int,
                  timer: CommTimer | None = None):
         self.group, self.intra_group, self.inter_group = group, intra_group, inter_group
-        self.S, self.Q = ranks_per_node, num_nodes
+        self.W, self.Q = ranks_per_node, num_nodes
         self.timer = timer or CommTimer()
 
     def plan(self, counts: list[torch.Tensor]) -> list[Route]:
-        S, Q = self.S, self.Q
+        W, Q = self.W, self.Q
         send_PX = torch.cat(counts, dim=1)
         X = send_PX.shape[1]
-        counts_QSX = send_PX.view(Q, S, X)
+        counts_QWX = send_PX.view(Q, W, X)
         # Hop 1, inside the node: to the rank whose local index is the destination's; order (s', q', x).
-        send1_SQX = counts_QSX.transpose(0, 1).contiguous()
-        recv1_SQX = exchange_counts(send1_SQX.view(S, Q * X), self.intra_group, self.timer).view(S, Q, X)
+        send1_WQX = counts_QWX.transpose(0, 1).contiguous()
+        recv1_WQX = exchange_counts(send1_WQX.view(W, Q * X), self.intra_group, self.timer).view(W, Q, X)
         # Hop 2, across nodes: arrived in (source s, q', x) order; regroup to (q', s, x) and send to node q'.
-        send2_QSX = recv1_SQX.transpose(0, 1).contiguous()
-        recv2_QSX = exchange_counts(send2_QSX.view(Q, S * X), self.inter_group, self.timer).view(Q, S, X)
-        host = _read_to_host([send_PX, send1_SQX, recv1_SQX, send2_QSX, recv2_QSX])
+        send2_QWX = recv1_WQX.transpose(0, 1).contiguous()
+        recv2_QWX = exchange_counts(send2_QWX.view(Q, W * X), self.inter_group, self.timer).view(Q, W, X)
+        host = _read_to_host([send_PX, send1_WQX, recv1_WQX, send2_QWX, recv2_QWX])
         send_h, send1_h, recv1_h, send2_h, recv2_h = host
         routes = []
         for first, last in _split_columns(counts):
             def block(h, a, b):   # [a][b] sums over this stream's columns of an [a, b, X] host tensor
                 return [[sum(h[(i * b + j) * X + first:(i * b + j) * X + last]) for j in range(b)] for i in range(a)]
-            sent_QS, s1, r1 = block(send_h, Q, S), block(send1_h, S, Q), block(recv1_h, S, Q)
-            s2, r2 = block(send2_h, Q, S), block(recv2_h, Q, S)
+            sent_QW, s1, r1 = block(send_h, Q, W), block(send1_h, W, Q), block(recv1_h, W, Q)
+            s2, r2 = block(send2_h, Q, W), block(recv2_h, Q, W)
             cols = slice(first, last)
-            order1 = block_transpose_index(counts_QSX[:, :, cols].sum(2), sum(map(sum, sent_QS)))
+            order1 = block_transpose_index(counts_QWX[:, :, cols].sum(2), sum(map(sum, sent_QW)))
             hop1 = _Stage(self.intra_group, list(map(sum, s1)), list(map(sum, r1)), order1)
-            order2 = block_transpose_index(recv1_SQX[:, :, cols].sum(2), sum(map(sum, r1)))
+            order2 = block_transpose_index(recv1_WQX[:, :, cols].sum(2), sum(map(sum, r1)))
             hop2 = _Stage(self.inter_group, list(map(sum, s2)), list(map(sum, r2)), order2)
             # Arrived in (source node, source local index, x) = (source EP rank, x) order, exactly as a flat
             # exchange delivers: the same regrouping makes each column's rows contiguous.
-            recv_counts_PX = recv2_QSX[:, :, cols].reshape(Q * S, last - first)
+            recv_counts_PX = recv2_QWX[:, :, cols].reshape(Q * W, last - first)
             regroup = block_transpose_index(recv_counts_PX, sum(map(sum, r2)))
-            send = _columns(send_h, Q * S, X, first, last)
-            recv = _columns(recv2_h, Q * S, X, first, last)
+            send = _columns(send_h, Q * W, X, first, last)
+            recv = _columns(recv2_h, Q * W, X, first, last)
             routes.append(Route([hop1, hop2], regroup, recv_counts_PX, send, recv))
         return routes
 
 
 def build_hierarchical_groups(ep_group, ranks_per_node: int) -> tuple[object, object, int, int]:
-    """(intra_group, inter_group, S, Q) for this rank's expert-parallel group.
+    """(intra_group, inter_group, W, Q) for this rank's expert-parallel group.
 
     Collective over the whole world: every rank creates every subgroup in the same order (torch requires it).
-    An EP group of P ranks spans Q = P / S nodes; it must be made of whole nodes' worth of consecutive ranks.
+    An EP group of P ranks spans Q = P / W nodes; it must be made of whole nodes' worth of consecutive ranks.
     """
     ep_ranks = dist.get_process_group_ranks(ep_group)
-    P, S = len(ep_ranks), min(ranks_per_node, len(ep_ranks))
-    if P % S:
+    P, W = len(ep_ranks), min(ranks_per_node, len(ep_ranks))
+    if P % W:
         raise ValueError(f"hierarchical all-to-all: {ranks_per_node} ranks per node do not divide the "
                          f"expert-parallel size {P}")
     all_ep_groups: list[list[int]] = [None] * dist.get_world_size()   # type: ignore[list-item]
     dist.all_gather_object(all_ep_groups, ep_ranks)
     intra = inter = None
     for ranks in sorted({tuple(g) for g in all_ep_groups}):
-        for q in range(P // S):
-            group = dist.new_group(list(ranks[q * S:(q + 1) * S]))
-            if dist.get_rank() in ranks[q * S:(q + 1) * S]:
+        for q in range(P // W):
+            group = dist.new_group(list(ranks[q * W:(q + 1) * W]))
+            if dist.get_rank() in ranks[q * W:(q + 1) * W]:
                 intra = group
-        for s in range(S):
-            group = dist.new_group(list(ranks[s::S]))
-            if dist.get_rank() in ranks[s::S]:
+        for s in range(W):
+            group = dist.new_group(list(ranks[s::W]))
+            if dist.get_rank() in ranks[s::W]:
                 inter = group
-    return intra, inter, S, P // S
+    return intra, inter, W, P // W

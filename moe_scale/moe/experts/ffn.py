@@ -1,12 +1,12 @@
 """Experts: one-hidden-layer ReLU FFNs stored as stacked weights, run as one grouped computation.
 
-Legend: M tokens that arrived at this rank (sorted by local expert), D model dim, H expert hidden dim,
-E local experts. `tokens_per_expert` says how many of the M rows belong to each local expert, in order: a
+Legend (docs/shapes.md): M (token, expert) pairs that arrived at this rank (sorted by local expert), R rows
+they read, D model width, F expert hidden width, L local experts. `tokens_per_expert` says how many of the M rows belong to each local expert, in order: a
 device tensor (with the same counts as a host list beside it where the caller read them anyway), or a list.
 
 Why a custom autograd function: indexing `w[e]` in a Python loop makes autograd materialise a full-size
 gradient of `w` per expert (O(E^2) memory traffic; 27 s instead of 0.3 s at 256 experts). Here the backward
-writes each expert's gradient straight into one [E, ...] buffer, and experts with no tokens cost a zero
+writes each expert's gradient straight into one [L, ...] buffer, and experts with no tokens cost a zero
 fill. The whole FFN is one function, so `recompute` (Shazeer et al. App. D) simply saves the inputs instead
 of the hidden activations and redoes the first matmul in the backward.
 
@@ -42,34 +42,34 @@ class _GroupedMatmul(torch.autograd.Function):
     """out[rows of e] = x[rows of e] @ w[e] for each expert e (MoA's per-expert W_q and W_o)."""
 
     @staticmethod
-    def forward(ctx, x_MI, w_EIO, counts: Counts, kernel: str | None):
+    def forward(ctx, x_MI, w_LIO, counts: Counts, kernel: str | None):
         layout = GroupLayout(counts, x_MI, kernel)
-        ctx.save_for_backward(x_MI, w_EIO)
+        ctx.save_for_backward(x_MI, w_LIO)
         ctx.layout = layout
-        return rows_times_expert(x_MI, w_EIO, layout)
+        return rows_times_expert(x_MI, w_LIO, layout)
 
     @staticmethod
     def backward(ctx, grad_MO):
-        x_MI, w_EIO = ctx.saved_tensors
+        x_MI, w_LIO = ctx.saved_tensors
         grad_MO = grad_MO.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = rows_times_expert(grad_MO, w_EIO.transpose(1, 2), ctx.layout)
+            grad_x = rows_times_expert(grad_MO, w_LIO.transpose(1, 2), ctx.layout)
         if ctx.needs_input_grad[1]:
             grad_w = per_expert_outer(x_MI, grad_MO, ctx.layout)
         return grad_x, grad_w, None, None
 
 
-def grouped_matmul(x_MI: torch.Tensor, w_EIO: torch.Tensor, tokens_per_expert: Counts,
+def grouped_matmul(x_MI: torch.Tensor, w_LIO: torch.Tensor, tokens_per_expert: Counts,
                    kernel: str | None = None) -> torch.Tensor:
-    return _GroupedMatmul.apply(x_MI, w_EIO, tokens_per_expert, kernel)
+    return _GroupedMatmul.apply(x_MI, w_LIO, tokens_per_expert, kernel)
 
 
 class GradientBuffers:
     """Lets each expert weight's gradient be written into the memory of its previous one, on CPU.
 
     torch's CPU allocator hands large blocks back to the system when they are freed, so every step's
-    [E, H, D] gradients land on fresh pages, which the kernel zero-fills before the first write. Measured
+    [L, F, D] gradients land on fresh pages, which the kernel zero-fills before the first write. Measured
     here (E=1024, D=256, H=512), the native kernel wrote one 512 MiB gradient in 110-115 ms onto fresh pages
     and in 22 ms into memory written before (with streaming stores there; see cpu_kernels.c): the two
     gradients had been a third of the layer's step. So the experts keep the storage of the last gradient of
@@ -120,14 +120,14 @@ class _ExpertFFN(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows_RD, w_in_EHD, w_out_EHD, counts: Counts, row_of_pair_M, gate_M, scale: float,
+    def forward(ctx, rows_RD, w_in_LFD, w_out_LFD, counts: Counts, row_of_pair_M, gate_M, scale: float,
                 recompute: bool, kernel: str | None, grad_buffers: GradientBuffers | None):
         layout = GroupLayout(counts, rows_RD, kernel)
-        hidden_MH = rows_times_expert(rows_RD, w_in_EHD.transpose(1, 2), layout, row_of_pair_M, relu=True)
-        y_MD = rows_times_expert(hidden_MH, w_out_EHD, layout)
+        hidden_MF = rows_times_expert(rows_RD, w_in_LFD.transpose(1, 2), layout, row_of_pair_M, relu=True)
+        y_MD = rows_times_expert(hidden_MF, w_out_LFD, layout)
         y_MD.mul_(scale if gate_M is None else gate_M.to(y_MD.dtype)[:, None] * scale)
-        ctx.save_for_backward(rows_RD, w_in_EHD, w_out_EHD, row_of_pair_M, gate_M,
-                              None if recompute else hidden_MH)
+        ctx.save_for_backward(rows_RD, w_in_LFD, w_out_LFD, row_of_pair_M, gate_M,
+                              None if recompute else hidden_MF)
         ctx.layout, ctx.scale = layout, scale
         # Only the native kernel writes into a given buffer; it runs where fresh pages cost the most.
         ctx.grad_buffers = grad_buffers if layout.kernel == "native" else None
@@ -137,49 +137,49 @@ class _ExpertFFN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows_RD, w_in, w_out, row_of_pair_M, gate_M, hidden_MH = ctx.saved_tensors
+        rows_RD, w_in, w_out, row_of_pair_M, gate_M, hidden_MF = ctx.saved_tensors
         layout, scale = ctx.layout, ctx.scale
         need_rows, need_w_in, need_w_out = ctx.needs_input_grad[:3]
         need_gate = ctx.needs_input_grad[5]
-        if hidden_MH is None:   # recompute: the hidden layer was not kept
-            hidden_MH = rows_times_expert(rows_RD, w_in.transpose(1, 2), layout, row_of_pair_M, relu=True)
-        coef_M = grad_out.new_full((hidden_MH.shape[0],), scale) if gate_M is None else gate_M.to(grad_out.dtype) * scale
+        if hidden_MF is None:   # recompute: the hidden layer was not kept
+            hidden_MF = rows_times_expert(rows_RD, w_in.transpose(1, 2), layout, row_of_pair_M, relu=True)
+        coef_M = grad_out.new_full((hidden_MF.shape[0],), scale) if gate_M is None else gate_M.to(grad_out.dtype) * scale
         grad_gate = grad_rows = grad_w_in = grad_w_out = None
-        grad_hidden_MH, dot_M = _hidden_gradient(grad_out, row_of_pair_M, w_out, hidden_MH, coef_M, layout, need_gate)
+        grad_hidden_MF, dot_M = _hidden_gradient(grad_out, row_of_pair_M, w_out, hidden_MF, coef_M, layout, need_gate)
         if need_gate:   # dL/dg_m = scale * <G_m @ w_out[e].T, hidden_m> (see the class docstring)
             grad_gate = dot_M.mul_(scale).to(gate_M.dtype)
         del dot_M
         if need_w_out:   # a gathered copy is ours to scale in place; the incoming gradient is not
             grad_y_MD = _per_pair(grad_out, row_of_pair_M)
             grad_y_MD = grad_y_MD.mul_(coef_M[:, None]) if row_of_pair_M is not None else grad_y_MD * coef_M[:, None]
-            grad_w_out = per_expert_outer(hidden_MH, grad_y_MD, layout, _buffer(ctx, "w_out", w_out))
+            grad_w_out = per_expert_outer(hidden_MF, grad_y_MD, layout, _buffer(ctx, "w_out", w_out))
             del grad_y_MD
-        del hidden_MH
+        del hidden_MF
         if need_w_in:   # the pairs' input rows are read through row_of_pair, not gathered and kept
-            grad_w_in = per_expert_outer(grad_hidden_MH, rows_RD, layout, _buffer(ctx, "w_in", w_in), row_of_pair_M)
+            grad_w_in = per_expert_outer(grad_hidden_MF, rows_RD, layout, _buffer(ctx, "w_in", w_in), row_of_pair_M)
         if need_rows:
-            grad_x_MD = rows_times_expert(grad_hidden_MH, w_in, layout)
-            del grad_hidden_MH
+            grad_x_MD = rows_times_expert(grad_hidden_MF, w_in, layout)
+            del grad_hidden_MF
             grad_rows = grad_x_MD if row_of_pair_M is None else \
                 grad_x_MD.new_zeros(rows_RD.shape).index_add_(0, row_of_pair_M, grad_x_MD)
         return grad_rows, grad_w_in, grad_w_out, None, None, grad_gate, None, None, None, None
 
 
-def _hidden_gradient(grad_out, row_of_pair_M, w_out_EHD, hidden_MH, coef_M, layout: GroupLayout, need_dot: bool):
+def _hidden_gradient(grad_out, row_of_pair_M, w_out_LFD, hidden_MF, coef_M, layout: GroupLayout, need_dot: bool):
     """(gradient of the hidden layer's input: (G_m @ w_out[e].T) * coef_m where hidden > 0, else 0; and the
     dot products <G_m @ w_out[e].T, hidden_m> if `need_dot`), with G_m the output gradient of pair m. The
     native kernel gathers G, multiplies and applies the ReLU's backward in one pass; otherwise torch's ops."""
     if layout.kernel == "native":
-        return cpu_kernels.rows_times_wt(grad_out, w_out_EHD, layout.offsets_E1, row_of_pair_M,
-                                         relu_grad=(hidden_MH, coef_M))
+        return cpu_kernels.rows_times_wt(grad_out, w_out_LFD, layout.offsets_L1, row_of_pair_M,
+                                         relu_grad=(hidden_MF, coef_M))
     grad_y_MD = _per_pair(grad_out, row_of_pair_M)
-    grad_hidden_MH = rows_times_expert(grad_y_MD, w_out_EHD.transpose(1, 2), layout)   # per unit of coef
+    grad_hidden_MF = rows_times_expert(grad_y_MD, w_out_LFD.transpose(1, 2), layout)   # per unit of coef
     del grad_y_MD
-    dot_M = row_dot(grad_hidden_MH, hidden_MH) if need_dot else None
-    # ReLU: hidden > 0 exactly where its input was. threshold_backward in place: no [M, H] mask temporary.
-    torch.ops.aten.threshold_backward.grad_input(grad_hidden_MH.mul_(coef_M[:, None]), hidden_MH, 0,
-                                                 grad_input=grad_hidden_MH)
-    return grad_hidden_MH, dot_M
+    dot_M = row_dot(grad_hidden_MF, hidden_MF) if need_dot else None
+    # ReLU: hidden > 0 exactly where its input was. threshold_backward in place: no [M, F] mask temporary.
+    torch.ops.aten.threshold_backward.grad_input(grad_hidden_MF.mul_(coef_M[:, None]), hidden_MF, 0,
+                                                 grad_input=grad_hidden_MF)
+    return grad_hidden_MF, dot_M
 
 
 def _per_pair(t_RD: torch.Tensor, row_of_pair_M: torch.Tensor | None) -> torch.Tensor:
@@ -191,26 +191,26 @@ def _buffer(ctx, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, bool] |
     return None if ctx.grad_buffers is None else ctx.grad_buffers.take(name, weight)
 
 
-def expert_ffn(rows_RD, w_in_EHD, w_out_EHD, tokens_per_expert: Counts, row_of_pair_M=None, gate_M=None,
+def expert_ffn(rows_RD, w_in_LFD, w_out_LFD, tokens_per_expert: Counts, row_of_pair_M=None, gate_M=None,
                scale: float = 1.0, recompute: bool = False, kernel: str | None = None,
                grad_buffers: GradientBuffers | None = None) -> torch.Tensor:
     """See _ExpertFFN. `kernel` forces one kernel (tests); by default GroupLayout picks per product.
     `grad_buffers`: where the weight gradients may be written (see GradientBuffers)."""
-    return _ExpertFFN.apply(rows_RD, w_in_EHD, w_out_EHD, tokens_per_expert, row_of_pair_M, gate_M, scale,
+    return _ExpertFFN.apply(rows_RD, w_in_LFD, w_out_LFD, tokens_per_expert, row_of_pair_M, gate_M, scale,
                             recompute, kernel, grad_buffers)
 
 
 class GroupedExperts(nn.Module):
-    """E local experts, each D -> H (ReLU) -> D with no biases (t2t's `ffn_expert_fn`).
+    """L local experts, each D -> F (ReLU) -> D with no biases (t2t's `ffn_expert_fn`).
 
-    The output is scaled by sqrt(D/H) (t2t's autoscale) so expert outputs keep unit scale whatever H is.
+    The output is scaled by sqrt(D/F) (t2t's autoscale) so expert outputs keep unit scale whatever F is.
     Weights are Glorot-uniform per expert matrix, as t2t's default initializer, drawn from a generator
     seeded by (seed, global expert id): an expert starts the same whichever rank holds it, so runs with
     different --ep-size start from the same model, and the global RNG is left untouched.
 
-    w_in is stored [L, H, D], as nn.Linear stores (out, in): the forward's x @ w_in[e].T and the backward's
+    w_in is stored [L, F, D], as nn.Linear stores (out, in): the forward's x @ w_in[e].T and the backward's
     g @ w_in[e] then both take MKL's faster operand layouts for these shapes (measured 1.7x faster forward at
-    E=1024 than w_in [L, D, H]). It is drawn as [D, H] and transposed, so the initial model is unchanged.
+    E=1024 than w_in [L, D, F]). It is drawn as [D, F] and transposed, so the initial model is unchanged.
     """
 
     def __init__(self, num_local_experts: int, d_model: int, d_hidden: int, first_global_expert: int = 0,

@@ -1,11 +1,11 @@
 """Per-expert products as grouped GEMMs: one call for all experts, whatever their number.
 
-Legend: M rows sorted by expert (`counts_E[e]` of them for expert e), E experts, I and O the two matrix
-widths; offsets are int32 row ends on the device, which is what grouped GEMMs read, so nothing here waits
+Legend (docs/shapes.md): M rows sorted by expert (`counts_L[e]` of them for expert e), L local experts, I and O
+the two matrix widths; offsets are int32 row ends on the device, which is what grouped GEMMs read, so nothing here waits
 for the device.
 
-    rows_times_expert   out[rows of e] = a[rows of e] @ b[e]                 [M, I] x [E, I, O] -> [M, O]
-    per_expert_outer    out[e] = a[rows of e].T @ b[rows of e]              [M, I] x [M, O] -> [E, I, O]
+    rows_times_expert   out[rows of e] = a[rows of e] @ b[e]                 [M, I] x [L, I, O] -> [M, O]
+    per_expert_outer    out[e] = a[rows of e].T @ b[rows of e]              [M, I] x [M, O] -> [L, I, O]
 
 Kernels (`GroupLayout` picks one per layer from the device and dtype; tests force each in turn):
 
@@ -113,17 +113,17 @@ class GroupLayout:
                              f"{like.device.type} {like.dtype}")
         self.kernel = kernel or choose_kernel(like)
         if isinstance(counts, tuple):
-            counts_E, self._host_counts = counts
+            counts_L, self._host_counts = counts
         elif isinstance(counts, torch.Tensor):
-            counts_E, self._host_counts = counts, None
+            counts_L, self._host_counts = counts, None
         else:
             self._host_counts = list(counts)
-            counts_E = torch.tensor(self._host_counts, dtype=torch.long)
-        self.counts_E = counts_E.to(device=like.device, dtype=torch.long)
-        self.num_groups = self.counts_E.shape[0]
-        self.offsets = self.counts_E.cumsum(0, dtype=torch.int32)   # row ends, what grouped GEMMs take
+            counts_L = torch.tensor(self._host_counts, dtype=torch.long)
+        self.counts_L = counts_L.to(device=like.device, dtype=torch.long)
+        self.num_groups = self.counts_L.shape[0]
+        self.offsets = self.counts_L.cumsum(0, dtype=torch.int32)   # row ends, what grouped GEMMs take
         if self.kernel == "native":
-            self.offsets_E1 = torch.cat([self.counts_E.new_zeros(1), self.offsets.long()])
+            self.offsets_L1 = torch.cat([self.counts_L.new_zeros(1), self.offsets.long()])
         max_groups = policy_for(like).max_groups
         self.chunks = self._chunks(max_groups) if self.kernel in ("grouped", "triton") and max_groups \
             and self.num_groups > max_groups else None
@@ -131,7 +131,7 @@ class GroupLayout:
     @property
     def host_counts(self) -> list[int]:
         if self._host_counts is None:
-            self._host_counts = self.counts_E.tolist()
+            self._host_counts = self.counts_L.tolist()
         return self._host_counts
 
     def _chunks(self, max_groups: int) -> list[tuple[int, int, int, int, torch.Tensor]]:
@@ -146,43 +146,43 @@ class GroupLayout:
         return chunks
 
 
-def rows_times_expert(a_MI: torch.Tensor, b_EIO: torch.Tensor, layout: GroupLayout,
+def rows_times_expert(a_MI: torch.Tensor, b_LIO: torch.Tensor, layout: GroupLayout,
                       a_index_M: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ b[e]: [M, O]. With `a_index_M`, row r reads a[a_index_M[r]] (the native
     kernel gathers as it reads; the others gather first); `relu` clamps the result at 0."""
-    if layout.kernel == "native":   # b is a weight [E, I, O] or a weight's transpose
-        if b_EIO.transpose(1, 2).is_contiguous():
-            return cpu_kernels.rows_times_wt(a_MI, b_EIO.transpose(1, 2), layout.offsets_E1, a_index_M, relu)
+    if layout.kernel == "native":   # b is a weight [L, I, O] or a weight's transpose
+        if b_LIO.transpose(1, 2).is_contiguous():
+            return cpu_kernels.rows_times_wt(a_MI, b_LIO.transpose(1, 2), layout.offsets_L1, a_index_M, relu)
     if a_index_M is not None:
         a_MI = a_MI.index_select(0, a_index_M)
     if layout.kernel == "native":
-        out_MO = cpu_kernels.rows_times_w(a_MI, b_EIO, layout.offsets_E1)
+        out_MO = cpu_kernels.rows_times_w(a_MI, b_LIO, layout.offsets_L1)
     elif a_MI.shape[0] == 0:
-        out_MO = a_MI.new_empty(0, b_EIO.shape[2])
+        out_MO = a_MI.new_empty(0, b_LIO.shape[2])
     elif layout.kernel in ("grouped", "triton"):
         product = _grouped_rows if layout.kernel == "grouped" else _triton_rows
         if layout.chunks is None:
-            out_MO = product(a_MI, b_EIO, layout.offsets)
+            out_MO = product(a_MI, b_LIO, layout.offsets)
         else:
-            out_MO = torch.cat([product(a_MI[r0:r1], b_EIO[e0:e1], offsets)
+            out_MO = torch.cat([product(a_MI[r0:r1], b_LIO[e0:e1], offsets)
                                 for e0, e1, r0, r1, offsets in layout.chunks])
     else:
-        out_MO = a_MI.new_empty(a_MI.shape[0], b_EIO.shape[2])
+        out_MO = a_MI.new_empty(a_MI.shape[0], b_LIO.shape[2])
         start = 0
         for e, count in enumerate(layout.host_counts):
             if count:
-                torch.mm(a_MI[start:start + count], b_EIO[e], out=out_MO[start:start + count])
+                torch.mm(a_MI[start:start + count], b_LIO[e], out=out_MO[start:start + count])
                 start += count
     return out_MO.relu_() if relu else out_MO
 
 
 def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout,
                      out: tuple[torch.Tensor, bool] | None = None, b_index_M: torch.Tensor | None = None) -> torch.Tensor:
-    """out[e] = a[rows of e].T @ b[rows of e]: [E, I, O], exact zeros for an expert with no rows. With
+    """out[e] = a[rows of e].T @ b[rows of e]: [L, I, O], exact zeros for an expert with no rows. With
     `b_index_M`, row r of b is b[b_index_M[r]]. `out` (native kernel only): a buffer to write over, and
     whether it was written before (experts.GradientBuffers.take)."""
     if layout.kernel == "native":
-        return cpu_kernels.rows_outer(a_MI, b_MO, layout.offsets_E1, *(out or ()), b_index_M=b_index_M)
+        return cpu_kernels.rows_outer(a_MI, b_MO, layout.offsets_L1, *(out or ()), b_index_M=b_index_M)
     if b_index_M is not None:
         b_MO = b_MO.index_select(0, b_index_M)
     if a_MI.shape[0] == 0:
@@ -190,37 +190,37 @@ def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout
     if layout.kernel in ("grouped", "triton"):
         product = _grouped_outer if layout.kernel == "grouped" else _triton_outer
         if layout.chunks is None:
-            return product(a_MI, b_MO, layout.offsets, layout.counts_E)
-        return torch.cat([product(a_MI[r0:r1], b_MO[r0:r1], offsets, layout.counts_E[e0:e1])
+            return product(a_MI, b_MO, layout.offsets, layout.counts_L)
+        return torch.cat([product(a_MI[r0:r1], b_MO[r0:r1], offsets, layout.counts_L[e0:e1])
                           for e0, e1, r0, r1, offsets in layout.chunks])
-    out_EIO = a_MI.new_empty(layout.num_groups, a_MI.shape[1], b_MO.shape[1])
+    out_LIO = a_MI.new_empty(layout.num_groups, a_MI.shape[1], b_MO.shape[1])
     start = 0
     for e, count in enumerate(layout.host_counts):
         if count:
-            torch.mm(a_MI[start:start + count].t(), b_MO[start:start + count], out=out_EIO[e])
+            torch.mm(a_MI[start:start + count].t(), b_MO[start:start + count], out=out_LIO[e])
             start += count
         else:
-            out_EIO[e].zero_()
-    return out_EIO
+            out_LIO[e].zero_()
+    return out_LIO
 
 
-def _grouped_rows(a_MI: torch.Tensor, b_EIO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return F.grouped_mm(a_MI, b_EIO, offs=offsets)
+def _grouped_rows(a_MI: torch.Tensor, b_LIO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return F.grouped_mm(a_MI, b_LIO, offs=offsets)
 
 
-def _triton_rows(a_MI: torch.Tensor, b_EIO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return _triton_ops()._group_gemm(a_MI.contiguous(), b_EIO, offsets)
+def _triton_rows(a_MI: torch.Tensor, b_LIO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _triton_ops()._group_gemm(a_MI.contiguous(), b_LIO, offsets)
 
 
-def _grouped_outer(a_MI, b_MO, offsets, counts_E) -> torch.Tensor:
-    out_EIO = F.grouped_mm(a_MI.t(), b_MO, offs=offsets)
-    if out_EIO.is_cuda and torch.cuda.get_device_capability(out_EIO.device)[0] == 10:
+def _grouped_outer(a_MI, b_MO, offsets, counts_L) -> torch.Tensor:
+    out_LIO = F.grouped_mm(a_MI.t(), b_MO, offs=offsets)
+    if out_LIO.is_cuda and torch.cuda.get_device_capability(out_LIO.device)[0] == 10:
         # Blackwell's kernel leaves experts without rows unwritten (pytorch/pytorch#172439); Hopper zeroes them.
-        out_EIO.masked_fill_((counts_E == 0)[:, None, None], 0.0)
-    return out_EIO
+        out_LIO.masked_fill_((counts_L == 0)[:, None, None], 0.0)
+    return out_LIO
 
 
-def _triton_outer(a_MI, b_MO, offsets, counts_E) -> torch.Tensor:
+def _triton_outer(a_MI, b_MO, offsets, counts_L) -> torch.Tensor:
     return _triton_ops()._grouped_dw(a_MI.contiguous(), b_MO.contiguous(), offsets, offsets.shape[0])
 
 

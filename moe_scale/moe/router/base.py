@@ -61,11 +61,11 @@ class RouterOutput:
     metrics: dict[str, float | Tensor] = field(default_factory=dict)  # gate-specific numbers (read at log points)
 
     def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(token_index_P, expert_P, gate_P): the routing as (token, expert) pairs, P = N*K, what a
+        """(token_index_C, expert_C, gate_C): the routing as (token, expert) pairs, P = N*K, what a
         dispatcher consumes (gates whose tokens get a variable number of experts produce pairs directly)."""
         n, k = self.experts_NK.shape
-        token_index_P = torch.arange(n, device=self.experts_NK.device).repeat_interleave(k)
-        return token_index_P, self.experts_NK.reshape(-1), self.gates_NK.reshape(-1)
+        token_index_C = torch.arange(n, device=self.experts_NK.device).repeat_interleave(k)
+        return token_index_C, self.experts_NK.reshape(-1), self.gates_NK.reshape(-1)
 
 
 def _identity(t: Tensor) -> Tensor:

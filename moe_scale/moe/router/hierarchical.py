@@ -1,18 +1,19 @@
 """Two-level hierarchical noisy top-k gate (Shazeer et al. 2017, Appendix B, eq. 12-14; spec §1.6, §7 item 7).
 
-Legend: N tokens, D model dim, A groups (``a``), B experts per group (``b``), E = A*B experts,
-Kp / Ks top-k of the primary / secondary gate, K = Kp*Ks experts per token, M = top-(k+1) kept logits.
+Legend (docs/shapes.md): N tokens, D model width, A groups (``a``), G experts per group (``b``), E = A*G experts,
+Kp / Ks top-k of the primary / secondary gate, K = Kp*Ks experts per token, J = N*Kp (token, chosen group) rows,
+M = top-(k+1) kept logits.
 
 A primary noisy top-k gate picks Kp of the A groups for each token; for each picked group i a secondary noisy top-k
-gate with group i's own weights picks Ks of its B experts. Expert (i, j) gets the gate ``G_p[t,i] * G_s[t,i,j]``
-(eq. 12) and the flat global id ``i*B + j``, so the B experts of a group are contiguous and live on one
+gate with group i's own weights picks Ks of its G experts. Expert (i, j) gets the gate ``G_p[t,i] * G_s[t,i,j]``
+(eq. 12) and the flat global id ``i*G + j``, so the G experts of a group are contiguous and live on one
 expert-parallel rank whenever ep_size divides A.
 
 Placement (a deliberate deviation from the paper, with identical math): the primary gate is data-parallel, as in
 the paper, but the secondary gates are replicated too and evaluated on the token's own rank, batched over all
 groups. A token therefore crosses the network once, straight to the rank that holds its group's experts, instead
-of twice (to the group's secondary gate, then on to its experts). The cost is A*D*B*2 replicated gate parameters,
-the same as a flat gate over A*B experts, and the secondary logits are computed for all A groups
+of twice (to the group's secondary gate, then on to its experts). The cost is A*D*G*2 replicated gate parameters,
+the same as a flat gate over A*G experts, and the secondary logits are computed for all A groups
 (``einsum('nd,adb->nab')``, N*D*E multiply-adds, again the same as a flat gate) and then gathered.
 """
 
@@ -30,10 +31,10 @@ from moe_scale.moe.router.base import Router, RouterOutput
 _EPS = 1e-10  # t2t's epsilon in eq. 14's denominator: a group that got no token has load 0, not NaN
 
 
-def _all_groups(x_ND: Tensor, w_ADB: Tensor) -> Tensor:
-    """x @ w[i] for every group i: [N, A, B], as one matrix product."""
-    a, d, b = w_ADB.shape
-    return (x_ND @ w_ADB.transpose(0, 1).reshape(d, a * b)).view(-1, a, b)
+def _all_groups(x_ND: Tensor, w_ADG: Tensor) -> Tensor:
+    """x @ w[i] for every group i: [N, A, G], as one matrix product."""
+    a, d, b = w_ADG.shape
+    return (x_ND @ w_ADG.transpose(0, 1).reshape(d, a * b)).view(-1, a, b)
 
 
 def _top_k(clean_RC: Tensor, raw_noise_RC: Optional[Tensor], noise_RC: Optional[Tensor], k: int, eps: float,
@@ -53,12 +54,12 @@ def _top_k(clean_RC: Tensor, raw_noise_RC: Optional[Tensor], noise_RC: Optional[
 
 
 class HierarchicalRouter(Router):
-    """Hierarchical MoE gate with Importance_H / Load_H CV² losses over all A*B experts (eq. 13-14).
+    """Hierarchical MoE gate with Importance_H / Load_H CV² losses over all A*G experts (eq. 13-14).
 
     Exactly as t2t's ``DistributedMixtureOfExperts`` hierarchical branch (spec §1.6):
 
-    - ``importance_E[i*B+j] = Σ_t G_p[t,i] · G_s[t,i,j]`` (eq. 13);
-    - ``load_E[i*B+j] = load_p[i] · load_s[i,j] / (cnt_p[i] + 1e-10)`` (eq. 14), where ``load_p`` is the primary
+    - ``importance_E[i*G+j] = Σ_t G_p[t,i] · G_s[t,i,j]`` (eq. 13);
+    - ``load_E[i*G+j] = load_p[i] · load_s[i,j] / (cnt_p[i] + 1e-10)`` (eq. 14), where ``load_p`` is the primary
       smooth load (hard count in eval, without noise, or when Kp == A), ``load_s[i]`` the secondary smooth load
       (or hard count) of group i over the tokens that picked it, *not* multiplied by ``G_p``, and ``cnt_p[i]`` the
       hard count of tokens that picked group i.
@@ -69,7 +70,7 @@ class HierarchicalRouter(Router):
     every rank even when it has no tokens. It must be an autograd-aware all-reduce(SUM).
 
     Noise: ``noise_sampler`` (default ``torch.randn``) is called exactly twice per training forward with noise on:
-    first ``(N, A)`` for the primary, then ``(N, A*B)`` for the secondary (noise for every (token, group, expert),
+    first ``(N, A)`` for the primary, then ``(N, A*G)`` for the secondary (noise for every (token, group, expert),
     of which the picked groups are used), so ``GlobalTokenNoise`` keeps a 1-process run equal to an N-process run.
 
     Initialisation as the flat gate: all four matrices start at zero (noise std 0.703147 at both levels, balanced
@@ -132,35 +133,35 @@ class HierarchicalRouter(Router):
             raw_NA = x_ND @ self.w_noise_primary.to(dtype) if noisy else None
             noise_NA = self._sample_noise(n, a, x_ND.device).to(dtype) if noisy else None
             gp_NKp, groups_NKp, load_p_A = _top_k(clean_NA, raw_NA, noise_NA, kp, self.noise_epsilon)
-            groups_P = groups_NKp.reshape(-1)  # P = N*Kp (token, group) pairs, token-major
-            cnt_A = count_per_bin(groups_P, a, dtype)  # |X^(i)|
+            groups_J = groups_NKp.reshape(-1)  # J = N*Kp (token, chosen group) rows, token-major
+            cnt_A = count_per_bin(groups_J, a, dtype)  # |X^(i)|
             if load_p_A is None:  # eval, noise off, or Kp == A: the hard count
                 load_p_A = cnt_A
 
             # ---- secondary: logits of all groups at once, then the picked groups' rows
-            clean_NAB = _all_groups(x_ND, self.w_gate_secondary.to(dtype))
-            pick_NKpB = groups_NKp.unsqueeze(-1).expand(n, kp, b)
-            clean_PB = clean_NAB.gather(1, pick_NKpB).reshape(n * kp, b)
-            raw_PB = noise_PB = None
+            clean_NAG = _all_groups(x_ND, self.w_gate_secondary.to(dtype))
+            pick_NKpG = groups_NKp.unsqueeze(-1).expand(n, kp, b)
+            clean_JG = clean_NAG.gather(1, pick_NKpG).reshape(n * kp, b)
+            raw_JG = noise_JG = None
             if noisy:
-                raw_NAB = _all_groups(x_ND, self.w_noise_secondary.to(dtype))
-                raw_PB = raw_NAB.gather(1, pick_NKpB).reshape(n * kp, b)
-                noise_NAB = self._sample_noise(n, a * b, x_ND.device).to(dtype).reshape(n, a, b)
-                noise_PB = noise_NAB.gather(1, pick_NKpB).reshape(n * kp, b)
+                raw_NAG = _all_groups(x_ND, self.w_noise_secondary.to(dtype))
+                raw_JG = raw_NAG.gather(1, pick_NKpG).reshape(n * kp, b)
+                noise_NAG = self._sample_noise(n, a * b, x_ND.device).to(dtype).reshape(n, a, b)
+                noise_JG = noise_NAG.gather(1, pick_NKpG).reshape(n * kp, b)
             # Load_i(X^(i)): the secondary smooth load summed per group, NOT multiplied by G_p
-            gs_PKs, local_PKs, load_s_AB = _top_k(clean_PB, raw_PB, noise_PB, ks, self.noise_epsilon, groups_P, a)
-            if load_s_AB is None:
-                load_s_AB = count_per_bin(groups_P[:, None] * b + local_PKs, a * b, dtype).reshape(a, b)
+            gs_JKs, local_JKs, load_s_AG = _top_k(clean_JG, raw_JG, noise_JG, ks, self.noise_epsilon, groups_J, a)
+            if load_s_AG is None:
+                load_s_AG = count_per_bin(groups_J[:, None] * b + local_JKs, a * b, dtype).reshape(a, b)
 
-            # ---- combined gates G_p·G_s (eq. 12) and flat expert ids i*B + j; the primary gate is applied here once
-            gates_NK = (gp_NKp.reshape(-1, 1) * gs_PKs).reshape(n, kp * ks)
-            experts_NK = (groups_P[:, None] * b + local_PKs).reshape(n, kp * ks)
+            # ---- combined gates G_p·G_s (eq. 12) and flat expert ids i*G + j; the primary gate is applied here once
+            gates_NK = (gp_NKp.reshape(-1, 1) * gs_JKs).reshape(n, kp * ks)
+            experts_NK = (groups_J[:, None] * b + local_JKs).reshape(n, kp * ks)
             importance_E = gates_NK.new_zeros(a * b).index_add(0, experts_NK.reshape(-1), gates_NK.reshape(-1))
 
             # ---- one collective for everything, then eq. 14 from the global sums
-            stats = self.sum_over_batch(torch.cat([importance_E, load_s_AB.reshape(-1), load_p_A, cnt_A]))
-            importance_E, load_s_AB, load_p_A, cnt_A = stats.split([a * b, a * b, a, a])
-            load_E = (load_p_A[:, None] * load_s_AB.reshape(a, b) / (cnt_A[:, None] + _EPS)).reshape(-1)
+            stats = self.sum_over_batch(torch.cat([importance_E, load_s_AG.reshape(-1), load_p_A, cnt_A]))
+            importance_E, load_s_AG, load_p_A, cnt_A = stats.split([a * b, a * b, a, a])
+            load_E = (load_p_A[:, None] * load_s_AG.reshape(a, b) / (cnt_A[:, None] + _EPS)).reshape(-1)
             cv2_2 = cv_squared(torch.stack([importance_E, load_E]))
             aux_loss = self.w_importance * cv2_2[0] + self.w_load * cv2_2[1]
         return RouterOutput(gates_NK, experts_NK, aux_loss, importance_E, load_E)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
-from moe_scale.metrics.flops import SoftmaxCost
+from moe_scale.accounting.flops import SoftmaxCost
 
 LM1B_VOCAB = 793_471      # §5.1
 # Not stated for the Google News corpus. Table 8's totals (billions, one decimal) minus its

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
-from moe_scale.metrics.flops import SoftmaxCost, active_experts, lstm_layer_shape, lstm_lm_accounting, moe_gating
-from moe_scale.presets import get_preset, preset_config
+from moe_scale.accounting.flops import SoftmaxCost, active_experts, lstm_layer_shape, lstm_lm_accounting, moe_gating
+from moe_scale.accounting.presets import get_preset, preset_config
 
 GIB = 2**30
 MAX_NODES = 4096

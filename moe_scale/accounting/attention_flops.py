@@ -29,7 +29,7 @@ def moa_params(num_experts: int, d_model: int, head_dim: int, with_router: bool 
 
 def transformer_forward_macs_per_token(config: RunConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
     """Forward MACs per token of TransformerLM by component (active experts only)."""
-    from moe_scale.metrics.flops import active_experts, moe_gating
+    from moe_scale.accounting.flops import active_experts, moe_gating
 
     attn, transformer = config.attention, config.model.transformer
     d, T = config.model.d_model, seq_len
