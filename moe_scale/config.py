@@ -481,7 +481,9 @@ class RunConfig:
         return config
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        from moe_scale.files import write_json_atomic
+
+        write_json_atomic(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":

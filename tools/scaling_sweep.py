@@ -160,6 +160,8 @@ def plots(mode: str, rows: list[dict], out: Path) -> None:
     right = left.twinx()
     right.plot(ranks, [r["tflops_per_device"] for r in rows], "s--", color="tab:orange", label="TFLOPS/device")
     right.set_ylabel("TFLOPS/device")
+    lines = left.get_lines() + right.get_lines()
+    left.legend(lines, [line.get_label() for line in lines], loc="upper left")
     left.set_title(f"{mode} scaling: throughput")
     fig.tight_layout()
     fig.savefig(out / f"scaling_{mode}_throughput.png", dpi=100)

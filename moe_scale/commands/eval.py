@@ -4,7 +4,9 @@ expert-utilisation statistics and top tokens per expert of every MoE layer."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from pathlib import Path
 
 from moe_scale.config import RunConfig
@@ -25,7 +27,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    result = run_eval(args.run, args.split, args.data, args.expert_stats, args.top_tokens)
+    with contextlib.redirect_stdout(sys.stderr):   # only the result on stdout (`--json` must parse)
+        result = run_eval(args.run, args.split, args.data, args.expert_stats, args.top_tokens)
     if result is not None:
         print(json.dumps(result) if args.json else format_eval(result))
 

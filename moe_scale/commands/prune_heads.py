@@ -30,7 +30,7 @@ from moe_scale.errors import UserError
 from moe_scale.models.build import build_model, parameter_counts
 from moe_scale.train.data_setup import load_run_splits, min_over_ranks
 from moe_scale.train.evaluate import evaluate
-from moe_scale.train.run_dir import write_json_atomic
+from moe_scale.files import write_json_atomic
 
 TIMING_BATCHES = 4
 TIMING_REPEATS = 7
@@ -40,8 +40,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("prune-heads", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        help="head importance and global head pruning of a transformer run (Michel et al. 2019)")
     p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
-    p.add_argument("--data", metavar="PATH", help="text for importance and perplexity (default: the run's "
-                                                  "validation split)")
+    p.add_argument("--data", metavar="PATH", help="text for importance and perplexity per token over full "
+                                                  "windows (default: the run's validation split)")
     p.add_argument("--steps", type=int, default=10, help="pruning steps (the first prunes nothing)")
     p.add_argument("--fraction-per-step", type=float, default=0.1, help="share of all heads removed per step")
     p.add_argument("--max-batches", type=int, default=0, help="cap on batches of the data (0: all)")
@@ -123,6 +123,7 @@ def run_prune_heads(run_dir: str, data: str | None, steps: int, fraction_per_ste
                      "unpruned_forward_seconds": min(base_seconds), "speedup": speedup,
                      "pruned_heads": [list(h) for h in pruned]})
     report = {"run": str(run), "checkpoint": tag, "data": data or "valid", "tokens": result["tokens"],
+              "ppl_kind": "per token over full windows of the data (eval reports per word)",
               "abs_granularity": abs_granularity, "recompute_importance": recompute,
               "importance": scores.tolist(), "steps": rows}
     _write(out_dir, report)
@@ -179,14 +180,14 @@ def _write(out_dir: Path, report: dict) -> None:
     except OSError as e:
         raise UserError(f"--out {out_dir}: cannot create it ({e.strerror}); choose a writable directory")
     rows = report["steps"]
-    lines = ["| fraction pruned | heads left | params | ppl | speed-up |", "|---|---|---|---|---|"]
+    lines = ["| fraction pruned | heads left | params | perplexity per token | speed-up |", "|---|---|---|---|---|"]
     lines += [f"| {r['fraction_pruned']:.3f} | {r['heads_left']} | {r['params']:,} | {r['ppl']:.2f} | "
               f"{r['speedup']:.3f} |" for r in rows]
     figure, ppl_axis = plt.subplots(figsize=(6, 4))
     fractions = [r["fraction_pruned"] for r in rows]
     ppl_axis.plot(fractions, [r["ppl"] for r in rows], "o-", color="tab:blue")
     ppl_axis.set_xlabel("fraction of heads pruned")
-    ppl_axis.set_ylabel("perplexity", color="tab:blue")
+    ppl_axis.set_ylabel("perplexity per token (full windows)", color="tab:blue")
     speed_axis = ppl_axis.twinx()
     speed_axis.plot(fractions, [r["speedup"] for r in rows], "s--", color="tab:red")
     speed_axis.set_ylabel("forward speed-up", color="tab:red")
@@ -201,5 +202,5 @@ def _write(out_dir: Path, report: dict) -> None:
 
 
 def format_report(report: dict) -> str:
-    return "\n".join(f"pruned {r['fraction_pruned']:.3f}  heads left {r['heads_left']:3d}  ppl {r['ppl']:9.2f}  "
-                     f"speed-up {r['speedup']:.3f}" for r in report["steps"])
+    return "\n".join(f"pruned {r['fraction_pruned']:.3f}  heads left {r['heads_left']:3d}  "
+                     f"ppl/token {r['ppl']:9.2f}  speed-up {r['speedup']:.3f}" for r in report["steps"])

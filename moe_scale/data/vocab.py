@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
 from moe_scale.errors import UserError
+from moe_scale.files import write_text_atomic
 
 
 class Vocab:
@@ -75,8 +74,8 @@ class Vocab:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         if self.counts is not None:
-            _write_atomic(counts_path(path), "".join(f"{c}\n" for c in self.counts))
-        _write_atomic(path, "".join(w + "\n" for w in self.words))
+            write_text_atomic(counts_path(path), "".join(f"{c}\n" for c in self.counts))
+        write_text_atomic(path, "".join(w + "\n" for w in self.words))
 
     @classmethod
     def load(cls, path: Path) -> "Vocab":
@@ -106,17 +105,6 @@ class Vocab:
             if len(counts) != len(words):
                 raise UserError(f"{counts_path(path)} has {len(counts)} counts for {len(words)} words; {fix}")
         return cls(words, counts)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def counts_path(vocab_path: Path) -> Path:

@@ -13,9 +13,11 @@ first `import deepspeed`, which is why cli.py calls `select_accelerator()` first
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +137,17 @@ def release_deepspeed_shm_name() -> None:
     name.unlink(missing_ok=True)
 
 
+def _cpu_comm_op_built() -> bool:
+    """Whether DeepSpeed's shared-memory CPU op is in torch's extension cache already (it builds on first use)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        directory = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    except Exception:   # noqa: BLE001 - only decides whether to announce the build
+        return True
+    return any(directory.glob("deepspeed_shm_comm*.so"))
+
+
 def init_distributed() -> DistEnv:
     """Initialise torch.distributed through DeepSpeed (idempotent) and describe this process."""
     accelerator = select_accelerator()
@@ -143,7 +156,11 @@ def init_distributed() -> DistEnv:
 
     backend = "gloo" if accelerator == "cpu" else "nccl"
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        if accelerator == "cpu" and not _cpu_comm_op_built() and os.environ.get("RANK", "0") == "0":
+            print("moe-scale: building DeepSpeed's CPU communication op (first run on this machine, about a "
+                  "minute; it is cached for later runs)", file=sys.stderr, flush=True)
+        with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed's progress lines are not the command's output
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         release_deepspeed_shm_name()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if accelerator == "cpu":

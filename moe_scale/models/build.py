@@ -47,4 +47,6 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 def describe_parameters(model: nn.Module) -> str:
     counts = parameter_counts(model)
     experts = sum(layer.num_experts for layer in model.moe_layers())
+    if not experts:
+        return f"{counts['total'] / 1e6:.2f}M parameters"
     return f"{counts['total'] / 1e6:.2f}M parameters ({counts['experts'] / 1e6:.2f}M in {experts} experts)"

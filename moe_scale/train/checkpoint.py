@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from moe_scale.errors import UserError
 
-from moe_scale.train.run_dir import write_json_atomic
+from moe_scale.files import write_json_atomic
 
 KEEP_LAST = 2
 

@@ -29,7 +29,8 @@ from moe_scale.train.engine import TrainingEngine
 from moe_scale.train.evaluate import evaluate
 from moe_scale.train.mae_bcd import mae_schedule
 from moe_scale.train.factored_optimizer import check_optimizer_fits
-from moe_scale.train.run_dir import check_run_dir, claim_run_dir, write_json_atomic
+from moe_scale.files import write_json_atomic
+from moe_scale.train.run_dir import check_run_dir, claim_run_dir
 from moe_scale.models.build_softmax import build_softmax
 from moe_scale.train.step_stats import PendingSteps, StepTimer
 
@@ -121,8 +122,9 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
     timer = StepTimer(env.device, lambda: all_to_all_seconds(model.moe_layers()))
     peak = _peak(env, ds_config)
     last_train, valid, record = {}, {}, {}
-    logger.line(f"training {describe_parameters(model)} on {env.world_size} process(es), ep_size={config.parallel.ep_size}, "
-                f"{data.train.describe()}")
+    logger.line(f"training {describe_parameters(model)} on {env.world_size} process(es), "
+                f"ep_size={config.parallel.ep_size}, {data.train.describe()}; MFU against a peak of {peak[0]:.4g} "
+                f"TFLOPS per device ({peak[1]})")
     for step in range(start_step, t.max_steps):
         if step >= t.max_steps:   # a streamed run's data ran out (one pass)
             break
@@ -172,10 +174,11 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
                                   "perf/tflops_per_device": perf["tflops_per_device"],
                                   "perf/mfu": perf["mfu"], "perf/all_to_all_share": perf["all_to_all_share"]})
             balance = f"  cv(load) {last_train['cv_load']:.3f}" if "cv_load" in last_train else ""
+            rates = (f"{perf['tokens_per_s']:.0f} tok/s  {perf['tflops_per_device']:.4g} TFLOPS/device  "
+                     f"MFU {perf['mfu']:.2%}  all-to-all {perf['all_to_all_share']:.1%}") \
+                if math.isfinite(perf["tokens_per_s"]) else f"not timed (the first {TIMING_WARMUP_STEPS} steps warm up)"
             logger.line(f"step {done}/{t.max_steps}  loss {last_train['nll']:.4f}  "
-                        f"ppl {_exp(last_train['nll']):.2f}{balance}  this interval: "
-                        f"{perf['tokens_per_s']:.0f} tok/s  {perf['tflops_per_device']:.4g} TFLOPS/device  "
-                        f"MFU {perf['mfu']:.2%}  all-to-all {perf['all_to_all_share']:.1%}")
+                        f"ppl {_exp(last_train['nll']):.2f}{balance}  this interval: {rates}")
         if eval_now:
             valid = evaluate(model, data.valid, r.eval_max_batches, env.device)
             logger.scalars(done, {"valid/ppl": valid["ppl"], **{f"valid_moe/{name}": value for name, value

@@ -18,12 +18,12 @@ is one of them, and never while the run's lock is live.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from moe_scale.errors import UserError
+from moe_scale.files import is_partial_write, write_json_atomic
 from moe_scale.train.run_lock import LOCK_NAME, RunLock, live_owner
 
 MARKER = "moe_scale_run.json"
@@ -33,8 +33,8 @@ OWNED = frozenset({MARKER, LOCK_NAME, "config.json", "ds_config.json", "vocab", 
 
 
 def _owned(name: str) -> bool:
-    """Our files, and what a write killed half-way leaves (write_json_atomic's tmp*.tmp)."""
-    return name in OWNED or (name.startswith("tmp") and name.endswith(".tmp"))
+    """Our files, and what a write killed half-way leaves (moe_scale/files.py)."""
+    return name in OWNED or is_partial_write(name)
 
 
 def check_run_dir(out: str, resume: bool, overwrite: bool) -> Path:
@@ -131,10 +131,3 @@ def _check_writable(run: Path) -> None:
             pass
     except OSError:
         raise UserError(problem)
-
-
-def write_json_atomic(path: Path, data) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(f.name, path)

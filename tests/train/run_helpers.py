@@ -36,7 +36,7 @@ def run_eval(args: list[str], cwd: Path, cache: Path | None = None) -> dict:
     proc = subprocess.run([sys.executable, "-m", "moe_scale", "eval", "--json", *args], cwd=cwd,
                           env=_env(cache), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout)   # `eval --json` prints the JSON object and nothing else on stdout
 
 
 def step_log(run: Path) -> list[dict]:

@@ -181,3 +181,24 @@ def test_checkpoint_interval_zero_writes_no_checkpoint(tmp_path, embedded_cache)
               cache=embedded_cache)
     assert (run / "summary.json").is_file() and not (run / "checkpoints").exists()
     assert [r["step"] for r in step_log(run)] == [1, 2, 3]
+
+
+def test_a_runs_files_are_readable_by_whoever_may_read_the_directory(tmp_path, embedded_cache):
+    """Run files are written to a temporary name (owner-only) and renamed: the finished files get the usual
+    0666 less the umask, not the temporary file's 0600 (a shared cluster account's group must read them)."""
+    run = tmp_path / "run"
+    run_train([*TINY, "--max-steps", "2", "--checkpoint-interval", "2", "--out", str(run)], cwd=tmp_path,
+              cache=embedded_cache)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("config.json", "ds_config.json", "summary.json", "vocab", "vocab.counts", MARKER,
+                 "checkpoints/complete"):
+        assert (run / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+
+
+def test_help_lists_the_values_of_every_choice_flag():
+    from moe_scale.cli import build_parser
+
+    text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    assert "--gate {noisy_topk,hierarchical,batchwise,softmax_topk}" in " ".join(text.split())
+    assert "an LSTM-MoE or a transformer language model" in " ".join(build_parser().format_help().split())

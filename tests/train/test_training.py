@@ -114,3 +114,14 @@ def test_bf16_config_trains(tmp_path, embedded_cache):
     assert low[0]["loss"] == pytest.approx(full[0]["loss"], rel=2e-2)   # same model, bf16 rounding only
     assert low[0]["loss"] != full[0]["loss"]                          # and it really ran in bf16
     assert json.loads((run / "ds_config.json").read_text())["bf16"]["enabled"] is True
+
+
+def test_a_model_without_moe_layers_reports_no_gate_and_no_balance(tmp_path, embedded_cache):
+    run = tmp_path / "run"
+    proc = run_train([*TINY, "--layout", "4xlstm", "--max-steps", "2", "--out", str(run)], cwd=tmp_path,
+                     cache=embedded_cache)
+    summary = json.loads((run / "summary.json").read_text())
+    assert "gate" not in summary and "cv_load" not in summary
+    log = proc.stdout.split("-----")[0]
+    assert "cv(load)" not in log and "nan" not in log.lower() and "experts" not in log
+    assert "MFU against a peak of" in log and "this interval: not timed (the first 3 steps warm up)" in log

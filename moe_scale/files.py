@@ -1,0 +1,44 @@
+"""Files a run writes: whole or not at all, and readable by whoever may read the directory.
+
+A write goes to a temporary name beside its target (`.NAME.tmp-XXXX`) and is renamed over it, so a reader (or a
+run killed mid-write) sees the old file or the new one, never half of one. Temporary files are created
+owner-only; the finished file gets the permissions any new file would (0666 less the umask: group-readable on
+a shared cluster account, as the checkpoints DeepSpeed writes are).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+_TMP = ".tmp-"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{_TMP}", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, data) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def is_partial_write(name: str) -> bool:
+    """What a write killed before its rename leaves behind."""
+    return name.startswith(".") and _TMP in name
