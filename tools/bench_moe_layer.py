@@ -617,7 +617,7 @@ def _time_ranked_layer(layer, args, x, probe) -> tuple[list[float], list[float]]
     """(seconds, all-to-all share) of each timed step, the ranks starting every step together."""
     import torch.distributed as dist
 
-    timer = layer.dispatcher.exchange.timer
+    timer = layer.dispatcher.timer
     shares = []
 
     def one_step() -> float:

@@ -80,7 +80,7 @@ class MoAAttention(ExpertParallelModule):
 
     def connect(self, parallel: ParallelGroups) -> None:
         self.router.connect(parallel.data_parallel)
-        self.dispatcher.ep_group = parallel.expert_parallel
+        self.dispatcher.connect(parallel.expert_parallel)
 
     def shared_kv(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """K and V of this rank's sequences, computed once: [B, T, 2d]."""

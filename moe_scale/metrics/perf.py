@@ -85,7 +85,7 @@ def device_peak_tflops(device: torch.device, half_precision: bool) -> tuple[floa
 def all_to_all_seconds(moe_layers) -> float:
     """Seconds the layers' exchanges have spent in all-to-all calls so far (moe/dispatch/exchange.py's CommTimer:
     counts and rows, forward and backward, including the wait for the slowest rank of the group)."""
-    return sum(layer.dispatcher.exchange.timer.seconds for layer in moe_layers)
+    return sum(layer.dispatcher.timer.seconds for layer in moe_layers)
 
 
 def peak_rss_mib() -> float:

@@ -18,7 +18,6 @@ from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import ranks_per_node
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule, ParallelGroups
 from moe_scale.moe.dispatch import AllToAllDispatcher
-from moe_scale.moe.dispatch.exchange import HierarchicalExchange, build_hierarchical_groups
 from moe_scale.moe.experts import GroupedExperts
 from moe_scale.config import MoEConfig
 from moe_scale.moe.router import NoisyTopKRouter, Router, build_router
@@ -74,12 +73,9 @@ class MoELayer(ExpertParallelModule):
     def connect(self, parallel: ParallelGroups) -> None:
         """The one place the layer's parts meet the process groups."""
         self.router.connect(parallel.data_parallel)
-        self.dispatcher.ep_group = parallel.expert_parallel
-        if self.all_to_all == "hierarchical" and self.ep_size > 1:
-            intra, inter, per_node, nodes = build_hierarchical_groups(parallel.expert_parallel,
-                                                                      ranks_per_node(self.node_size))
-            self.dispatcher.exchange = HierarchicalExchange(parallel.expert_parallel, intra, inter, per_node,
-                                                            nodes, self.dispatcher.exchange.timer)
+        hierarchical = self.all_to_all == "hierarchical" and self.ep_size > 1
+        self.dispatcher.connect(parallel.expert_parallel, self.all_to_all,
+                                ranks_per_node(self.node_size) if hierarchical else 0)
 
     @property
     def data_parallel_group(self):

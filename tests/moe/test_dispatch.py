@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_scale.moe.dispatch import AllToAllDispatcher
-from moe_scale.moe.dispatch.exchange import HierarchicalExchange, block_transpose_index, build_hierarchical_groups
+from moe_scale.moe.dispatch.exchange import block_transpose_index
 from tests.multiproc import run_ranks
 
 D = 8
@@ -269,16 +269,13 @@ def _rank_worker(rank, world, name, mode, exchange, node_size):
     w = w_all[rank * local:(rank + 1) * local].clone().requires_grad_(True)
     dispatcher = AllToAllDispatcher(e, local, mode=mode, capacity_factor=0.75)
     ep_group = torch.distributed.new_group(list(range(world)))
-    dispatcher.ep_group = ep_group
-    if exchange == "hierarchical":
-        intra, inter, per_node, nodes = build_hierarchical_groups(ep_group, node_size)
-        dispatcher.exchange = HierarchicalExchange(ep_group, intra, inter, per_node, nodes)
+    dispatcher.connect(ep_group, exchange, node_size)
     rows, state = dispatcher.dispatch(x, *top_k_pairs(experts_all[mine]), gates.reshape(-1))
     out = dispatcher.combine(apply_experts(rows, w, state.tokens_per_expert), gates.reshape(-1), state)
     (out * upstream_all[mine]).sum().backward()
     return {"out": out.detach(), "x_grad": x.grad, "gates_grad": gates.grad, "w_grad": w.grad,
             "tokens_per_expert": state.tokens_per_expert, "arrived": rows.shape[0],
-            "dropped": state.dropped_pairs, "calls": dispatcher.exchange.timer.calls,
+            "dropped": state.dropped_pairs, "calls": dispatcher.timer.calls,
             "arrived_rows": state.num_arrived_rows}
 
 

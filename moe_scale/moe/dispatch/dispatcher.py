@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import torch
 
 from moe_scale.distributed.comm import world_size
-from moe_scale.moe.dispatch.exchange import FlatExchange, LocalExchange, Route
+from moe_scale.moe.dispatch.exchange import (CommTimer, FlatExchange, HierarchicalExchange, LocalExchange, Route,
+                                             build_hierarchical_groups)
 from moe_scale.moe.kernel_policy import count_per_bin
 
 MODES = ("dropless", "capacity")
@@ -89,11 +90,22 @@ class AllToAllDispatcher:
         """The expert-parallel group rows travel over (None until connected)."""
         return self.exchange.group
 
-    @ep_group.setter
-    def ep_group(self, group) -> None:
-        """Connect with one flat all-to-all over `group` (the layer may install a hierarchical exchange)."""
+    @property
+    def timer(self) -> CommTimer:
+        """Seconds spent in this dispatcher's all-to-alls (forward and backward)."""
+        return self.exchange.timer
+
+    def connect(self, group, all_to_all: str = "flat", ranks_per_node: int = 0) -> None:
+        """Move rows over `group`: with one flat all-to-all, or (`all_to_all="hierarchical"`) within each node of
+        `ranks_per_node` ranks first and then across nodes. Collective over the whole world when hierarchical."""
         timer = self.exchange.timer
-        self.exchange = FlatExchange(group, timer) if world_size(group) > 1 else LocalExchange(timer)
+        if world_size(group) == 1:
+            self.exchange = LocalExchange(timer, group)
+        elif all_to_all == "hierarchical":
+            intra, inter, per_node, nodes = build_hierarchical_groups(group, ranks_per_node)
+            self.exchange = HierarchicalExchange(group, intra, inter, per_node, nodes, timer)
+        else:
+            self.exchange = FlatExchange(group, timer)
 
     def capacity(self, num_pairs: int) -> int:
         return math.ceil(self.capacity_factor * num_pairs / self.num_experts)
