@@ -1,26 +1,26 @@
-"""Shared fixtures: real-text lm1b-style shards built from WikiText-2 (../shared/data/wikitext-2)."""
+"""Shared fixtures: real-text lm1b-style shards built from WikiText-2, shipped in tests/fixtures/wikitext-2
+(CC BY-SA 3.0; see its README.md), so the suite needs nothing beside the clone."""
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
 import pytest
 
-_SHARED_CANDIDATES = [Path(__file__).resolve().parents[1].parent / "shared", Path("/work/shared")]
+WIKITEXT = Path(__file__).resolve().parent / "fixtures" / "wikitext-2"
 
 
-def shared_dir() -> Path:
-    for d in _SHARED_CANDIDATES:
-        if (d / "data" / "wikitext-2" / "valid.txt").is_file():
-            return d
-    tried = [str(d) for d in _SHARED_CANDIDATES]
-    pytest.fail(f"WikiText-2 not found: need data/wikitext-2/valid.txt in one of {tried}")
+def wikitext_text(split: str) -> str:
+    """WikiText-2's `valid` or `test` split as shipped with the tests."""
+    with gzip.open(WIKITEXT / f"{split}.txt.gz", "rt", encoding="utf-8") as f:
+        return f.read()
 
 
 def wikitext_sentences(split: str) -> list[str]:
     """WikiText-2 paragraphs split into sentences at ' . ' (each keeps its '.'); headings and blanks dropped."""
     out = []
-    for line in (shared_dir() / "data" / "wikitext-2" / f"{split}.txt").read_text(encoding="utf-8").splitlines():
+    for line in wikitext_text(split).splitlines():
         line = line.strip()
         if not line or (line.startswith("=") and line.endswith("=")):
             continue
@@ -30,6 +30,16 @@ def wikitext_sentences(split: str) -> list[str]:
             if s.strip(" ."):
                 out.append(s.strip())
     return out
+
+
+@pytest.fixture
+def wikitext_dir(tmp_path) -> Path:
+    """A directory holding WikiText-2's valid.txt and test.txt, as the tools' --wikitext takes."""
+    directory = tmp_path / "wikitext-2"
+    directory.mkdir()
+    for split in ("valid", "test"):
+        (directory / f"{split}.txt").write_text(wikitext_text(split), encoding="utf-8")
+    return directory
 
 
 @pytest.fixture
