@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any, Iterator
 from moe_scale.errors import UserError
 
 FORMAT = 2   # config.json's "format": 2 is this tree; files without it are the flat layout of format 1
+_MOA_ROUTER_KEYS = ("moa_aux_weight", "moa_z_weight", "moa_renormalize")   # softmax_topk's: MoA's router's too
 
 
 def _f(default, help: str, choices: tuple | None = None, key: str | None = None):
@@ -507,10 +509,57 @@ class RunConfig:
             return self.model.transformer.ffn == "moe"
         return self.model.lstm.layout == "lstm-moe-lstm"
 
+    def inapplicable(self, key: str) -> str | None:
+        """Why setting `key` does nothing in this configuration (None: it applies). A flag given for a model
+        that does not have what it sets is refused rather than ignored."""
+        model, router, attention = self.model.kind, self.moe.router.gate, self.attention.kind
+        needs: list[tuple[bool, str]] = []
+        section = _LEAVES[key].path[:2]
+        if section[0] == "attention" or section == ("model", "transformer"):
+            needs.append((model == "transformer", "--model transformer"))
+        if section == ("model", "lstm"):
+            needs.append((model == "lstm", "--model lstm"))
+        if key == "ffn_layers":
+            needs.append((self.model.lstm.layout == "lstm-ffn-lstm", "--layout lstm-ffn-lstm"))
+        if section[0] == "moe" and key not in _MOA_ROUTER_KEYS and not (key == "expert_hidden" and model == "lstm"
+                                                                        and self.model.lstm.layout == "lstm-ffn-lstm"):
+            needs.append((self.has_moe_ffn, "an MoE layer (--layout lstm-moe-lstm, or --model transformer --ffn moe)"))
+        gate_keys = {"hierarchical": ("num_groups", "top_k_secondary"), "batchwise": ("batchwise_scope",
+                     "threshold_reduction"), "noisy_topk/hierarchical": ("w_load", "noisy_gating"),
+                     "noisy_topk/hierarchical/batchwise": ("w_importance",)}
+        for gate, keys in gate_keys.items():
+            if key in keys:
+                needs.append((router in gate.split("/"), f"--gate {gate.split('/')[0]}"))
+        if key in _MOA_ROUTER_KEYS:
+            needs.append((router == "softmax_topk" and self.has_moe_ffn or model == "transformer" and attention == "moa",
+                          "--gate softmax_topk or --attention moa"))
+        if key in ("moa_num_experts", "moa_top_k"):
+            needs.append((attention == "moa", "--attention moa"))
+        if key.startswith("mae_"):
+            needs.append((attention == "mae", "--attention mae"))
+        if key == "num_heads":
+            needs.append((attention != "moa", "--attention mha or mae (MoA uses --moa-top-k)"))
+        if key == "capacity_factor":
+            needs.append((self.moe.dispatch.mode == "capacity", "--dispatch capacity"))
+        if key == "node_size":
+            needs.append((self.moe.dispatch.all_to_all == "hierarchical", "--all-to-all hierarchical"))
+        if key in ("num_sampled", "sampler"):
+            needs.append((self.softmax.kind == "sampled", "--softmax sampled"))
+        if key == "adaptive_cutoffs":
+            needs.append((self.softmax.kind == "adaptive", "--softmax adaptive"))
+        if key in ("shuffle_buffer", "stream_workers", "token_budget"):
+            needs.append((self.data.stream, "--stream"))
+        missing = [what for ok, what in needs if not ok]
+        return f"it needs {missing[0]}" if missing else None
+
     # ------------------------------------------------------------ checks
 
     def validate(self) -> None:
         """Checks that need no data or processes; the trainer checks world-size-dependent ones."""
+        for key, leaf in _LEAVES.items():
+            value = self.get(key)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{leaf.flag} {value}: must be a finite number")
         ep = self.parallel.ep_size
         self.parallel.validate()
         self.model.validate()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,35 @@ def test_ds_config_checks():
 def test_invalid_gate_parameters(argv, fragment):
     with pytest.raises(UserError, match=fragment.replace("-", r"\-")):
         parse(*argv)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--attention", "moa"], "--attention does nothing here: it needs --model transformer"),
+    (["--num-layers", "4"], "--num-layers does nothing here: it needs --model transformer"),
+    (["--model", "transformer", "--layout", "4xlstm"], "--layout does nothing here: it needs --model lstm"),
+    (["--layout", "4xlstm", "--num-experts", "8"], "--num-experts does nothing here: it needs an MoE layer"),
+    (["--model", "transformer", "--gate", "hierarchical"], "--gate does nothing here: it needs an MoE layer"),
+    (["--num-groups", "4"], "--num-groups does nothing here: it needs --gate hierarchical"),
+    (["--gate", "softmax_topk", "--w-load", "0.2"], "--w-load does nothing here: it needs --gate noisy_topk"),
+    (["--moa-aux-weight", "0.1"], "--moa-aux-weight does nothing here: it needs --gate softmax_topk or --attention"),
+    (["--capacity-factor", "2"], "--capacity-factor does nothing here: it needs --dispatch capacity"),
+    (["--node-size", "4"], "--node-size does nothing here: it needs --all-to-all hierarchical"),
+    (["--num-sampled", "10"], "--num-sampled does nothing here: it needs --softmax sampled"),
+    (["--token-budget", "100"], "--token-budget does nothing here: it needs --stream"),
+    (["--ffn-layers", "2"], "--ffn-layers does nothing here: it needs --layout lstm-ffn-lstm"),
+    (["--model", "transformer", "--attention", "moa", "--num-heads", "8"], "it needs --attention mha or mae"),
+])
+def test_flags_that_do_nothing_for_the_chosen_model_are_refused(argv, fragment):
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        parse(*argv)
+
+
+def test_flags_that_apply_are_accepted():
+    parse("--gate", "hierarchical", "--num-groups", "4", "--top-k-secondary", "2", "--dispatch", "capacity",
+          "--capacity-factor", "1.5", "--softmax", "sampled", "--num-sampled", "100", "--w-importance", "0.2")
+    parse("--model", "transformer", "--attention", "moa", "--moa-top-k", "2", "--moa-aux-weight", "0.1",
+          "--num-layers", "3", "--ffn", "moe", "--num-experts", "8")
+    parse("--layout", "lstm-ffn-lstm", "--ffn-layers", "2", "--expert-hidden", "64")
 
 
 def test_gate_choice_is_validated_by_the_parser(capsys):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import typing
+from pathlib import Path
 
 from moe_scale.config import RunConfig
+from moe_scale.errors import UserError
 
 
 def add_parser(sub) -> None:
@@ -41,9 +43,18 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 _DEST = "setting:"
 
 
+# What a resumed run may change: how long it trains and how often it reports and saves. Everything else is the
+# run's own (its config.json): a resume that silently trained on other data or with another learning rate would
+# report numbers of a run that never happened.
+RESUMABLE_CHANGES = ("max_steps", "token_budget", "log_interval", "eval_interval", "eval_max_batches",
+                     "checkpoint_interval")
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    config = RunConfig.load(args.config) if args.config else RunConfig()
     given = {k[len(_DEST):]: v for k, v in vars(args).items() if k.startswith(_DEST)}
+    if given.get("resume"):
+        return _resumed_config(args, given)
+    config = RunConfig.load(args.config) if args.config else RunConfig()
     if args.config:   # a reloaded run starts fresh unless told otherwise
         config.run.resume = config.run.overwrite = False
     if given.get("preset"):   # the preset first, so that flags given beside it override it
@@ -51,6 +62,37 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         apply_preset(config, given.pop("preset"))
     for key, value in given.items():
         config.set(key, value)
+    for key in given:
+        reason = config.inapplicable(key)
+        if reason:
+            raise UserError(f"{RunConfig.leaves()[key].flag} does nothing here: {reason}; drop the flag or add "
+                            f"what it needs")
+    config.validate()
+    return config
+
+
+def _resumed_config(args: argparse.Namespace, given: dict) -> RunConfig:
+    """--resume: the run's saved config.json, with only RESUMABLE_CHANGES taken from the flags."""
+    out = given.get("out", RunConfig().run.out)
+    if given.get("overwrite"):
+        raise UserError("--resume and --overwrite contradict each other; pass one of them")
+    if args.config:
+        raise UserError("--resume continues the run in --out with its own config.json; drop --config")
+    saved_path = Path(out) / "config.json"
+    if not saved_path.is_file():
+        raise UserError(f"--resume: {saved_path} is missing, so there is no run to resume in --out {out}; start "
+                        f"without --resume")
+    config = RunConfig.load(saved_path)
+    for key, value in given.items():
+        if key in RESUMABLE_CHANGES or key in ("resume", "out"):
+            config.set(key, value)
+        elif config.get(key) != value:
+            flag = RunConfig.leaves()[key].flag
+            raise UserError(f"{flag} {value}: this run was trained with {flag} {config.get(key)}, and a resumed run "
+                            f"keeps its settings (it may change only "
+                            f"{', '.join(RunConfig.leaves()[k].flag for k in RESUMABLE_CHANGES)}); start a new run "
+                            f"with --out elsewhere to change it")
+    config.run.resume, config.run.overwrite = True, False
     config.validate()
     return config
 

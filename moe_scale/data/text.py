@@ -59,13 +59,20 @@ def _split_of(name: str) -> str | None:
     return next((_SPLIT_WORDS[w] for w in re.split(r"[._\-]", name.lower()) if w in _SPLIT_WORDS), None)
 
 
+def _is_documentation(name: str) -> bool:
+    """README, LICENSE and the like beside a corpus's splits (lm1b's root holds a README): never text to train on."""
+    return name.upper().startswith(("README", "LICENSE", "LICENCE", "COPYING")) or name.endswith((".md", ".html"))
+
+
 def split_files(spec: str) -> dict[str, list[Path]]:
     """Train/valid/test files for a --data spec (missing splits are []; see `load_splits`).
 
     - "embedded": the embedded corpus;
     - a directory whose files or subdirectories are named train*/valid*/test* (also training*, validation*,
-      dev*, heldout*): those (wikitext: train.txt valid.txt test.txt; lm1b: training/ heldout/);
-    - anything else (file, directory, glob): all training files.
+      dev*, heldout*): those (wikitext: train.txt valid.txt test.txt; lm1b: training/ heldout/); held-out
+      files without training files, or files beside them that follow no rule, are refused (no text may be read
+      as the wrong split);
+    - anything else (file, directory of shards, glob): all training files.
     """
     if spec == EMBEDDED_NAME:
         d = embedded_corpus_dir()
@@ -79,6 +86,18 @@ def split_files(spec: str) -> dict[str, list[Path]]:
                 out[split] += resolve_text_files(str(entry), f"--data {split} directory")
             elif split is not None and entry.is_file():
                 out[split].append(entry)
+        named = sorted((f for files in out.values() for f in files), key=lambda f: f.name)
+        unnamed = sorted(p.name for p in path.iterdir() if not p.name.startswith(".") and _split_of(p.name) is None
+                         and not _is_documentation(p.name))
+        if named and not out["train"]:
+            raise UserError(f"--data {spec}: held-out files ({', '.join(f.name for f in named[:3])}) but no training "
+                            f"files; the rule: files or directories named train*/training* train, valid*/dev* "
+                            f"validate, test*/heldout* test. Name the training text train*, or pass it as --data and "
+                            f"these as --valid-data/--test-data")
+        if named and unnamed:
+            raise UserError(f"--data {spec}: some files follow the split rule (train*/valid*/test*) and some do not "
+                            f"({', '.join(unnamed[:3])}); move those away or rename them (train*, valid*, test*) so "
+                            f"no text is read as the wrong split")
         if out["train"]:
             if not any(_has_words(f) for f in out["train"]):
                 raise UserError(f"--data {spec}: the training files are empty; provide text, one sentence per line")

@@ -10,16 +10,28 @@ import sys
 from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
+
+from moe_scale.files import write_text_atomic
 from tqdm import tqdm
 
 
 class RunLogger:
     def __init__(self, run: Path, total_steps: int, start_step: int, enabled: bool):
+        """`start_step` > 0 (a resume): what was logged after that step, by the run that stopped after its last
+        checkpoint, is dropped, so train_log.jsonl and TensorBoard hold every step once, in order;
+        `resumed_records` keeps what was logged up to it."""
         self.enabled = enabled
+        self.resumed_records: list[dict] = []
         if not enabled:
             return
         self.tb = SummaryWriter(str(run / "tb"), purge_step=start_step + 1 if start_step else None)
-        self.step_log = (run / "train_log.jsonl").open("a")
+        log = run / "train_log.jsonl"
+        if start_step and log.exists():
+            self.resumed_records = _records_up_to(log, start_step)
+            write_text_atomic(log, "".join(json.dumps(r) + "\n" for r in self.resumed_records))
+        elif not start_step:
+            log.unlink(missing_ok=True)
+        self.step_log = log.open("a")
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not sys.stdout.isatty())
 
@@ -49,6 +61,18 @@ class RunLogger:
             self.bar.close()
             self.tb.close()
             self.step_log.close()
+
+
+def _records_up_to(log: Path, step: int) -> list[dict]:
+    records = []
+    for line in log.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:   # a line cut short by a kill
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            records.append(record)
+    return records
 
 
 def summary_table(summary: dict) -> str:

@@ -38,6 +38,14 @@ def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None) -
     dist.barrier()
 
 
+def latest_complete_tag(run: Path) -> str | None:
+    """The tag the marker names, or None (no complete checkpoint, or an unreadable marker)."""
+    try:
+        return json.loads((run / "checkpoints" / "complete").read_text())["tag"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def load_checkpoint(engine, run: Path, data_source=None) -> int:
     """Restore the newest complete checkpoint; returns the number of steps already done."""
     directory = run / "checkpoints"

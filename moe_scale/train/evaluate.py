@@ -40,7 +40,8 @@ def evaluate(model, windows: EvalWindows, max_batches: int = 0, device=None, obs
     model.train(was_training)
     nll, tokens = totals.tolist()
     described = describe and (not max_batches or max_batches >= windows.num_batches)
-    return {"ppl": math.exp(nll / tokens), "nll_per_token": nll / tokens, "tokens": int(tokens),
+    ppl = math.exp(min(nll / tokens, 709.0)) if math.isfinite(nll) else float("nan")   # exp(709): float's top
+    return {"ppl": ppl, "nll_per_token": nll / tokens, "tokens": int(tokens),
             **({"words": windows.counts["words"], "sentences": windows.counts["sentences"],
                 "oov_words": windows.counts["oov_words"], "counted": COUNTED} if described else {}),
             **balance.values()}

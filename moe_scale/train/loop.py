@@ -32,9 +32,11 @@ from moe_scale.train.factored_optimizer import check_optimizer_fits
 from moe_scale.files import write_json_atomic
 from moe_scale.train.run_dir import check_run_dir, claim_run_dir
 from moe_scale.models.build_softmax import build_softmax
+from moe_scale.train.preemption import StopRequests
 from moe_scale.train.step_stats import PendingSteps, StepTimer
 
 _EVAL_TOTALS = ("ppl", "nll_per_token", "tokens")
+DIVERGED_LOSS = 1000.0     # nats per token: no model that still learns gets anywhere near it
 TIMING_WARMUP_STEPS = 3   # first steps pay for allocation and DeepSpeed's lazy setup; not counted in tokens/s
 
 
@@ -101,13 +103,17 @@ def run_training(config: RunConfig) -> dict:
             config.save(run / "config.json")
             write_json_atomic(run / "ds_config.json", ds_config)
         dist.barrier()
-        return _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_config)
+        stop_requests = StopRequests()   # collective: every rank
+        try:
+            return _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_config, stop_requests)
+        finally:
+            stop_requests.restore()
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_config) -> dict:
+def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_config, stop_requests) -> dict:
     t, r = config.train, config.run
     engine = trainer.engine
     if getattr(data.train, "last_step", None) is not None:   # resumed a streamed run whose one pass was done
@@ -118,6 +124,9 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
                                                "softmax": model.softmax.forward_macs_per_token()}) \
         * t.batch_size * config.data.seq_len
     interval, interval_moe = MeanTracker(), MoEMetrics(model.moe_layers())
+    for record in logger.resumed_records:   # a resume mid-interval: the interval's earlier steps count too
+        if record["step"] > start_step - start_step % r.log_interval:
+            interval.add({"nll": record["loss"], "aux_loss": record["aux_loss"]})
     pending = PendingSteps()   # each step's numbers stay on the device until a log, eval or checkpoint point
     timer = StepTimer(env.device, lambda: all_to_all_seconds(model.moe_layers()))
     peak = _peak(env, ds_config)
@@ -151,14 +160,17 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
         timer.step_done()
 
         done = step + 1
-        log_now = done % r.log_interval == 0 or done == t.max_steps
+        stop = stop_requests.agreed()   # SIGTERM / SIGINT / SIGUSR1 on any rank: checkpoint and stop
+        log_now = done % r.log_interval == 0 or done == t.max_steps or stop
         eval_now = done % r.eval_interval == 0 or done == t.max_steps
-        checkpoint_now = r.checkpoint_interval > 0 and (done % r.checkpoint_interval == 0 or done == t.max_steps)
+        checkpoint_now = r.checkpoint_interval > 0 and (done % r.checkpoint_interval == 0 or done == t.max_steps
+                                                          or stop)
         if not (log_now or eval_now or checkpoint_now):
             continue
         timer.stop()
         for record in pending.flush(env.world_size * t.grad_accum):   # the one read of the steps' numbers
             logger.step(record)
+            _stop_if_diverged(record, run, logger)   # before any evaluation or checkpoint of a broken model
             interval.add({"nll": record["loss"], "aux_loss": record["aux_loss"]})
         if log_now:
             last_train = {**interval.means(), **interval_moe.values()}
@@ -186,6 +198,12 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
             logger.line(f"step {done}/{t.max_steps}  valid ppl {valid['ppl']:.2f}")
         if checkpoint_now:
             save_checkpoint(engine, run, done, env.rank, data.train)
+        if stop:
+            saved = f"checkpoint step{done:08d} written; resume with --resume" if checkpoint_now else \
+                "this run writes no checkpoints (--checkpoint-interval 0), so it cannot be resumed"
+            logger.line(f"stopped by {stop} after step {done}: {saved}")
+            logger.close()
+            return {"stopped_by": stop, "steps": done}
 
     if not valid:   # resumed a run that had already finished
         valid = evaluate(model, data.valid, r.eval_max_batches, env.device)
@@ -219,6 +237,26 @@ def _throughput(timed: dict, tokens_per_step: int, flops_per_step: float, world_
     tflops = tflops_per_device(flops_per_step, step_seconds, world_size)
     return {"tokens_per_s": tokens_per_step / step_seconds, "tflops_per_device": tflops, "step_seconds": step_seconds,
             **efficiency(tflops, peak_tflops, timed["all_to_all"], timed["seconds"])}
+
+
+def _stop_if_diverged(record: dict, run, logger) -> None:
+    """A non-finite loss or gradient norm ends the run before anything is written from the broken model: every
+    rank reads the same (all-reduced) numbers, so all stop together."""
+    values = {"loss": record["loss"], "aux loss": record["aux_loss"], "gradient norm": record["grad_norm"]}
+    bad = [f"{name} {value}" for name, value in values.items() if value is not None and not math.isfinite(value)]
+    if math.isfinite(record["loss"]) and record["loss"] > DIVERGED_LOSS:
+        bad.append(f"loss {record['loss']:.3g} nats per token (past {DIVERGED_LOSS:g}: a uniform guess over a "
+                   f"million words costs 14)")
+    if not bad:
+        return
+    logger.close()
+    from moe_scale.train.checkpoint import latest_complete_tag
+
+    tag = latest_complete_tag(run)
+    last = f"the last complete checkpoint, {tag}, was written before it (resume from it with --resume, or start " \
+           f"a new run with a lower --lr)" if tag else "no checkpoint was written yet (start again with a lower --lr)"
+    raise UserError(f"training diverged at step {record['step']}: {', '.join(bad)}; stopped before writing a "
+                    f"checkpoint of it; {last}")
 
 
 def _exp(nll: float) -> float:

@@ -37,8 +37,9 @@ class PendingSteps:
                  .detach().reshape(()) for _, _, _, norm in self._steps]
         values = torch.cat([torch.stack([sums for _, _, sums, _ in self._steps]),
                             torch.stack(norms).to(device)[:, None]], dim=1).tolist()
-        records = [{"step": step, "loss": nll / tokens, "aux_loss": aux / micro_batches, "grad_norm": norm,
-                    "lr": lr} for (step, lr, _, _), (nll, tokens, aux, norm) in zip(self._steps, values)]
+        records = [{"step": step, "loss": nll / tokens, "aux_loss": aux / micro_batches,
+                    "grad_norm": None if given is None else norm, "lr": lr}
+                   for (step, lr, _, given), (nll, tokens, aux, norm) in zip(self._steps, values)]
         self._steps = []
         return records
 

@@ -1,7 +1,10 @@
+from pathlib import Path
+
 import pytest
 
 from moe_scale.data.text import holdout_split, load_sentences, load_splits, resolve_text_files, split_files
 from moe_scale.errors import UserError
+from tests.conftest import wikitext_sentences
 
 
 @pytest.fixture(autouse=True)
@@ -107,3 +110,61 @@ def test_load_splits_lm1b_cuts_valid_from_train(lm1b_shards):
     assert len(splits["train"]) + len(splits["valid"]) == n_train_file
     assert len(splits["valid"]) == round(n_train_file * 0.01)
     assert len(splits["test"]) > 9000
+
+
+def test_held_out_files_without_training_files_are_refused(tmp_path):
+    """valid.txt and test.txt but no train*: all three were once read as training text, test text included."""
+    d = tmp_path / "corpus"
+    _write(d / "valid.txt", "a b .\n")
+    _write(d / "test.txt", "c d .\n")
+    with pytest.raises(UserError, match=r"held-out files \(test.txt, valid.txt\) but no training files; the rule"):
+        split_files(str(d))
+
+
+def test_files_beside_the_split_rule_are_refused_but_documentation_is_not(tmp_path):
+    d = tmp_path / "corpus"
+    for name in ("train.txt", "valid.txt", "README", "notes.md"):
+        _write(d / name, "a b .\n")
+    assert [f.name for f in split_files(str(d))["train"]] == ["train.txt"]
+    _write(d / "extra.txt", "c d .\n")
+    with pytest.raises(UserError, match=r"some files follow the split rule .* \(extra.txt\)"):
+        split_files(str(d))
+
+
+def _layouts(root: Path, lm1b_shards: Path, lm1b_benchmark: Path) -> dict[str, dict]:
+    """Every --data layout the docs list, as DataConfig settings."""
+    wiki = root / "wikitext"
+    for split, text in (("train", "valid"), ("valid", "test"), ("test", "test")):
+        _write(wiki / f"{split}.txt", "\n".join(wikitext_sentences(text)[:300 if split == "test" else 3000]))
+    single = _write(root / "single.txt", "\n".join(wikitext_sentences("valid")[:4000]))
+    held = [_write(root / f"held-{k}.txt", "\n".join(wikitext_sentences("test")[k * 500:(k + 1) * 500]))
+            for k in range(2)]
+    return {
+        "one file, held out": {"data": str(single)},
+        "train/valid/test files": {"data": str(wiki)},
+        "lm1b-style training/ heldout/": {"data": str(lm1b_shards)},
+        "the 1B-word benchmark": {"data": str(lm1b_benchmark)},
+        "a glob": {"data": str(lm1b_shards / "training" / "news.en-*")},
+        "a directory of shards": {"data": str(lm1b_shards / "training")},
+        "--valid-data and --test-data": {"data": str(single), "valid_data": str(held[0]), "test_data": str(held[1])},
+    }
+
+
+def test_no_layout_reads_a_file_or_sentence_in_two_splits(tmp_path, lm1b_shards, lm1b_benchmark):
+    from moe_scale.config import DataConfig
+    from moe_scale.train.data_setup import load_run_splits
+
+    for name, settings in _layouts(tmp_path, lm1b_shards, lm1b_benchmark).items():
+        config = DataConfig(**settings)
+        files = split_files(config.data)
+        named = {split: {f.resolve() for f in files[split]} for split in files}
+        assert not (named["train"] & (named["valid"] | named["test"])), name
+        train, valid, test = load_run_splits(config)
+        # held out from one text: the splits are disjoint ranges of its sentences
+        texts = {split: list(ds["text"]) for split, ds in (("train", train), ("valid", valid), ("test", test))}
+        if not named["valid"] and not named["test"] and not config.valid_data:
+            everything = list(load_sentences(files["train"])["text"])
+            n_train = len(texts["train"])
+            assert texts["train"] == everything[:n_train], name
+            assert texts["valid"] + texts["test"] == everything[n_train:], name
+        assert texts["train"] and texts["valid"] and texts["test"], name

@@ -132,7 +132,7 @@ def test_eval_without_a_run(tmp_path):
 
 @pytest.mark.parametrize("flags,fragment", [
     (["--dispatch", "capacity", "--capacity-factor", "0"], "--capacity-factor must be positive"),
-    (["--capacity-factor", "-1"], "--capacity-factor must be positive"),
+    (["--dispatch", "capacity", "--capacity-factor", "-1"], "--capacity-factor must be positive"),
     (["--node-size", "-2"], "--node-size"),
     (["--num-experts", "6", "--ep-size", "4"], "not divisible by --ep-size"),
     (["--ep-size", "2"], "does not divide the 1 processes"),

@@ -133,7 +133,7 @@ def test_streaming_needs_a_validation_split(tmp_path):
 def test_token_budget_needs_stream(tmp_path):
     from tests.train.test_cli_errors import assert_one_line_error, run_cli
     proc = run_cli("train", "--token-budget", "1000", "--out", str(tmp_path / "run"), cwd=tmp_path)
-    assert_one_line_error(proc, "--token-budget needs --stream")
+    assert_one_line_error(proc, "--token-budget does nothing here: it needs --stream")
 
 
 def test_one_pass_stops_every_rank_after_the_last_full_batch(tmp_path):

@@ -118,7 +118,10 @@ def test_bf16_config_trains(tmp_path, embedded_cache):
 
 def test_a_model_without_moe_layers_reports_no_gate_and_no_balance(tmp_path, embedded_cache):
     run = tmp_path / "run"
-    proc = run_train([*TINY, "--layout", "4xlstm", "--max-steps", "2", "--out", str(run)], cwd=tmp_path,
+    dense = [flag for i, flag in enumerate(TINY) if not (flag in ("--expert-hidden", "--num-experts", "--top-k") or
+                                                          i and TINY[i - 1] in ("--expert-hidden", "--num-experts",
+                                                                                "--top-k"))]
+    proc = run_train([*dense, "--layout", "4xlstm", "--max-steps", "2", "--out", str(run)], cwd=tmp_path,
                      cache=embedded_cache)
     summary = json.loads((run / "summary.json").read_text())
     assert "gate" not in summary and "cv_load" not in summary
