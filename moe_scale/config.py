@@ -371,6 +371,8 @@ class RunDirConfig:
     eval_max_batches: int = _f(0, "cap on validation batches per pass (0: the whole split)")
     checkpoint_interval: int = _f(200, "steps between checkpoints (and at the end); 0: never (benchmarks: such a "
                                        "run cannot be resumed or evaluated)")
+    resume_from: str | None = _f(None, "with --resume: continue from this checkpoint (a tag such as step00000400 in "
+                                       "--out/checkpoints) instead of the newest complete one")
 
     def validate(self) -> None:
         _positive(log_interval=self.log_interval, eval_interval=self.eval_interval)
@@ -549,6 +551,8 @@ class RunConfig:
             needs.append((self.softmax.kind == "adaptive", "--softmax adaptive"))
         if key in ("shuffle_buffer", "stream_workers", "token_budget"):
             needs.append((self.data.stream, "--stream"))
+        if key == "resume_from":
+            needs.append((self.run.resume, "--resume"))
         missing = [what for ok, what in needs if not ok]
         return f"it needs {missing[0]}" if missing else None
 

@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("--split", choices=("valid", "test"), default="valid")
     p.add_argument("--data", metavar="PATH", help="evaluate on this text instead (file, dir or glob)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--checkpoint", metavar="TAG", help="evaluate this checkpoint (e.g. step00000400) instead of "
+                                                       "the newest complete one")
     p.add_argument("--expert-stats", action="store_true", help="per MoE layer: load and importance per "
                    "expert, CV and max/mean load over the evaluated text")
     p.add_argument("--top-tokens", type=int, default=0, metavar="N", help="per expert: the N positions with "
@@ -28,14 +30,15 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> None:
     with contextlib.redirect_stdout(sys.stderr):   # only the result on stdout (`--json` must parse)
-        result = run_eval(args.run, args.split, args.data, args.expert_stats, args.top_tokens)
+        result = run_eval(args.run, args.split, args.data, args.expert_stats, args.top_tokens, args.checkpoint)
     if result is not None:
         print(json.dumps(result) if args.json else format_eval(result))
 
 
 def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = False,
-             top_tokens: int = 0) -> dict | None:
-    """Evaluates the newest complete checkpoint; returns the result on rank 0 (None elsewhere)."""
+             top_tokens: int = 0, checkpoint: str | None = None) -> dict | None:
+    """Evaluates checkpoint `checkpoint` (default: the newest complete one) after checking its files; returns the
+    result on rank 0 (None elsewhere)."""
     import deepspeed   # here: flag errors come back before these slow imports
     import torch
 
@@ -47,12 +50,13 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
     from moe_scale.train.evaluate import evaluate
     from moe_scale.train.expert_tokens import ExpertTokenStats
     from moe_scale.models.build_softmax import build_softmax
+    from moe_scale.train.checkpoint import choose_checkpoint
 
     run = Path(run_dir)
-    marker = run / "checkpoints" / "complete"
-    if not (run / "config.json").exists() or not marker.exists():
+    if not (run / "config.json").exists() or not (run / "checkpoints").is_dir():
         raise UserError(f"--run {run_dir}: no trained run there (config.json and a complete checkpoint are "
                         f"needed); pass the --out directory of a finished `moe-scale train`")
+    tag, _ = choose_checkpoint(run, checkpoint, "--checkpoint")
     if top_tokens < 0:
         raise UserError(f"--top-tokens must be 0 or more (got {top_tokens})")
     config = RunConfig.load(run / "config.json")
@@ -77,7 +81,6 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
     model.softmax = build_softmax(config.softmax, model.softmax, vocab.counts)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
-    tag = json.loads(marker.read_text())["tag"]
     engine.load_checkpoint(str(run / "checkpoints"), tag=tag, load_module_only=True,
                            load_optimizer_states=False, load_lr_scheduler_states=False)
     observer = ExpertTokenStats(model.moe_layers(), vocab, windows.tokens, top_tokens) \

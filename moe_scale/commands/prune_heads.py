@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from moe_scale.distributed.launch import init_distributed
 from moe_scale.errors import UserError
 from moe_scale.models.build import build_model, parameter_counts
 from moe_scale.train.data_setup import load_run_splits, min_over_ranks
+from moe_scale.train.checkpoint import choose_checkpoint
 from moe_scale.train.evaluate import evaluate
 from moe_scale.files import write_json_atomic
 
@@ -48,6 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--abs-granularity", choices=("token", "example"), default="token",
                    help="|A·dL/dA| per token (released code) or per sequence (paper)")
     p.add_argument("--recompute-importance", action="store_true", help="re-score the pruned model every step")
+    p.add_argument("--checkpoint", metavar="TAG", help="checkpoint to prune, e.g. step00000400 (default: the newest "
+                                                       "complete one)")
     p.add_argument("--out", metavar="DIR", help="where pruning.{json,md,png} go (default: RUN/pruning)")
     p.set_defaults(run_command=run)
 
@@ -55,15 +57,17 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> None:
     prune_schedule(1, args.fraction_per_step, args.steps)   # flag errors before the slow work
     print(format_report(run_prune_heads(args.run, args.data, args.steps, args.fraction_per_step, args.max_batches,
-                                        args.abs_granularity, args.recompute_importance, args.out)))
+                                        args.abs_granularity, args.recompute_importance, args.out,
+                                        args.checkpoint)))
 
 
-def load_trained(run: Path):
-    """(config, vocab, model on the newest complete checkpoint, tag), in one process."""
-    marker = run / "checkpoints" / "complete"
-    if not (run / "config.json").exists() or not marker.exists():
+def load_trained(run: Path, checkpoint: str | None = None):
+    """(config, vocab, model on checkpoint `checkpoint` (default: the newest complete one), tag, device), in one
+    process."""
+    if not (run / "config.json").exists() or not (run / "checkpoints").is_dir():
         raise UserError(f"--run {run}: no trained run there (config.json and a complete checkpoint are needed); "
                         f"pass the --out directory of a finished `moe-scale train`")
+    tag, _ = choose_checkpoint(run, checkpoint, "--checkpoint")
     config = RunConfig.load(run / "config.json")
     if config.model.kind != "transformer" or config.attention.kind == "moa":
         what = "an LSTM" if config.model.kind != "transformer" else "an MoA"
@@ -79,14 +83,13 @@ def load_trained(run: Path):
     model = build_model(config, len(vocab), seed=config.train.seed)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
-    tag = json.loads(marker.read_text())["tag"]
     engine.load_checkpoint(str(run / "checkpoints"), tag=tag, load_module_only=True, load_optimizer_states=False,
                            load_lr_scheduler_states=False)
     return config, vocab, model, tag, env.device
 
 
 def run_prune_heads(run_dir: str, data: str | None, steps: int, fraction_per_step: float, max_batches: int,
-                    abs_granularity: str, recompute: bool, out: str | None) -> dict:
+                    abs_granularity: str, recompute: bool, out: str | None, checkpoint: str | None = None) -> dict:
     run = Path(run_dir)
     if max_batches < 0:
         raise UserError(f"--max-batches must be 0 (all) or positive (got {max_batches})")
@@ -94,7 +97,7 @@ def run_prune_heads(run_dir: str, data: str | None, steps: int, fraction_per_ste
     out_dir = Path(out) if out else run / "pruning"
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir} is a file; choose a directory")
-    config, vocab, model, tag, device = load_trained(run)
+    config, vocab, model, tag, device = load_trained(run, checkpoint)
     sentences = load_sentences(resolve_text_files(data, "--data")) if data else load_run_splits(config.data)[1]
     windows = LMWindows(sentences, vocab, seq_len=config.data.seq_len, global_rows=config.train.batch_size,
                         rank=0, world_size=1, min_over_ranks=min_over_ranks,

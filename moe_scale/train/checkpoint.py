@@ -1,16 +1,19 @@
-"""Checkpoints: DeepSpeed's format (one file per global expert, optimizer shards per rank), plus a marker.
+"""Checkpoints: DeepSpeed's format (one file per global expert, optimizer shards per rank), a manifest, a marker.
 
-`checkpoints/complete` is written by rank 0 only after every rank has finished writing, so a run killed
-mid-save resumes from the previous complete checkpoint. Random streams, and the in-memory data position,
-are functions of the step number; a streamed data source (`--stream`) also saves its position, one file
-per rank (`data_stream_rank<r>.pt` in the checkpoint's directory), so a resumed run reads on exactly
-where it stopped.
+A checkpoint is written under a temporary name and renamed once every rank has finished; its manifest lists
+every file's size and CRC-32, and `checkpoints/complete` names the newest complete one, so a run killed mid-save
+resumes from the previous complete checkpoint, and a file cut short or corrupted later is caught before it is
+loaded (resume, eval, prune-heads), with the older checkpoints that can be used instead. Checkpoints written
+before the manifest existed load unchecked. Random streams, and the in-memory data position, are functions of
+the step number; a streamed data source (`--stream`) also saves its position, one file per rank
+(`data_stream_rank<r>.pt` in the checkpoint's directory), so a resumed run reads on exactly where it stopped.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -21,21 +24,53 @@ from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
 
 KEEP_LAST = 2
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 22
 
 
 def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None) -> None:
+    """DeepSpeed's files go to checkpoints/.partial-<tag>; once every rank has written, rank 0 adds a manifest
+    (each file's size and CRC-32), renames the directory to <tag> and points checkpoints/complete at it. A run
+    killed (or a disk full) before that leaves the previous complete checkpoint as it was."""
     directory = run / "checkpoints"
     tag = f"step{step:08d}"
-    engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step}, save_latest=False)
-    if hasattr(data_source, "state_dict"):
-        _save_stream_state(directory / tag / f"data_stream_rank{rank}.pt", data_source.state_dict())
+    partial = directory / f".partial-{tag}"
+    if rank == 0 and partial.exists():   # a save killed earlier
+        shutil.rmtree(partial)
+    dist.barrier()
+    try:
+        engine.save_checkpoint(str(directory), tag=partial.name, client_state={"step": step}, save_latest=False)
+        if hasattr(data_source, "state_dict"):
+            _save_stream_state(partial / f"data_stream_rank{rank}.pt", data_source.state_dict())
+    except OSError as e:
+        previous = latest_complete_tag(run)
+        raise UserError(f"writing checkpoint {tag} failed ({e.strerror or e}); "
+                        + (f"the previous complete checkpoint {previous} is intact" if previous else
+                           "no earlier checkpoint exists") + "; free space and continue with --resume") from None
     dist.barrier()
     if rank == 0:
-        write_json_atomic(directory / "complete", {"tag": tag, "step": step})
+        write_json_atomic(partial / MANIFEST, _manifest(partial))
+        if (directory / tag).exists():
+            shutil.rmtree(directory / tag)
+        partial.replace(directory / tag)
+        write_json_atomic(directory / "complete", {"tag": tag, "step": step, "manifest": f"{tag}/{MANIFEST}"})
         tags = sorted(p.name for p in directory.glob("step*") if p.is_dir())
         for old in tags[:-KEEP_LAST]:
             shutil.rmtree(directory / old, ignore_errors=True)
     dist.barrier()
+
+
+def _manifest(directory: Path) -> dict:
+    return {str(path.relative_to(directory)): {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+            for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MANIFEST}
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def latest_complete_tag(run: Path) -> str | None:
@@ -46,17 +81,68 @@ def latest_complete_tag(run: Path) -> str | None:
         return None
 
 
-def load_checkpoint(engine, run: Path, data_source=None) -> int:
-    """Restore the newest complete checkpoint; returns the number of steps already done."""
+def problem_with(checkpoint: Path) -> str | None:
+    """What is wrong with a checkpoint directory by its manifest (None: every file is there, whole)."""
+    try:
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+    except FileNotFoundError:   # written before manifests existed: nothing to check against
+        return None
+    except ValueError:
+        return f"{checkpoint / MANIFEST} is not valid JSON"
+    for name, expected in manifest.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{path} has {path.stat().st_size} bytes, the manifest says {expected['bytes']} (cut short?)"
+        if _crc32(path) != expected["crc32"]:
+            return f"{path} does not match its checksum (corrupted)"
+    return None
+
+
+def usable_checkpoints(run: Path) -> list[str]:
+    """Tags of the checkpoints whose files are all there and whole, newest first."""
     directory = run / "checkpoints"
-    marker = json.loads((directory / "complete").read_text())
-    _, client_state = engine.load_checkpoint(str(directory), tag=marker["tag"])
+    tags = sorted((p.name for p in directory.glob("step*") if p.is_dir()), reverse=True)
+    return [tag for tag in tags if problem_with(directory / tag) is None]
+
+
+def choose_checkpoint(run: Path, tag: str | None, flag: str) -> tuple[str, int]:
+    """(tag, step) of the checkpoint to load: `tag`, else the newest complete one; verified against its
+    manifest. Anything wrong is one line naming the file and the checkpoints that can be used instead."""
+    directory = run / "checkpoints"
+    if tag is None:
+        marker = directory / "complete"
+        try:
+            tag = json.loads(marker.read_text())["tag"]
+        except FileNotFoundError:
+            raise UserError(f"{run}: no complete checkpoint (checkpoints/complete is missing){_instead(run, flag)}") \
+                from None
+        except (ValueError, KeyError, TypeError, OSError):
+            raise UserError(f"{marker} is unreadable (not the JSON moe_scale writes){_instead(run, flag)}") from None
+    if not isinstance(tag, str) or not (directory / tag).is_dir():
+        raise UserError(f"{run}: no checkpoint {tag} in {directory}{_instead(run, flag)}")
+    problem = problem_with(directory / tag)
+    if problem:
+        raise UserError(f"checkpoint {tag}: {problem}{_instead(run, flag, skip=tag)}")
+    return tag, int(tag.removeprefix("step"))
+
+
+def _instead(run: Path, flag: str, skip: str | None = None) -> str:
+    usable = [t for t in usable_checkpoints(run) if t != skip]
+    return f"; use an older complete one with {flag} {usable[0]}" if usable else "; no other complete checkpoint"
+
+
+def load_checkpoint(engine, run: Path, tag: str, data_source=None) -> int:
+    """Restore checkpoint `tag` (one checkpoint_to_resume verified); returns the number of steps already done."""
+    directory = run / "checkpoints"
+    _, client_state = engine.load_checkpoint(str(directory), tag=tag)
     step = int(client_state["step"])
     if hasattr(data_source, "load_state_dict"):
         rank = dist.get_rank() if dist.is_initialized() else 0
-        path = directory / marker["tag"] / f"data_stream_rank{rank}.pt"
+        path = directory / tag / f"data_stream_rank{rank}.pt"
         if not path.is_file():
-            raise UserError(f"{path} is missing: checkpoint {marker['tag']} was not written by a streamed run "
+            raise UserError(f"{path} is missing: checkpoint {tag} was not written by a streamed run "
                             "with this many processes; resume without --stream, or with the original layout")
         state = torch.load(path, weights_only=False)
         if state["step"] != step:
@@ -64,6 +150,24 @@ def load_checkpoint(engine, run: Path, data_source=None) -> int:
                             "the checkpoint directory is inconsistent, start a new run")
         data_source.load_state_dict(state)
     return step
+
+
+def checkpoint_to_resume(run: Path, tag: str | None) -> str:
+    """The tag --resume loads (`tag`, else the newest complete one), verified by rank 0 alone (one read of the
+    files, not one per rank on a shared file system); every rank gets the same tag or raises the same error."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return choose_checkpoint(run, tag, "--resume-from")[0]
+    answer = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer = [("ok", choose_checkpoint(run, tag, "--resume-from")[0])]
+        except UserError as e:
+            answer = [("error", str(e))]
+    dist.broadcast_object_list(answer, src=0)
+    kind, value = answer[0]
+    if kind == "error":
+        raise UserError(value)
+    return value
 
 
 def _save_stream_state(path: Path, state: dict) -> None:

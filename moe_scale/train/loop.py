@@ -22,7 +22,7 @@ from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.metrics.perf import all_to_all_seconds, device_peak_tflops, efficiency, peak_rss_mib
 from moe_scale.models.build import build_model, describe_parameters, forward_macs_per_token
 from moe_scale.moe.router import GlobalTokenNoise
-from moe_scale.train.checkpoint import load_checkpoint, save_checkpoint
+from moe_scale.train.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from moe_scale.train.data_setup import apply_token_budget, build_lm_data
 from moe_scale.train.ds_config import complete_ds_config, load_ds_config
 from moe_scale.train.engine import TrainingEngine
@@ -78,9 +78,10 @@ def run_training(config: RunConfig) -> dict:
     ds_source = f"--ds-config {config.parallel.ds_config or '(built-in)'}"
     user_ds_config = load_ds_config(config.parallel.ds_config)
     check_optimizer_fits(t, user_ds_config, ds_source)
-    run = check_run_dir(run_dir.out, run_dir.resume, run_dir.overwrite)
+    run = check_run_dir(run_dir.out, run_dir.resume, run_dir.overwrite, run_dir.resume_from)
     env = init_distributed()
     micro_batch = check_parallel_layout(config, env)
+    resume_tag = checkpoint_to_resume(run, run_dir.resume_from) if run_dir.resume else None   # files verified
     ds_config = complete_ds_config(user_ds_config, micro_batch, t.grad_accum, env.world_size, ds_source)
     data = build_lm_data(config.data, env, global_rows=t.batch_size,
                          saved_vocab=run / "vocab" if run_dir.resume else None, seed=t.seed)
@@ -94,7 +95,7 @@ def run_training(config: RunConfig) -> dict:
     trainer = TrainingEngine(model.to(env.device), ds_config, t)
     engine = trainer.engine
     noises = _install_noise(model, config, env)
-    start_step = load_checkpoint(engine, run, data.train) if run_dir.resume else 0
+    start_step = load_checkpoint(engine, run, resume_tag, data.train) if run_dir.resume else 0
     # Only now, with every input checked and the engine built, does the run directory change.
     lock = claim_run_dir(run, run_dir.resume, run_dir.overwrite) if env.rank == 0 else None
     try:

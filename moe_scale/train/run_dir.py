@@ -37,7 +37,7 @@ def _owned(name: str) -> bool:
     return name in OWNED or is_partial_write(name)
 
 
-def check_run_dir(out: str, resume: bool, overwrite: bool) -> Path:
+def check_run_dir(out: str, resume: bool, overwrite: bool, resume_from: str | None = None) -> Path:
     """All checks on --out, writing nothing (so a bad flag elsewhere leaves no half-made run)."""
     if not out.strip():
         raise UserError("--out is empty; name the run directory, e.g. --out runs/lstm-moe")
@@ -49,7 +49,8 @@ def check_run_dir(out: str, resume: bool, overwrite: bool) -> Path:
     if owner is not None:
         raise UserError(f"--out {out} is in use by a live run ({owner}); wait for it to end or choose another "
                         f"--out")
-    has_checkpoint = (run / "checkpoints" / "complete").exists()
+    has_checkpoint = (run / "checkpoints" / "complete").exists() or \
+        bool(resume_from and (run / "checkpoints" / resume_from).is_dir())
     if resume and not has_checkpoint:
         if has_run:
             raise UserError(f"--resume: the run in {out} stopped before its first complete checkpoint, so there is "

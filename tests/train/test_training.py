@@ -41,7 +41,7 @@ def test_embedded_run_writes_a_complete_run_directory(tmp_path, embedded_cache):
     assert TB_TAGS <= set(events.Tags()["scalars"])
 
     marker = json.loads((run / "checkpoints" / "complete").read_text())
-    assert marker == {"tag": "step00000006", "step": 6}
+    assert marker == {"tag": "step00000006", "step": 6, "manifest": "step00000006/manifest.json"}
     experts = sorted((run / "checkpoints" / marker["tag"]).glob("layer_0_expert_*_mp_rank_00_model_states.pt"))
     assert len(experts) == 8                                # one file per global expert
 

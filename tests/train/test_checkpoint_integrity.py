@@ -1,0 +1,146 @@
+"""Checkpoints are whole or not used: a file cut short, corrupted or missing is caught (by its manifest) before
+resume, eval or prune-heads loads it, in one line naming the file and an older complete checkpoint; --resume-from
+and --checkpoint pick that one; a save that fails or is killed leaves the previous checkpoint as the one in use."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_scale.errors import UserError
+from moe_scale.train import checkpoint as ckpt
+from tests.train.run_helpers import TINY, _env, run_eval, run_train, step_log
+from tests.train.test_cli_errors import assert_one_line_error
+
+SETTINGS = [*TINY, "--num-experts", "4", "--checkpoint-interval", "3", "--eval-interval", "100"]
+OLD, NEW = "step00000003", "step00000006"
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory, embedded_cache) -> Path:
+    """A 6-step run with complete checkpoints after steps 3 and 6."""
+    run = tmp_path_factory.mktemp("ckpt") / "run"
+    run_train([*SETTINGS, "--max-steps", "6", "--out", str(run)], cwd=run.parent, cache=embedded_cache)
+    return run
+
+
+@pytest.fixture
+def run(six_steps, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(six_steps, copy)
+    return copy
+
+
+def cli(*args: str, cwd: Path, cache: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moe_scale", *args], cwd=cwd, env=_env(cache), capture_output=True,
+                          text=True, timeout=600)
+
+
+def biggest_file(checkpoint: Path) -> Path:
+    return max((p for p in checkpoint.rglob("*.pt")), key=lambda p: p.stat().st_size)
+
+
+def test_every_complete_checkpoint_has_a_manifest_of_its_files(six_steps):
+    directory = six_steps / "checkpoints"
+    assert sorted(p.name for p in directory.iterdir()) == ["complete", OLD, NEW]   # no .partial-* left
+    assert json.loads((directory / "complete").read_text())["tag"] == NEW
+    for tag in (OLD, NEW):
+        manifest = json.loads((directory / tag / "manifest.json").read_text())
+        files = {str(p.relative_to(directory / tag)) for p in (directory / tag).rglob("*") if p.is_file()}
+        assert set(manifest) == files - {"manifest.json"} and manifest
+        assert ckpt.problem_with(directory / tag) is None
+    assert ckpt.usable_checkpoints(six_steps) == [NEW, OLD]
+
+
+@pytest.mark.parametrize("damage, words", [("truncate", "cut short"), ("flip", "checksum"), ("delete", "missing")])
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_an_older_one(run, damage, words):
+    victim = biggest_file(run / "checkpoints" / NEW)
+    data = victim.read_bytes()
+    if damage == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        victim.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    else:
+        victim.unlink()
+    with pytest.raises(UserError) as e:
+        ckpt.choose_checkpoint(run, None, "--checkpoint")
+    message = str(e.value)
+    assert words in message and victim.name in message and f"--checkpoint {OLD}" in message
+    assert ckpt.usable_checkpoints(run) == [OLD]
+    assert ckpt.choose_checkpoint(run, OLD, "--checkpoint") == (OLD, 3)
+
+
+def test_resume_eval_and_prune_refuse_a_damaged_checkpoint_and_take_an_older_one(run, embedded_cache):
+    victim = biggest_file(run / "checkpoints" / NEW)
+    victim.write_bytes(victim.read_bytes()[:100])
+    log_before = (run / "train_log.jsonl").read_text()
+    proc = cli("train", "--resume", "--max-steps", "9", "--out", str(run), cwd=run.parent, cache=embedded_cache)
+    assert_one_line_error(proc, f"checkpoint {NEW}", victim.name, "cut short", f"--resume-from {OLD}")
+    assert (run / "train_log.jsonl").read_text() == log_before   # refused before anything was written
+    proc = cli("eval", "--run", str(run), cwd=run.parent, cache=embedded_cache)
+    assert_one_line_error(proc, victim.name, f"--checkpoint {OLD}")
+    proc = cli("prune-heads", "--run", str(run), cwd=run.parent, cache=embedded_cache)
+    assert_one_line_error(proc, victim.name, f"--checkpoint {OLD}")
+
+    assert run_eval(["--run", str(run), "--checkpoint", OLD], cwd=run.parent, cache=embedded_cache)["checkpoint"] == OLD
+    run_train(["--resume", "--resume-from", OLD, "--out", str(run)], cwd=run.parent, cache=embedded_cache)
+    assert [r["step"] for r in step_log(run)] == [1, 2, 3, 4, 5, 6]
+    assert ckpt.choose_checkpoint(run, None, "--checkpoint") == (NEW, 6)   # rewritten whole
+
+
+def test_resume_from_needs_resume_and_an_existing_tag(run, embedded_cache):
+    proc = cli("train", "--resume-from", OLD, "--out", str(run), cwd=run.parent, cache=embedded_cache)
+    assert_one_line_error(proc, "--resume-from", "--resume")
+    proc = cli("train", "--resume", "--resume-from", "step00000099", "--out", str(run), cwd=run.parent,
+               cache=embedded_cache)
+    assert_one_line_error(proc, "no checkpoint step00000099", f"--resume-from {NEW}")
+
+
+def test_an_unreadable_marker_is_one_line(run):
+    (run / "checkpoints" / "complete").write_text("{not json")
+    with pytest.raises(UserError, match=f"unreadable.*--resume-from {NEW}"):
+        ckpt.choose_checkpoint(run, None, "--resume-from")
+    (run / "checkpoints" / "complete").unlink()
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        ckpt.choose_checkpoint(run, None, "--resume-from")
+
+
+def test_checkpoints_from_before_manifests_still_load(run, embedded_cache):
+    for tag in (OLD, NEW):
+        (run / "checkpoints" / tag / "manifest.json").unlink()
+    assert ckpt.choose_checkpoint(run, None, "--checkpoint") == (NEW, 6)
+    assert run_eval(["--run", str(run)], cwd=run.parent, cache=embedded_cache)["checkpoint"] == NEW
+
+
+class _FullDisk:
+    """An engine whose save writes part of a file and then finds the disk full."""
+
+    def save_checkpoint(self, directory, tag, **_):
+        (Path(directory) / tag).mkdir(parents=True)
+        (Path(directory) / tag / "mp_rank_00_model_states.pt").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+class _Writes:
+    def save_checkpoint(self, directory, tag, **_):
+        (Path(directory) / tag).mkdir(parents=True)
+        (Path(directory) / tag / "mp_rank_00_model_states.pt").write_bytes(b"whole")
+
+
+def test_a_failed_or_killed_save_leaves_the_previous_checkpoint_in_use(run, monkeypatch):
+    monkeypatch.setattr(ckpt.dist, "barrier", lambda *a, **k: None)
+    marker = (run / "checkpoints" / "complete").read_text()
+    with pytest.raises(UserError, match=f"No space left on device.*previous complete checkpoint {NEW} is intact"):
+        ckpt.save_checkpoint(_FullDisk(), run, step=9, rank=0)
+    assert (run / "checkpoints" / "complete").read_text() == marker
+    assert ckpt.choose_checkpoint(run, None, "--resume-from") == (NEW, 6)
+    # the next save (after a resume) clears the killed one's leftovers and writes the checkpoint whole
+    ckpt.save_checkpoint(_Writes(), run, step=9, rank=0)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["complete", NEW, "step00000009"]
+    assert ckpt.choose_checkpoint(run, None, "--resume-from") == ("step00000009", 9)
