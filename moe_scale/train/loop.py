@@ -22,6 +22,7 @@ from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.metrics.perf import all_to_all_seconds, device_peak_tflops, efficiency, peak_rss_mib
 from moe_scale.models.build import build_model, describe_parameters, forward_macs_per_token
 from moe_scale.moe.router import GlobalTokenNoise
+from moe_scale.train.memory_check import check_model_fits
 from moe_scale.train.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from moe_scale.train.data_setup import apply_token_budget, build_lm_data
 from moe_scale.train.ds_config import complete_ds_config, load_ds_config
@@ -88,9 +89,14 @@ def run_training(config: RunConfig) -> dict:
 
     if env.device.type == "cuda":   # float32 products on TF32 tensor cores (bf16 runs are unaffected)
         torch.set_float32_matmul_precision("high")
+    def build():
+        model = build_model(config, len(data.vocab), ep_size=ep_size, ep_rank=env.rank % ep_size, seed=t.seed)
+        model.softmax = build_softmax(config.softmax, model.softmax, data.vocab.counts)   # full|sampled|adaptive
+        return model
+
+    check_model_fits(build, ds_config, t.optimizer, env.world_size, ep_size, env.device)   # on the meta device
     torch.manual_seed(t.seed)
-    model = build_model(config, len(data.vocab), ep_size=ep_size, ep_rank=env.rank % ep_size, seed=t.seed)
-    model.softmax = build_softmax(config.softmax, model.softmax, data.vocab.counts)   # full|sampled|adaptive
+    model = build()
     mae = mae_schedule(model, config, getattr(data.train, "num_windows", None))   # MAE's G steps, else None
     trainer = TrainingEngine(model.to(env.device), ds_config, t)
     engine = trainer.engine
