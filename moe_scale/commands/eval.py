@@ -50,16 +50,16 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
     from moe_scale.train.evaluate import evaluate
     from moe_scale.train.expert_tokens import ExpertTokenStats
     from moe_scale.models.build_softmax import build_softmax
-    from moe_scale.train.checkpoint import choose_checkpoint
+    from moe_scale.train.checkpoint import choose_checkpoint, load_weights
 
     run = Path(run_dir)
     if not (run / "config.json").exists() or not (run / "checkpoints").is_dir():
         raise UserError(f"--run {run_dir}: no trained run there (config.json and a complete checkpoint are "
                         f"needed); pass the --out directory of a finished `moe-scale train`")
-    tag, _ = choose_checkpoint(run, checkpoint, "--checkpoint")
     if top_tokens < 0:
         raise UserError(f"--top-tokens must be 0 or more (got {top_tokens})")
     config = RunConfig.load(run / "config.json")
+    tag, _ = choose_checkpoint(run, checkpoint, "--checkpoint", config)
     vocab = Vocab.load(run / "vocab")
     env = init_distributed()
     if config.moe.experts.num_experts % env.world_size:
@@ -81,8 +81,7 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
     model.softmax = build_softmax(config.softmax, model.softmax, vocab.counts)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
-    engine.load_checkpoint(str(run / "checkpoints"), tag=tag, load_module_only=True,
-                           load_optimizer_states=False, load_lr_scheduler_states=False)
+    load_weights(engine, run, tag, module_only=True)
     observer = ExpertTokenStats(model.moe_layers(), vocab, windows.tokens, top_tokens) \
         if expert_stats or top_tokens else None
     result = evaluate(model, windows, device=env.device, observer=observer, describe=True)

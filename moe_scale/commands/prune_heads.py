@@ -28,7 +28,7 @@ from moe_scale.distributed.launch import init_distributed
 from moe_scale.errors import UserError
 from moe_scale.models.build import build_model, parameter_counts
 from moe_scale.train.data_setup import load_run_splits, min_over_ranks
-from moe_scale.train.checkpoint import choose_checkpoint
+from moe_scale.train.checkpoint import choose_checkpoint, load_weights
 from moe_scale.train.evaluate import evaluate
 from moe_scale.files import write_json_atomic
 
@@ -67,8 +67,8 @@ def load_trained(run: Path, checkpoint: str | None = None):
     if not (run / "config.json").exists() or not (run / "checkpoints").is_dir():
         raise UserError(f"--run {run}: no trained run there (config.json and a complete checkpoint are needed); "
                         f"pass the --out directory of a finished `moe-scale train`")
-    tag, _ = choose_checkpoint(run, checkpoint, "--checkpoint")
     config = RunConfig.load(run / "config.json")
+    tag, _ = choose_checkpoint(run, checkpoint, "--checkpoint", config)
     if config.model.kind != "transformer" or config.attention.kind == "moa":
         what = "an LSTM" if config.model.kind != "transformer" else "an MoA"
         raise UserError(f"--run {run} holds {what} model; prune-heads works on transformer runs with "
@@ -83,8 +83,7 @@ def load_trained(run: Path, checkpoint: str | None = None):
     model = build_model(config, len(vocab), seed=config.train.seed)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
-    engine.load_checkpoint(str(run / "checkpoints"), tag=tag, load_module_only=True, load_optimizer_states=False,
-                           load_lr_scheduler_states=False)
+    load_weights(engine, run, tag, module_only=True)
     return config, vocab, model, tag, env.device
 
 

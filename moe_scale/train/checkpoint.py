@@ -25,6 +25,9 @@ from moe_scale.files import write_json_atomic
 
 KEEP_LAST = 2
 MANIFEST = "manifest.json"
+LAYOUT = "layout.json"
+# Settings that fix the weights' shapes and meaning: a checkpoint loads only into a model built with its values.
+_SHAPE_SECTIONS = ("model", "moe", "attention", "softmax")
 _CHUNK = 1 << 22
 
 
@@ -49,6 +52,9 @@ def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None) -
                            "no earlier checkpoint exists") + "; free space and continue with --resume") from None
     dist.barrier()
     if rank == 0:
+        if (run / "config.json").is_file():   # what the weights were trained as, checked on every load
+            shutil.copyfile(run / "config.json", partial / "config.json")
+        write_json_atomic(partial / LAYOUT, {"world_size": dist.get_world_size() if dist.is_initialized() else 1})
         write_json_atomic(partial / MANIFEST, _manifest(partial))
         if (directory / tag).exists():
             shutil.rmtree(directory / tag)
@@ -107,9 +113,11 @@ def usable_checkpoints(run: Path) -> list[str]:
     return [tag for tag in tags if problem_with(directory / tag) is None]
 
 
-def choose_checkpoint(run: Path, tag: str | None, flag: str) -> tuple[str, int]:
+def choose_checkpoint(run: Path, tag: str | None, flag: str, config=None, world_size: int | None = None
+                      ) -> tuple[str, int]:
     """(tag, step) of the checkpoint to load: `tag`, else the newest complete one; verified against its
-    manifest. Anything wrong is one line naming the file and the checkpoints that can be used instead."""
+    manifest, and against `config` (the model it will be loaded into) and `world_size` (a resume's processes)
+    where given. Anything wrong is one line naming the file and the checkpoints that can be used instead."""
     directory = run / "checkpoints"
     if tag is None:
         marker = directory / "complete"
@@ -125,7 +133,54 @@ def choose_checkpoint(run: Path, tag: str | None, flag: str) -> tuple[str, int]:
     problem = problem_with(directory / tag)
     if problem:
         raise UserError(f"checkpoint {tag}: {problem}{_instead(run, flag, skip=tag)}")
+    if config is not None:
+        _check_same_model(run, tag, config)
+    if world_size is not None:
+        _check_same_layout(run, tag, world_size)
     return tag, int(tag.removeprefix("step"))
+
+
+def _check_same_model(run: Path, tag: str, config) -> None:
+    from moe_scale.config import RunConfig
+
+    saved = run / "checkpoints" / tag / "config.json"
+    if not saved.is_file():   # written before checkpoints kept their config
+        return
+    trained = RunConfig.load(saved)
+    for key, leaf in RunConfig.leaves().items():
+        if (leaf.path[0] in _SHAPE_SECTIONS or key == "ep_size") and trained.get(key) != config.get(key):
+            raise UserError(f"checkpoint {tag} was trained with {leaf.flag} {trained.get(key)}, but "
+                            f"{run / 'config.json'} says {config.get(key)}; put the run's config back (the "
+                            f"checkpoint keeps a copy: {saved})")
+
+
+def _check_same_layout(run: Path, tag: str, world_size: int) -> None:
+    try:
+        saved = json.loads((run / "checkpoints" / tag / LAYOUT).read_text())["world_size"]
+    except FileNotFoundError:
+        return
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{run / 'checkpoints' / tag / LAYOUT} is unreadable; restore it or use another "
+                        f"checkpoint") from None
+    if saved != world_size:
+        raise UserError(f"checkpoint {tag} was written by {saved} process{'es' if saved > 1 else ''} and this "
+                        f"resume has {world_size}: "
+                        f"each rank's optimizer state belongs to its own rank, so resume with {saved} process{'es' if saved > 1 else ''} "
+                        f"(`moe-scale eval` reads it with any number)")
+
+
+def load_weights(engine, run: Path, tag: str, module_only: bool = False) -> dict:
+    """DeepSpeed's load of checkpoint `tag` (weights only where `module_only`); returns its client state. A
+    checkpoint that does not fit the model (a file edited by hand) is one line, not a traceback."""
+    try:
+        _, client_state = engine.load_checkpoint(str(run / "checkpoints"), tag=tag, load_module_only=module_only,
+                                                 load_optimizer_states=not module_only,
+                                                 load_lr_scheduler_states=not module_only)
+    except (RuntimeError, KeyError, ValueError, OSError) as e:
+        what = " ".join(str(e).split())[:300] or type(e).__name__
+        raise UserError(f"checkpoint {tag} does not fit this model ({what}); was {run / 'config.json'} or "
+                        f"{run / 'vocab'} edited? restore them, or use another checkpoint") from None
+    return client_state or {}
 
 
 def _instead(run: Path, flag: str, skip: str | None = None) -> str:
@@ -136,8 +191,7 @@ def _instead(run: Path, flag: str, skip: str | None = None) -> str:
 def load_checkpoint(engine, run: Path, tag: str, data_source=None) -> int:
     """Restore checkpoint `tag` (one checkpoint_to_resume verified); returns the number of steps already done."""
     directory = run / "checkpoints"
-    _, client_state = engine.load_checkpoint(str(directory), tag=tag)
-    step = int(client_state["step"])
+    step = int(load_weights(engine, run, tag)["step"])
     if hasattr(data_source, "load_state_dict"):
         rank = dist.get_rank() if dist.is_initialized() else 0
         path = directory / tag / f"data_stream_rank{rank}.pt"
@@ -152,15 +206,17 @@ def load_checkpoint(engine, run: Path, tag: str, data_source=None) -> int:
     return step
 
 
-def checkpoint_to_resume(run: Path, tag: str | None) -> str:
-    """The tag --resume loads (`tag`, else the newest complete one), verified by rank 0 alone (one read of the
-    files, not one per rank on a shared file system); every rank gets the same tag or raises the same error."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return choose_checkpoint(run, tag, "--resume-from")[0]
+def checkpoint_to_resume(run: Path, tag: str | None, config) -> str:
+    """The tag --resume loads (`tag`, else the newest complete one) for a model built from `config` with this many
+    processes, verified by rank 0 alone (one read of the files, not one per rank on a shared file system); every
+    rank gets the same tag or raises the same error."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return choose_checkpoint(run, tag, "--resume-from", config, world)[0]
     answer = [None]
     if dist.get_rank() == 0:
         try:
-            answer = [("ok", choose_checkpoint(run, tag, "--resume-from")[0])]
+            answer = [("ok", choose_checkpoint(run, tag, "--resume-from", config, world)[0])]
         except UserError as e:
             answer = [("error", str(e))]
     dist.broadcast_object_list(answer, src=0)

@@ -82,7 +82,7 @@ def run_training(config: RunConfig) -> dict:
     run = check_run_dir(run_dir.out, run_dir.resume, run_dir.overwrite, run_dir.resume_from)
     env = init_distributed()
     micro_batch = check_parallel_layout(config, env)
-    resume_tag = checkpoint_to_resume(run, run_dir.resume_from) if run_dir.resume else None   # files verified
+    resume_tag = checkpoint_to_resume(run, run_dir.resume_from, config) if run_dir.resume else None   # files verified
     ds_config = complete_ds_config(user_ds_config, micro_batch, t.grad_accum, env.world_size, ds_source)
     data = build_lm_data(config.data, env, global_rows=t.batch_size,
                          saved_vocab=run / "vocab" if run_dir.resume else None, seed=t.seed)

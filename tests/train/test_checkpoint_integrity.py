@@ -144,3 +144,37 @@ def test_a_failed_or_killed_save_leaves_the_previous_checkpoint_in_use(run, monk
     ckpt.save_checkpoint(_Writes(), run, step=9, rank=0)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["complete", NEW, "step00000009"]
     assert ckpt.choose_checkpoint(run, None, "--resume-from") == ("step00000009", 9)
+
+
+def _edit_config(run: Path, section: str, key: str, value) -> None:
+    config = json.loads((run / "config.json").read_text())
+    config[section][key] = value
+    (run / "config.json").write_text(json.dumps(config))
+
+
+def test_a_config_edited_after_the_checkpoint_is_refused_naming_the_setting(run, embedded_cache):
+    assert json.loads((run / "checkpoints" / NEW / "config.json").read_text()) == \
+        json.loads((run / "config.json").read_text())   # each checkpoint keeps the config it was trained with
+    _edit_config(run, "model", "d_model", 48)
+    for args in (["train", "--resume", "--out", str(run)], ["eval", "--run", str(run)]):
+        proc = cli(*args, cwd=run.parent, cache=embedded_cache)
+        assert_one_line_error(proc, f"checkpoint {NEW} was trained with --d-model 32", "says 48",
+                              str(run / "checkpoints" / NEW / "config.json"))
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_even_without_its_config(run, embedded_cache):
+    for tag in (OLD, NEW):   # as written before checkpoints kept their config
+        (run / "checkpoints" / tag / "config.json").unlink()
+        manifest = json.loads((run / "checkpoints" / tag / "manifest.json").read_text())
+        del manifest["config.json"]
+        (run / "checkpoints" / tag / "manifest.json").write_text(json.dumps(manifest))
+    _edit_config(run, "model", "d_model", 48)
+    proc = cli("eval", "--run", str(run), cwd=run.parent, cache=embedded_cache)
+    assert_one_line_error(proc, f"checkpoint {NEW} does not fit this model", "size mismatch", "config.json")
+
+
+def test_resume_with_another_number_of_processes_is_refused(run):
+    with pytest.raises(UserError, match=f"{NEW} was written by 1 process and this resume has 2: .*resume with 1 "
+                                        f"process"):
+        ckpt.choose_checkpoint(run, None, "--resume-from", world_size=2)
+    assert ckpt.choose_checkpoint(run, None, "--resume-from", world_size=1) == (NEW, 6)
