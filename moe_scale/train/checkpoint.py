@@ -163,10 +163,10 @@ def _check_same_layout(run: Path, tag: str, world_size: int) -> None:
         raise UserError(f"{run / 'checkpoints' / tag / LAYOUT} is unreadable; restore it or use another "
                         f"checkpoint") from None
     if saved != world_size:
-        raise UserError(f"checkpoint {tag} was written by {saved} process{'es' if saved > 1 else ''} and this "
-                        f"resume has {world_size}: "
-                        f"each rank's optimizer state belongs to its own rank, so resume with {saved} process{'es' if saved > 1 else ''} "
-                        f"(`moe-scale eval` reads it with any number)")
+        processes = f"{saved} process{'es' if saved > 1 else ''}"
+        raise UserError(f"checkpoint {tag} was written by {processes} and this resume has {world_size}: each rank's "
+                        f"optimizer state belongs to its own rank, so resume with {processes} (`moe-scale eval` "
+                        f"reads it with any number)")
 
 
 def load_weights(engine, run: Path, tag: str, module_only: bool = False) -> dict:
