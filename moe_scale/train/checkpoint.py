@@ -22,6 +22,7 @@ import torch.distributed as dist
 from moe_scale.errors import UserError
 
 from moe_scale.files import write_json_atomic
+from moe_scale.train.reshard import has_portable, load_portable, save_portable
 
 KEEP_LAST = 2
 MANIFEST = "manifest.json"
@@ -43,6 +44,7 @@ def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None) -
     dist.barrier()
     try:
         engine.save_checkpoint(str(directory), tag=partial.name, client_state={"step": step}, save_latest=False)
+        save_portable(engine, partial, rank)   # the same state by name, for a resume with another layout
         if hasattr(data_source, "state_dict"):
             _save_stream_state(partial / f"data_stream_rank{rank}.pt", data_source.state_dict())
     except OSError as e:
@@ -54,7 +56,8 @@ def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None) -
     if rank == 0:
         if (run / "config.json").is_file():   # what the weights were trained as, checked on every load
             shutil.copyfile(run / "config.json", partial / "config.json")
-        write_json_atomic(partial / LAYOUT, {"world_size": dist.get_world_size() if dist.is_initialized() else 1})
+        write_json_atomic(partial / LAYOUT, {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                                             "ep_size": _ep_size(engine.module)})
         write_json_atomic(partial / MANIFEST, _manifest(partial))
         if (directory / tag).exists():
             shutil.rmtree(directory / tag)
@@ -113,11 +116,11 @@ def usable_checkpoints(run: Path) -> list[str]:
     return [tag for tag in tags if problem_with(directory / tag) is None]
 
 
-def choose_checkpoint(run: Path, tag: str | None, flag: str, config=None, world_size: int | None = None
+def choose_checkpoint(run: Path, tag: str | None, flag: str, config=None, resume_world: int | None = None
                       ) -> tuple[str, int]:
     """(tag, step) of the checkpoint to load: `tag`, else the newest complete one; verified against its
-    manifest, and against `config` (the model it will be loaded into) and `world_size` (a resume's processes)
-    where given. Anything wrong is one line naming the file and the checkpoints that can be used instead."""
+    manifest, against `config` (the model it will be loaded into) and, for a resume with `resume_world`
+    processes, against the layout that wrote it. Anything wrong is one line naming the file and the checkpoints that can be used instead."""
     directory = run / "checkpoints"
     if tag is None:
         marker = directory / "complete"
@@ -135,8 +138,8 @@ def choose_checkpoint(run: Path, tag: str | None, flag: str, config=None, world_
         raise UserError(f"checkpoint {tag}: {problem}{_instead(run, flag, skip=tag)}")
     if config is not None:
         _check_same_model(run, tag, config)
-    if world_size is not None:
-        _check_same_layout(run, tag, world_size)
+    if resume_world is not None:
+        _check_layout(run, tag, resume_world, config.parallel.ep_size, config.data.stream)
     return tag, int(tag.removeprefix("step"))
 
 
@@ -148,25 +151,45 @@ def _check_same_model(run: Path, tag: str, config) -> None:
         return
     trained = RunConfig.load(saved)
     for key, leaf in RunConfig.leaves().items():
-        if (leaf.path[0] in _SHAPE_SECTIONS or key == "ep_size") and trained.get(key) != config.get(key):
+        if leaf.path[0] in _SHAPE_SECTIONS and trained.get(key) != config.get(key):
             raise UserError(f"checkpoint {tag} was trained with {leaf.flag} {trained.get(key)}, but "
                             f"{run / 'config.json'} says {config.get(key)}; put the run's config back (the "
                             f"checkpoint keeps a copy: {saved})")
 
 
-def _check_same_layout(run: Path, tag: str, world_size: int) -> None:
-    try:
-        saved = json.loads((run / "checkpoints" / tag / LAYOUT).read_text())["world_size"]
-    except FileNotFoundError:
+def _check_layout(run: Path, tag: str, world_size: int, ep_size: int, streamed: bool) -> None:
+    """A resume with another number of processes or --ep-size needs the checkpoint's portable state."""
+    checkpoint = run / "checkpoints" / tag
+    saved = saved_layout(checkpoint)
+    if saved is None or saved == {"world_size": world_size, "ep_size": ep_size}:
         return
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"{run / 'checkpoints' / tag / LAYOUT} is unreadable; restore it or use another "
-                        f"checkpoint") from None
-    if saved != world_size:
-        processes = f"{saved} process{'es' if saved > 1 else ''}"
-        raise UserError(f"checkpoint {tag} was written by {processes} and this resume has {world_size}: each rank's "
-                        f"optimizer state belongs to its own rank, so resume with {processes} (`moe-scale eval` "
-                        f"reads it with any number)")
+    was = f"{saved['world_size']} process{'es' if saved['world_size'] > 1 else ''} with --ep-size {saved['ep_size']}"
+    if streamed:
+        raise UserError(f"checkpoint {tag} was written by {was}: a --stream run resumes only with the same layout "
+                        f"(each rank's position in the stream is its own)")
+    if not has_portable(checkpoint):
+        raise UserError(f"checkpoint {tag} was written by {was} before checkpoints carried a portable copy of "
+                        f"the state; resume it with that layout")
+
+
+def saved_layout(checkpoint: Path) -> dict | None:
+    """{"world_size", "ep_size"} of the run that wrote a checkpoint (None: written before this was recorded)."""
+    try:
+        saved = json.loads((checkpoint / LAYOUT).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise UserError(f"{checkpoint / LAYOUT} is unreadable; restore it or use another checkpoint") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("world_size"), int):
+        raise UserError(f"{checkpoint / LAYOUT} is not the JSON moe_scale writes; restore it or use another "
+                        f"checkpoint")
+    return {"world_size": saved["world_size"], "ep_size": saved.get("ep_size", 1)}
+
+
+def _ep_size(model) -> int:
+    from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
+
+    return next((m.ep_size for m in model.modules() if isinstance(m, ExpertParallelModule)), 1)
 
 
 def load_weights(engine, run: Path, tag: str, module_only: bool = False) -> dict:
@@ -191,7 +214,14 @@ def _instead(run: Path, flag: str, skip: str | None = None) -> str:
 def load_checkpoint(engine, run: Path, tag: str, data_source=None) -> int:
     """Restore checkpoint `tag` (one checkpoint_to_resume verified); returns the number of steps already done."""
     directory = run / "checkpoints"
-    step = int(load_weights(engine, run, tag)["step"])
+    saved = saved_layout(directory / tag)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if saved is None or saved == {"world_size": world, "ep_size": _ep_size(engine.module)}:
+        step = int(load_weights(engine, run, tag)["step"])
+    else:   # another layout: weights by global expert from DeepSpeed's files, then the portable state
+        load_weights(engine, run, tag, module_only=True)
+        load_portable(engine, directory / tag)
+        step = int(tag.removeprefix("step"))
     if hasattr(data_source, "load_state_dict"):
         rank = dist.get_rank() if dist.is_initialized() else 0
         path = directory / tag / f"data_stream_rank{rank}.pt"
@@ -212,11 +242,11 @@ def checkpoint_to_resume(run: Path, tag: str | None, config) -> str:
     rank gets the same tag or raises the same error."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
-        return choose_checkpoint(run, tag, "--resume-from", config, world)[0]
+        return choose_checkpoint(run, tag, "--resume-from", config, resume_world=world)[0]
     answer = [None]
     if dist.get_rank() == 0:
         try:
-            answer = [("ok", choose_checkpoint(run, tag, "--resume-from", config, world)[0])]
+            answer = [("ok", choose_checkpoint(run, tag, "--resume-from", config, resume_world=world)[0])]
         except UserError as e:
             answer = [("error", str(e))]
     dist.broadcast_object_list(answer, src=0)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 from moe_scale.train import checkpoint as ckpt
 from tests.train.run_helpers import TINY, _env, run_eval, run_train, step_log
@@ -121,6 +122,8 @@ def test_checkpoints_from_before_manifests_still_load(run, embedded_cache):
 class _FullDisk:
     """An engine whose save writes part of a file and then finds the disk full."""
 
+    module = None
+
     def save_checkpoint(self, directory, tag, **_):
         (Path(directory) / tag).mkdir(parents=True)
         (Path(directory) / tag / "mp_rank_00_model_states.pt").write_bytes(b"half")
@@ -128,6 +131,8 @@ class _FullDisk:
 
 
 class _Writes:
+    module = None
+
     def save_checkpoint(self, directory, tag, **_):
         (Path(directory) / tag).mkdir(parents=True)
         (Path(directory) / tag / "mp_rank_00_model_states.pt").write_bytes(b"whole")
@@ -135,6 +140,8 @@ class _Writes:
 
 def test_a_failed_or_killed_save_leaves_the_previous_checkpoint_in_use(run, monkeypatch):
     monkeypatch.setattr(ckpt.dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(ckpt, "save_portable", lambda *a: None)   # the fake engines hold no model
+    monkeypatch.setattr(ckpt, "_ep_size", lambda model: 1)
     marker = (run / "checkpoints" / "complete").read_text()
     with pytest.raises(UserError, match=f"No space left on device.*previous complete checkpoint {NEW} is intact"):
         ckpt.save_checkpoint(_FullDisk(), run, step=9, rank=0)
@@ -173,8 +180,19 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_even_without_its_c
     assert_one_line_error(proc, f"checkpoint {NEW} does not fit this model", "size mismatch", "config.json")
 
 
-def test_resume_with_another_number_of_processes_is_refused(run):
-    with pytest.raises(UserError, match=f"{NEW} was written by 1 process and this resume has 2: .*resume with 1 "
-                                        f"process"):
-        ckpt.choose_checkpoint(run, None, "--resume-from", world_size=2)
-    assert ckpt.choose_checkpoint(run, None, "--resume-from", world_size=1) == (NEW, 6)
+def test_another_layout_needs_the_portable_state_and_no_stream(run):
+    config = RunConfig.load(run / "config.json")
+    assert ckpt.choose_checkpoint(run, None, "--resume-from", config, resume_world=2) == (NEW, 6)   # reshards
+    config.data.stream = True
+    with pytest.raises(UserError, match=f"{NEW} was written by 1 process with --ep-size 1: a --stream run resumes "
+                                        f"only with the same layout"):
+        ckpt.choose_checkpoint(run, None, "--resume-from", config, resume_world=2)
+    config.data.stream = False
+    shutil.rmtree(run / "checkpoints" / NEW / "portable")
+    manifest = json.loads((run / "checkpoints" / NEW / "manifest.json").read_text())
+    (run / "checkpoints" / NEW / "manifest.json").write_text(json.dumps(
+        {name: entry for name, entry in manifest.items() if not name.startswith("portable")}))
+    with pytest.raises(UserError, match="before checkpoints carried a portable copy of the state; resume it with "
+                                        "that layout"):
+        ckpt.choose_checkpoint(run, None, "--resume-from", config, resume_world=2)
+    assert ckpt.choose_checkpoint(run, None, "--resume-from", config, resume_world=1) == (NEW, 6)

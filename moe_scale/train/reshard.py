@@ -1,0 +1,219 @@
+"""Layout-free training state, so a run resumes with another number of processes or another --ep-size.
+
+DeepSpeed's optimizer files belong to the layout that wrote them (each rank's ZeRO partition of flat buffers, or
+its expert-parallel rank's experts). Every checkpoint therefore also holds the same state by parameter name, in
+`portable/`: `dense.pt` (every dense parameter's fp32 value and optimizer state, the schedule and the step) and
+`experts_ep<r>.pt` (expert-parallel rank r's experts, stacked [L, ...], with their optimizer state). A resume with
+another layout builds the engine for the new layout and then gives each rank its slice: dense state whole, expert
+state by global expert index. fp32 masters, Adam's moments and step are copied exactly, so the continued run
+equals one that had used the new layout from the start with the same state.
+
+Under ZeRO 1/2 and bf16 a parameter's fp32 master and moments are fragments of flat per-rank partitions: they are
+read through each parameter's fragment addresses (DeepSpeed's `_hp_mapping`) and summed over its data-parallel
+group (each entry lives on one rank), and written back the same way; DeepSpeed's own `safe_get_full_optimizer_state`
+is not used because it misses the expert group's moments (it links them before the expert group has stepped).
+Without ZeRO the optimizer's per-parameter state is copied as it is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.utils import is_moe_param
+
+from moe_scale.errors import UserError
+from moe_scale.moe.deepspeed_adapter import ExpertParallelModule, expert_data_parallel_group
+
+PORTABLE = "portable"
+PARAM = "param"   # the fp32 value, beside the optimizer state's keys
+
+
+def _expert_modules(model: torch.nn.Module) -> dict[str, ExpertParallelModule]:
+    """Each expert parameter's name -> the module that holds it."""
+    owners = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, ExpertParallelModule):
+            for name, _ in module.experts.named_parameters():
+                owners[f"{prefix}.experts.{name}" if prefix else f"experts.{name}"] = module
+    return owners
+
+
+def _base_optimizer(engine):
+    """The torch optimizer whose state holds the moments (ZeRO and bf16 wrap it)."""
+    optimizer = engine.optimizer
+    return optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+
+
+def _flat_partition(engine, group_index: int) -> torch.Tensor:
+    """This rank's flat fp32 partition of a parameter group (ZeRO 1/2, bf16): the base optimizer's key."""
+    for name in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
+        if hasattr(engine.optimizer, name):
+            return getattr(engine.optimizer, name)[group_index]
+    raise UserError(f"{type(engine.optimizer).__name__}: moe_scale cannot read this DeepSpeed optimizer's "
+                    f"partitions to write a portable checkpoint")
+
+
+def _partitioned_tensors(engine, param) -> list[tuple[str, torch.Tensor]]:
+    """(key, flat tensor) of the fp32 master and each optimizer state of the partition `param` lives in (keys
+    in the same order on every rank: the optimizer's, sorted)."""
+    ranks_state = [_base_optimizer(engine).state.get(_flat_partition(engine, i), {})
+                   for i in range(len(_base_optimizer(engine).param_groups))]
+    keys = sorted({k for state in ranks_state for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0})
+    mapping = param._hp_mapping
+    if mapping is None:
+        return [(PARAM, None)] + [(k, None) for k in keys]
+    flat = _flat_partition(engine, mapping.param_group_index)
+    state = _base_optimizer(engine).state.get(flat, {})
+    return [(PARAM, flat)] + [(k, state.get(k)) for k in keys]
+
+
+def _full_state(engine, param) -> dict[str, torch.Tensor]:
+    """{PARAM: fp32 value, key: optimizer state} of one parameter, whole on every rank of its group."""
+    if hasattr(param, "_hp_mapping"):   # ZeRO 1/2 or bf16 (None where this rank holds no fragment of it)
+        state = {}
+        for key, flat in _partitioned_tensors(engine, param):
+            full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+            if flat is not None:
+                lp, hp = param._hp_mapping.lp_fragment_address, param._hp_mapping.hp_fragment_address
+                full.narrow(0, lp.start, lp.numel).copy_(flat.narrow(0, hp.start, hp.numel))
+            dist.all_reduce(full, group=param._dp_group)   # each entry is held by exactly one rank
+            state[key] = full.view(param.shape).cpu()
+        return state
+    own = _base_optimizer(engine).state.get(param, {})
+    state = {PARAM: param.detach().float().cpu()}
+    state.update({k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in own.items()})
+    return state
+
+
+def _any_flat_state(engine) -> dict:
+    base = _base_optimizer(engine)
+    for state in base.state.values():
+        if state:
+            return state
+    return {}
+
+
+def save_portable(engine, directory: Path, rank: int) -> None:
+    """Every rank calls this (the full tensors are collectives); rank 0 writes the dense state, the first rank of
+    each expert-data-parallel group its experts."""
+    model = engine.module
+    owners = _expert_modules(model)
+    dense, experts, ep_rank, writes_experts = {}, {}, 0, False
+    for name, param in model.named_parameters():
+        state = _full_state(engine, param)
+        if is_moe_param(param):
+            module = owners[name]
+            ep_rank = module.ep_rank
+            group = expert_data_parallel_group(module.expert_group_name) if dist.is_initialized() else None
+            writes_experts = group is None or dist.get_rank(group=group) == 0
+            experts[name] = {"first": module.ep_rank * module.num_local_experts, "total": module.num_experts,
+                             "state": state}
+        else:
+            dense[name] = state
+    target = directory / PORTABLE
+    target.mkdir(exist_ok=True)
+    if rank == 0:
+        flat = _any_flat_state(engine)
+        common = {"scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+                  "flat_step": flat.get("step"), "global_steps": engine.global_steps,
+                  "global_samples": engine.global_samples}
+        torch.save({"dense": dense, "common": common}, target / "dense.pt")
+    if experts and writes_experts:
+        torch.save(experts, target / f"experts_ep{ep_rank}.pt")
+
+
+def has_portable(checkpoint: Path) -> bool:
+    return (checkpoint / PORTABLE / "dense.pt").is_file()
+
+
+def load_portable(engine, checkpoint: Path) -> None:
+    """Give this rank its share of a checkpoint written with any layout (engine built for the new one)."""
+    model = engine.module
+    source = checkpoint / PORTABLE
+    saved = torch.load(source / "dense.pt", weights_only=False)
+    experts = _ExpertFiles(source)
+    owners = _expert_modules(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_moe_param(param):
+                module = owners[name]
+                first = module.ep_rank * module.num_local_experts
+                state = experts.slice(name, first, module.num_local_experts, module.num_experts)
+            elif name in saved["dense"]:
+                state = saved["dense"][name]
+            else:
+                raise UserError(f"{checkpoint}: no saved state for parameter {name}; resume with the settings "
+                                f"the checkpoint was written with")
+            _set_state(engine, param, state, saved["common"]["flat_step"])
+    common = saved["common"]
+    if engine.lr_scheduler is not None and common["scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(common["scheduler"])
+        for group, lr in zip(_base_optimizer(engine).param_groups, engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+    engine.global_steps, engine.global_samples = common["global_steps"], common["global_samples"]
+
+
+def _set_state(engine, param, state: dict, flat_step) -> None:
+    value = state[PARAM]
+    if tuple(value.shape) != tuple(param.shape):
+        raise UserError(f"saved {tuple(value.shape)} for a parameter of shape {tuple(param.shape)}; the checkpoint "
+                        f"was written for another model")
+    param.data.copy_(value.to(param.device, param.dtype))
+    if hasattr(param, "_hp_mapping"):   # ZeRO 1/2 or bf16: this rank's fragment, if any
+        mapping = param._hp_mapping
+        if mapping is None:
+            return
+        lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+        flat = _flat_partition(engine, mapping.param_group_index)
+        flat_state = _base_optimizer(engine).state[flat]
+        for key, full in state.items():
+            target = flat if key == PARAM else flat_state.setdefault(key, torch.zeros_like(flat))
+            target.data.narrow(0, hp.start, hp.numel).copy_(full.flatten().narrow(0, lp.start, lp.numel))
+        if flat_step is not None:
+            flat_state["step"] = flat_step.clone() if torch.is_tensor(flat_step) else flat_step
+        return
+    own = {k: v.to(param.device).clone() if torch.is_tensor(v) else v for k, v in state.items() if k != PARAM}
+    if own:
+        _base_optimizer(engine).state[param] = own
+
+
+class _ExpertFiles:
+    """The experts_ep<r>.pt files of one checkpoint, read as needed."""
+
+    def __init__(self, source: Path):
+        self.paths = sorted(source.glob("experts_ep*.pt"))
+        self._loaded: dict[Path, dict] = {}
+
+    def _file(self, path: Path) -> dict:
+        if path not in self._loaded:
+            self._loaded[path] = torch.load(path, weights_only=False)
+        return self._loaded[path]
+
+    def slice(self, name: str, first: int, count: int, total: int) -> dict:
+        """The state of global experts [first, first + count) of parameter `name`, stacked."""
+        pieces = {}
+        for path in self.paths:
+            entry = self._file(path).get(name)
+            if entry is None:
+                continue
+            if entry["total"] != total:
+                raise UserError(f"{path} holds {entry['total']} experts for {name}, the model {total}; resume "
+                                f"with the settings the checkpoint was written with")
+            saved_count = next(iter(entry["state"].values())).shape[0]
+            lo, hi = max(first, entry["first"]), min(first + count, entry["first"] + saved_count)
+            if lo < hi:
+                pieces[lo] = {k: v[lo - entry["first"]:hi - entry["first"]] if _stacked(v, saved_count) else v
+                              for k, v in entry["state"].items()}
+        covered = sum(next(iter(p.values())).shape[0] for p in pieces.values())
+        if covered != count:
+            raise UserError(f"{self.paths[0].parent}: experts {first}..{first + count - 1} of {name} are not all "
+                            f"saved (files missing?); use another checkpoint")
+        parts = [pieces[k] for k in sorted(pieces)]
+        return {k: torch.cat([p[k] for p in parts]) if _stacked(parts[0][k], None) else parts[0][k]
+                for k in parts[0]}
+
+
+def _stacked(value, count: int | None) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and (count is None or value.shape[0] == count)
