@@ -21,11 +21,19 @@ _SPLIT_WORDS = {"train": "train", "training": "train", "valid": "valid", "valida
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
+def unreadable_error(path: Path, error: OSError) -> UserError:
+    return UserError(f"{path}: cannot be read ({error.strerror or error}); check its permissions and the disk, "
+                     "or remove it from the data")
+
+
 def _has_words(path: Path) -> bool:
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 16):
-            if chunk.strip():
-                return True
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 16):
+                if chunk.strip():
+                    return True
+    except OSError as e:
+        raise unreadable_error(path, e) from None
     return False
 
 
@@ -128,17 +136,20 @@ def _first_bad_utf8(path: Path) -> int | None:
     """Byte offset of the first invalid UTF-8 sequence in the file, or None (reads it in 1 MiB pieces)."""
     import codecs
     decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError as e:
-                return offset + e.start
-            offset += len(chunk)
-        try:
-            decoder.decode(b"", final=True)
-        except UnicodeDecodeError:
-            return offset
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as e:
+                    return offset + e.start
+                offset += len(chunk)
+    except OSError as e:
+        raise unreadable_error(path, e) from None
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return offset
     return None
 
 

@@ -208,7 +208,8 @@ def load_weights(engine, run: Path, tag: str, module_only: bool = False) -> dict
 
 def _instead(run: Path, flag: str, skip: str | None = None) -> str:
     usable = [t for t in usable_checkpoints(run) if t != skip]
-    return f"; use an older complete one with {flag} {usable[0]}" if usable else "; no other complete checkpoint"
+    which = "an older complete one" if skip else "the newest complete one"
+    return f"; use {which} with {flag} {usable[0]}" if usable else "; no other complete checkpoint"
 
 
 def load_checkpoint(engine, run: Path, tag: str, data_source=None) -> int:

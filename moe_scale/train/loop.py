@@ -260,8 +260,9 @@ def _stop_if_diverged(record: dict, run, logger) -> None:
     from moe_scale.train.checkpoint import latest_complete_tag
 
     tag = latest_complete_tag(run)
-    last = f"the last complete checkpoint, {tag}, was written before it (resume from it with --resume, or start " \
-           f"a new run with a lower --lr)" if tag else "no checkpoint was written yet (start again with a lower --lr)"
+    last = (f"the last complete checkpoint, {tag}, was written before it (a resume would take the same steps again: "
+            f"start a new run with a lower --lr, with --overwrite or another --out)" if tag else
+            "no checkpoint was written yet (start again with a lower --lr, with --overwrite or another --out)")
     raise UserError(f"training diverged at step {record['step']}: {', '.join(bad)}; stopped before writing a "
                     f"checkpoint of it; {last}")
 

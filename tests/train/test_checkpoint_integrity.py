@@ -95,14 +95,6 @@ def test_resume_eval_and_prune_refuse_a_damaged_checkpoint_and_take_an_older_one
     assert ckpt.choose_checkpoint(run, None, "--checkpoint") == (NEW, 6)   # rewritten whole
 
 
-def test_resume_from_needs_resume_and_an_existing_tag(run, embedded_cache):
-    proc = cli("train", "--resume-from", OLD, "--out", str(run), cwd=run.parent, cache=embedded_cache)
-    assert_one_line_error(proc, "--resume-from", "--resume")
-    proc = cli("train", "--resume", "--resume-from", "step00000099", "--out", str(run), cwd=run.parent,
-               cache=embedded_cache)
-    assert_one_line_error(proc, "no checkpoint step00000099", f"--resume-from {NEW}")
-
-
 def test_an_unreadable_marker_is_one_line(run):
     (run / "checkpoints" / "complete").write_text("{not json")
     with pytest.raises(UserError, match=f"unreadable.*--resume-from {NEW}"):

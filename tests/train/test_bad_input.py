@@ -1,0 +1,232 @@
+"""The bad-input table: each case is a user's mistake (paths, data, flags, configs, damaged runs) and must end in
+exit status 2, exactly one `moe-scale: error:` line naming the problem (checked by its fragments), no traceback,
+and every file under the working directory as it was: a refused train creates no --out, a refused resume or eval
+changes nothing in the run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from moe_scale.train.run_lock import LOCK_NAME, _process_start
+from tests.train.run_helpers import TINY, run_train
+from tests.train.test_cli_errors import FAST, assert_one_line_error, run_cli
+
+NEW, OLD = "step00000004", "step00000002"
+LINES = "the cat sat on the mat .\n" * 400
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, embedded_cache) -> Path:
+    """A 4-step LSTM-MoE run with complete checkpoints after steps 2 and 4."""
+    run = tmp_path_factory.mktemp("bad_input") / "run"
+    run_train([*TINY, "--max-steps", "4", "--checkpoint-interval", "2", "--out", str(run)], cwd=run.parent,
+              cache=embedded_cache)
+    return run
+
+
+class Work:
+    """The case's working directory: text files, JSON files and copies of the trained run, made on demand."""
+
+    def __init__(self, root: Path, trained: Path):
+        self.root, self._trained = root, trained
+
+    def text(self, name: str, content: str | bytes = LINES) -> str:
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return str(path)
+
+    def folder(self, name: str, *files: str) -> str:
+        for f in files:
+            self.text(f"{name}/{f}")
+        return str(self.root / name)
+
+    def run(self, edit: Callable[[Path], None] | None = None) -> str:
+        run = self.root / "run"
+        shutil.copytree(self._trained, run)
+        if edit:
+            edit(run)
+        return str(run)
+
+    def out(self) -> str:
+        return str(self.root / "new_run")
+
+
+def _edit_config(section: str, key: str, value) -> Callable[[Path], None]:
+    def edit(run: Path) -> None:
+        config = json.loads((run / "config.json").read_text())
+        config[section][key] = value
+        (run / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+def _damage(how: str) -> Callable[[Path], None]:
+    def edit(run: Path) -> None:
+        victim = max((run / "checkpoints" / NEW).rglob("*.pt"), key=lambda p: p.stat().st_size)
+        data = bytearray(victim.read_bytes())
+        if how == "truncate":
+            victim.write_bytes(data[: len(data) // 2])
+        elif how == "empty":
+            victim.write_bytes(b"")
+        elif how == "flip64":
+            data[len(data) // 2: len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + 64])
+            victim.write_bytes(bytes(data))
+        else:
+            victim.unlink()
+    return edit
+
+
+def _live_lock(run: Path) -> None:   # this test process holds it: alive, on this host
+    pid = os.getpid()
+    (run / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "start": _process_start(pid)}))
+
+
+def _ds(w: Work, content: str) -> list[str]:
+    return ["train", "--data", w.text("corpus.txt"), "--ds-config", w.text("ds.json", content), "--out", w.out(),
+            *FAST]
+
+
+CASES = [
+    # data
+    ("data-missing", lambda w: ["train", "--data", str(w.root / "nope.txt"), "--out", w.out(), *FAST],
+     ["--data", "nope.txt", "no such file"]),
+    ("data-blank", lambda w: ["train", "--data", str(Path(w.text("d/a.txt", "\n\n  \n")).parent), "--out", w.out(),
+                              *FAST], ["empty"]),
+    ("data-not-utf8", lambda w: ["train", "--data", w.text("b.txt", b"ok .\n\xff\xfe abc\n"), "--out", w.out(), *FAST],
+     ["b.txt", "not UTF-8", "offset 5"]),
+    ("data-unreadable", lambda w: ["train", "--data", str(_link(w.root / "c.txt", "/proc/self/mem")), "--out",
+                                   w.out(), *FAST], ["c.txt", "cannot be read"]),
+    ("data-heldout-without-train", lambda w: ["train", "--data", w.folder("h", "valid.txt", "test.txt"), "--out",
+                                              w.out(), *FAST],
+     ["held-out files", "no training files", "train*"]),
+    ("data-split-beside-unnamed", lambda w: ["train", "--data", w.folder("m", "train.txt", "notes.txt"), "--out",
+                                             w.out(), *FAST], ["notes.txt", "split rule"]),
+    ("data-too-small-for-batch", lambda w: ["train", "--data", w.text("t.txt", "a b c .\n" * 3), "--valid-data",
+                                            w.text("v.txt", "a b .\n"), "--test-data", w.text("e.txt", "a c .\n"),
+                                            "--out", w.out(), "--batch-size", "64", "--seq-len", "32"],
+     ["--batch-size"]),
+    # flags
+    ("moa-without-transformer", lambda w: ["train", "--attention", "moa", "--out", w.out(), *FAST],
+     ["--attention", "--model transformer"]),
+    ("top-k-above-experts", lambda w: ["train", "--num-experts", "4", "--top-k", "5", "--out", w.out(), *FAST],
+     ["--top-k 5", "--num-experts 4"]),
+    ("w-importance-inf", lambda w: ["train", "--w-importance", "inf", "--out", w.out(), *FAST],
+     ["--w-importance inf", "finite"]),
+    ("lr-nan", lambda w: ["train", "--lr", "nan", "--out", w.out(), *FAST], ["--lr nan", "finite"]),
+    ("capacity-factor-zero", lambda w: ["train", "--dispatch", "capacity", "--capacity-factor", "0", "--out",
+                                        w.out(), *FAST], ["--capacity-factor must be positive"]),
+    ("node-size-negative", lambda w: ["train", "--node-size", "-2", "--out", w.out(), *FAST], ["--node-size"]),
+    ("experts-not-divisible-by-ep", lambda w: ["train", "--num-experts", "6", "--ep-size", "4", "--out", w.out(),
+                                               *FAST], ["not divisible by --ep-size"]),
+    ("ep-size-above-processes", lambda w: ["train", "--ep-size", "2", "--out", w.out(), *FAST],
+     ["does not divide the 1 processes"]),
+    ("mae-epochs-while-streaming", lambda w: ["train", "--model", "transformer", "--attention", "mae", "--stream",
+                                              "--out", w.out(), *FAST], ["--mae-g-unit epoch needs epochs"]),
+    ("checkpoint-interval-negative", lambda w: ["train", "--checkpoint-interval", "-1", "--out", w.out(), *FAST],
+     ["--checkpoint-interval must be 0 (never) or positive"]),
+    ("model-too-large", lambda w: ["train", "--d-model", "8192", "--expert-hidden", "16384", "--num-experts",
+                                   "4096", "--out", w.out(), *FAST], ["cannot fit", "expert parameters", "GiB"]),
+    # DeepSpeed JSON
+    ("ds-not-json", lambda w: _ds(w, '{"gradient_clipping": 1.0,'), ["not valid JSON"]),
+    ("ds-top-level-typo", lambda w: _ds(w, '{"zero_optimisation": {"stage": 2}}'),
+     ["did you mean 'zero_optimization'"]),
+    ("ds-own-optimizer", lambda w: _ds(w, '{"optimizer": {"type": "Adam"}}'), ["remove 'optimizer'"]),
+    ("ds-not-an-object", lambda w: _ds(w, "[1, 2]"), ["JSON object"]),
+    ("ds-batch-size", lambda w: _ds(w, '{"train_batch_size": 7}'), ["train_batch_size"]),
+    ("ds-nested-value", lambda w: _ds(w, '{"zero_optimization": {"stage": 2, "overlap_comm": "maybe"}}'),
+     ["'zero_optimization.overlap_comm'"]),
+    ("ds-nested-typo", lambda w: _ds(w, '{"zero_optimization": {"stagee": 2}}'), ["'zero_optimization.stagee'"]),
+    ("ds-stage-true", lambda w: _ds(w, '{"zero_optimization": {"stage": true}}'), ["stage must be 0, 1 or 2"]),
+    ("ds-stage-3-with-moe", lambda w: _ds(w, '{"zero_optimization": {"stage": 3}}'), ["stage 3", "stage 2"]),
+    ("ds-clipping-text", lambda w: _ds(w, '{"gradient_clipping": "abc"}'), ["gradient_clipping must be a number"]),
+    ("ds-fp16-on-cpu", lambda w: _ds(w, '{"fp16": {"enabled": true}}'), ["fp16 needs a GPU"]),
+    # run configuration files
+    ("config-unknown-key", lambda w: ["train", "--config", w.text("c.json", '{"model": {"num_expert": 4}}'),
+                                      "--out", w.out(), *FAST], ["unknown key(s) ['num_expert']"]),
+    ("config-unknown-section", lambda w: ["train", "--config", w.text("c.json", '{"modle": {}}'), "--out", w.out(),
+                                          *FAST], ["unknown section(s) ['modle']"]),
+    ("config-not-json", lambda w: ["train", "--config", w.text("c.json", '{"model": '), "--out", w.out(), *FAST],
+     ["not valid JSON"]),
+    # --out
+    ("out-empty", lambda w: ["train", "--out", "", *FAST], ["--out is empty"]),
+    ("out-under-a-file", lambda w: ["train", "--out", str(Path(w.text("a_file")) / "run"), *FAST],
+     ["--out", "a_file"]),
+    ("out-in-proc", lambda w: ["train", "--out", "/proc/moe_scale_run", *FAST], ["--out"]),
+    ("overwrite-not-a-run", lambda w: ["train", "--overwrite", "--out", str(Path(w.text("d/mine.txt")).parent),
+                                       *FAST], ["does not hold a moe_scale run"]),
+    ("out-holds-a-run", lambda w: ["train", "--out", w.run(), *FAST], ["already holds a run", "--resume"]),
+    ("out-live-lock", lambda w: ["train", "--resume", "--max-steps", "6", "--out", w.run(_live_lock)],
+     ["in use by a live run", str(os.getpid())]),
+    # resume
+    ("resume-nothing", lambda w: ["train", "--resume", "--out", w.out()], ["no run to resume"]),
+    ("resume-other-lr-and-seed", lambda w: ["train", "--resume", "--lr", "0.1", "--seed", "99", "--out", w.run()],
+     ["--lr 0.1", "trained with --lr", "--max-steps"]),
+    ("resume-other-experts", lambda w: ["train", "--resume", "--num-experts", "4", "--out", w.run()],
+     ["--num-experts 4", "trained with --num-experts 8"]),
+    ("resume-from-without-resume", lambda w: ["train", "--resume-from", OLD, "--out", w.run()],
+     ["--resume-from", "--resume"]),
+    ("resume-from-unknown-tag", lambda w: ["train", "--resume", "--resume-from", "step00000099", "--out", w.run()],
+     ["no checkpoint step00000099", f"--resume-from {NEW}"]),
+    ("resume-config-dropout-text", lambda w: ["train", "--resume", "--out", w.run(_edit_config("model", "dropout",
+                                                                                               "abc"))],
+     ["'model.dropout' must be float", "config.json"]),
+    ("resume-garbage-marker", lambda w: ["train", "--resume", "--out", w.run(
+        lambda r: (r / "checkpoints" / "complete").write_text("garbage"))], ["complete is unreadable", NEW]),
+    ("resume-empty-checkpoint-file", lambda w: ["train", "--resume", "--out", w.run(_damage("empty"))],
+     ["has 0 bytes", f"--resume-from {OLD}"]),
+    # eval and prune-heads
+    ("eval-no-run", lambda w: ["eval", "--run", str(w.root / "missing")], ["--run"]),
+    ("eval-config-dropout-null", lambda w: ["eval", "--run", w.run(_edit_config("model", "dropout", None))],
+     ["'model.dropout' must be float"]),
+    ("eval-config-other-d-model", lambda w: ["eval", "--run", w.run(_edit_config("model", "d_model", 48))],
+     ["trained with --d-model 32", "48"]),
+    ("eval-truncated-checkpoint", lambda w: ["eval", "--run", w.run(_damage("truncate"))],
+     ["cut short", f"--checkpoint {OLD}"]),
+    ("eval-missing-checkpoint-file", lambda w: ["eval", "--run", w.run(_damage("delete"))],
+     ["missing", f"--checkpoint {OLD}"]),
+    ("eval-64-flipped-bytes", lambda w: ["eval", "--run", w.run(_damage("flip64"))],
+     ["checksum", f"--checkpoint {OLD}"]),
+    ("eval-unknown-checkpoint", lambda w: ["eval", "--run", w.run(), "--checkpoint", "nope"], ["nope"]),
+    ("prune-lstm-run", lambda w: ["prune-heads", "--run", w.run()], ["holds an LSTM model", "transformer"]),
+]
+
+
+def _link(path: Path, target: str) -> Path:
+    path.symlink_to(target)
+    return path
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every path under root with its content hash (links: their target), directories included."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = "-> " + os.readlink(p)
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = hashlib.sha1(p.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.mark.parametrize("make_args, fragments", [pytest.param(m, f, id=i) for i, m, f in CASES])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, trained, embedded_cache, monkeypatch,
+                                                         make_args, fragments):
+    monkeypatch.setenv("MOE_SCALE_CACHE", str(embedded_cache))
+    args = make_args(Work(tmp_path, trained))
+    before = _snapshot(tmp_path)
+    proc = run_cli(*args, cwd=tmp_path)
+    assert_one_line_error(proc, *fragments)
+    assert _snapshot(tmp_path) == before
+
