@@ -1,0 +1,135 @@
+"""Fault injection: a run killed with SIGKILL (no handler runs, nothing is flushed) at a random step or at any point
+of a checkpoint write must leave its newest complete checkpoint whole, and `--resume` (or `--overwrite` when no
+checkpoint was complete yet) must then train exactly the steps an uninterrupted run takes: the same losses, each
+step logged once. The kill points of a checkpoint write are injected by tests/train/fault_inject.py."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_scale.train import checkpoint as ckpt
+from tests.train.run_helpers import TINY, _env, free_port, run_train, step_log
+from tests.train.test_cli_errors import assert_one_line_error
+
+STEPS = 6
+SETTINGS = [*TINY, "--log-interval", "1", "--checkpoint-interval", "2", "--eval-interval", "1000",
+            "--max-steps", str(STEPS)]
+HELPER = Path(__file__).with_name("fault_inject.py")
+TWO_RANKS = ["--ep-size", "2", "--ds-config", str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json")]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, embedded_cache) -> list[dict]:
+    """The uninterrupted run's log."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    run_train([*SETTINGS, "--out", str(run)], cwd=run.parent, cache=embedded_cache)
+    return step_log(run)
+
+
+def _command(nprocs: int) -> list[str]:
+    if nprocs == 1:
+        return [sys.executable, "-m", "moe_scale", "train"]
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs), "--master_port",
+            str(free_port()), "--module", "moe_scale", "train"]
+
+
+def _train(args: list[str], cwd: Path, cache: Path, nprocs: int = 1) -> subprocess.CompletedProcess:
+    return subprocess.run([*_command(nprocs), *args], cwd=cwd, env=_env(cache), capture_output=True, text=True,
+                          timeout=600)
+
+
+def _resume_and_compare(run: Path, straight: list[dict], cache: Path, nprocs: int = 1, extra=()) -> None:
+    """After the kill: the marker's checkpoint verifies; resume (or start again) and match the straight run."""
+    tag = ckpt.latest_complete_tag(run)
+    if tag is None:
+        proc = _train(["--resume", "--out", str(run)], cwd=run.parent, cache=cache)
+        assert_one_line_error(proc, "before its first complete checkpoint", "--overwrite")
+        proc = _train([*SETTINGS, *extra, "--overwrite", "--out", str(run)], cwd=run.parent, cache=cache,
+                      nprocs=nprocs)
+    else:
+        assert ckpt.problem_with(run / "checkpoints" / tag) is None, tag
+        proc = _train(["--resume", "--out", str(run)], cwd=run.parent, cache=cache, nprocs=nprocs)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    if nprocs == 1:   # the killed process's lock names a dead process (with 2, the launcher stops rank 0 cleanly)
+        assert "taking over the stale lock" in proc.stderr
+    log = step_log(run)
+    assert [r["step"] for r in log] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in log] == [r["loss"] for r in straight]
+    assert ckpt.usable_checkpoints(run)[0] == f"step{STEPS:08d}"
+    assert not list((run / "checkpoints").glob(".partial-*")) and not (run / "lock").exists()
+
+
+def _kill_at_a_random_step(run: Path, cache: Path, seed: int, nprocs: int = 1, extra=()) -> None:
+    """Start the run, wait until a random step is logged and a random fraction of a second more, SIGKILL a rank."""
+    rng = random.Random(seed)
+    kill_after, delay = rng.randint(1, STEPS - 1), rng.uniform(0.0, 0.5)
+    proc = subprocess.Popen([*_command(nprocs), *SETTINGS, *extra, "--out", str(run)], cwd=run.parent,
+                            env=_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log, deadline = run / "train_log.jsonl", time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        if log.exists() and len(log.read_text().splitlines()) >= kill_after:
+            break
+        time.sleep(0.02)
+    time.sleep(delay)
+    if nprocs == 1:
+        victim = proc.pid
+    else:   # the runner starts deepspeed's launch, which starts the ranks: kill the last rank only
+        launch = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        ranks = subprocess.run(["pgrep", "-f", "-P", launch[0], "--", "-m moe_scale --local_rank"],
+                               capture_output=True, text=True).stdout.split()
+        assert len(ranks) == nprocs, ranks
+        victim = int(ranks[-1])
+    os.kill(victim, signal.SIGKILL)
+    proc.wait(timeout=120)
+    if proc.returncode == 0:
+        pytest.fail(f"the run finished before the kill (after step {kill_after} + {delay:.2f} s)")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kill_9_at_a_random_step_then_resume(tmp_path, embedded_cache, straight, seed):
+    _kill_at_a_random_step(tmp_path / "run", embedded_cache, seed)
+    _resume_and_compare(tmp_path / "run", straight, embedded_cache)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_kill_9_of_one_rank_of_two_then_resume(tmp_path, embedded_cache):
+    straight = tmp_path / "straight"
+    run_train([*SETTINGS, *TWO_RANKS, "--out", str(straight)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
+    _kill_at_a_random_step(tmp_path / "run", embedded_cache, 3, nprocs=2, extra=TWO_RANKS)
+    _resume_and_compare(tmp_path / "run", step_log(straight), embedded_cache, nprocs=2, extra=TWO_RANKS)
+
+
+def _killed_during_save(tmp_path: Path, cache: Path, step: int, point: str, nth: int) -> Path:
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(HELPER), str(step), point, str(nth), "train", *SETTINGS,
+                           "--out", str(run)], cwd=tmp_path, env=_env(cache), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == -signal.SIGKILL, f"not killed at {point} #{nth} of step {step}: {proc.stderr[-3000:]}"
+    return run
+
+
+@pytest.mark.parametrize("point, step, nth_range", [
+    ("save", 2, (1, 12)),      # the first checkpoint: nothing complete yet
+    ("save", 4, (1, 12)),      # DeepSpeed's files (model, experts, optimizer) and the portable state
+    ("json", 4, (2, 2)),       # manifest.json (after layout.json)
+    ("json", 4, (3, 3)),       # the complete marker
+    ("rename", 4, (1, 1)),
+    ("cleanup", 6, (1, 1)),    # step 2 half deleted after the marker moved to step 6
+])
+def test_kill_9_during_a_checkpoint_write_then_resume(tmp_path, embedded_cache, straight, point, step, nth_range):
+    nth = random.Random(f"{point}{step}").randint(*nth_range)
+    run = _killed_during_save(tmp_path, embedded_cache, step, point, nth)
+    previous = {2: None, 4: "step00000002", 6: "step00000006"}[step]
+    if point == "json" and nth == 3:   # killed renaming the marker into place: the old marker stays
+        previous = "step00000002"
+    assert ckpt.latest_complete_tag(run) == previous
+    _resume_and_compare(run, straight, embedded_cache)
