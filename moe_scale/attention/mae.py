@@ -105,5 +105,15 @@ class MAEAttention(nn.Module):
         weights_BTH = self.head_weights(gates_BTH)[..., self.mha.head_ids]   # pruned heads keep their own c_j
         return self.mha(x_BTD, head_weights_BTH=weights_BTH)
 
+    def decode(self, x_BTD: torch.Tensor, cache: dict) -> torch.Tensor:
+        """Generation: the mixture for the new positions; the gate's window reads the last `window` - 1 inputs
+        kept in cache["x"], the heads the keys and values in the same cache (MultiHeadAttention.decode)."""
+        T, window = x_BTD.shape[1], self.gate.window
+        seen_BSD = torch.cat([cache["x"], x_BTD], dim=1) if "x" in cache else x_BTD
+        cache["x"] = seen_BSD[:, -(window - 1):] if window > 1 else seen_BSD[:, :0]
+        gates_BTH = self.gate(seen_BSD)[:, -T:]
+        weights_BTH = self.head_weights(gates_BTH)[..., self.mha.head_ids]
+        return self.mha.decode(x_BTD, cache, head_weights_BTH=weights_BTH)
+
     def gate_parameters(self) -> list[nn.Parameter]:
         return list(self.gate.parameters())

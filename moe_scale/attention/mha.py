@@ -48,6 +48,27 @@ class MultiHeadAttention(nn.Module):
         if self.capture_context and ctx_BTHd.requires_grad:
             ctx_BTHd.retain_grad()
             self.context_BTHd = ctx_BTHd
+        return self._output(ctx_BTHd, head_weights_BTH)
+
+    def decode(self, x_BTD: torch.Tensor, cache: dict, head_weights_BTH: torch.Tensor | None = None) -> torch.Tensor:
+        """Generation: the new positions x_BTD attend over the keys and values cached for the earlier ones
+        (cache["k"], cache["v"]: [B, H, S, d], extended here), as forward() over the whole sequence would."""
+        B, T, _ = x_BTD.shape
+        H, d = self.num_heads, self.head_dim
+        if H == 0:
+            return self.out_proj.bias.expand(B, T, self.d_model)
+        q_BHTd, k_BHTd, v_BHTd = (proj(x_BTD).view(B, T, H, d).transpose(1, 2)
+                                  for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if "k" in cache:
+            k_BHTd, v_BHTd = torch.cat([cache["k"], k_BHTd], dim=2), torch.cat([cache["v"], v_BHTd], dim=2)
+        cache["k"], cache["v"] = k_BHTd, v_BHTd
+        ctx_BTHd = F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd,
+                                                  attn_mask=causal_mask(T, k_BHTd.shape[2], x_BTD.device))
+        return self._output(ctx_BTHd.transpose(1, 2), head_weights_BTH)
+
+    def _output(self, ctx_BTHd: torch.Tensor, head_weights_BTH: torch.Tensor | None) -> torch.Tensor:
+        """Each head's context times its mask (and per-token weight), through the output projection."""
+        B, T, H, d = ctx_BTHd.shape
         scale_BTH = self.head_mask_H.to(ctx_BTHd.dtype).expand(B, T, H)
         if head_weights_BTH is not None:
             scale_BTH = scale_BTH * head_weights_BTH.to(ctx_BTHd.dtype)
@@ -76,6 +97,11 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.head_ids}, head_dim={self.head_dim}"
+
+
+def causal_mask(T: int, S: int, device=None) -> torch.Tensor:
+    """[T, S] True where the last T of S positions may attend: position S - T + t sees positions 0..S - T + t."""
+    return torch.arange(S, device=device)[None, :] <= torch.arange(S - T, S, device=device)[:, None]
 
 
 def _linear(d_in: int, d_out: int) -> nn.Linear:

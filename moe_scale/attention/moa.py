@@ -102,6 +102,31 @@ class MoAAttention(ExpertParallelModule):
         y_MD = self._experts(tokens_MD, position_M, kv_STd, T, (state.tokens_per_expert_L, state.tokens_per_expert))
         return self.dispatcher.combine(y_MD, gate_C, state).to(x_BTD.dtype).view(B, T, D), route.aux_loss
 
+    def decode(self, x_BTD: torch.Tensor, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generation in one process: the new positions' expert queries attend over the shared K/V of their
+        sequence, cached for the earlier positions in cache["kv"] ([B, S, 2d], extended here); as forward()."""
+        if self.ep_size != 1:
+            raise ValueError("MoA decoding runs in one process (build the model with ep_size=1)")
+        B, T, D = x_BTD.shape
+        d = self.head_dim
+        x_ND = x_BTD.reshape(B * T, D)
+        route = self.router(x_ND)
+        token_C, expert_C, gate_C = route.pairs()
+        kv_BSd = self.shared_kv(x_BTD)
+        if "kv" in cache:
+            kv_BSd = torch.cat([cache["kv"], kv_BSd], dim=1)
+        cache["kv"] = kv_BSd
+        S = kv_BSd.shape[1]
+        q_C1d = torch.bmm(x_ND[token_C][:, None, :], self.experts.w_q[expert_C].to(x_ND.dtype)) / math.sqrt(d)
+        sequence_C, time_C = token_C // T, token_C % T
+        visible_CS = torch.arange(S, device=x_BTD.device)[None, :] <= (S - T + time_C)[:, None]
+        o_C1d = nn.functional.scaled_dot_product_attention(
+            q_C1d[:, None], kv_BSd[sequence_C, None, :, :d], kv_BSd[sequence_C, None, :, d:],
+            attn_mask=visible_CS[:, None, None, :], scale=1.0)[:, 0]
+        y_CD = torch.bmm(o_C1d, self.experts.w_o[expert_C].to(o_C1d.dtype))[:, 0]
+        y_ND = x_ND.new_zeros(B * T, D).index_add_(0, token_C, y_CD * gate_C[:, None].to(y_CD.dtype))
+        return y_ND.view(B, T, D), route.aux_loss
+
     def _experts(self, tokens_MD, position_M, kv_STd, T: int, tokens_per_expert) -> torch.Tensor:
         """Each arrived row's expert query attends over its own sequence's shared K/V (causally).
 

@@ -75,6 +75,31 @@ class LSTMMoELM(nn.Module):
         return LMOutput(nll_N.sum(), B * T, aux_loss)
 
 
+    @torch.no_grad()
+    def decode(self, inputs_BT: torch.Tensor, state: dict | None = None) -> tuple[torch.Tensor, dict]:
+        """Generation (eval mode): log p(next word) after each input position [B, T, V], continuing from `state`
+        (each LSTM's (h, c) after the previous inputs; None: the start), and the state after these inputs. Each
+        new word costs one step of every layer, never a re-run of the prefix."""
+        B, T = inputs_BT.shape
+        state, new = state or {}, {}
+
+        def lstm(name: str, module: nn.LSTM, x_BTD: torch.Tensor) -> torch.Tensor:
+            out_BTD, new[name] = module(x_BTD, state.get(name))
+            return out_BTD
+
+        h_BTD = self.embedding(inputs_BT)
+        h_BTD = h_BTD + lstm("lstm1", self.lstm1, h_BTD)
+        if self.layout in ("lstm-moe-lstm", "lstm-ffn-lstm"):
+            x_ND = h_BTD.reshape(B * T, -1)
+            mid_ND = self.moe(x_ND)[0] if self.layout == "lstm-moe-lstm" else self.ffn(x_ND)
+            h_BTD = h_BTD + torch.sigmoid(mid_ND).view(B, T, -1)
+        for i, middle in enumerate(getattr(self, "middle_lstms", [])):
+            h_BTD = h_BTD + lstm(f"middle{i}", middle, h_BTD)
+        if self.layout != "lstm":
+            h_BTD = h_BTD + lstm("lstm2", self.lstm2, h_BTD)
+        return self.softmax.log_probs(h_BTD.reshape(B * T, -1)).view(B, T, -1), new
+
+
 def _lstm(d_model: int, hidden: int) -> nn.LSTM:
     units = hidden or d_model
     return nn.LSTM(d_model, units, batch_first=True, proj_size=d_model if units != d_model else 0)

@@ -31,6 +31,10 @@ class FullSoftmax(nn.Module):
         logits_NV = self.proj(h_ND).float()
         return F.cross_entropy(logits_NV, targets_N, reduction="none", ignore_index=IGNORE)
 
+    def log_probs(self, h_ND: torch.Tensor) -> torch.Tensor:
+        """log p(word | h) over the whole vocabulary: [N, V] float32 (generation)."""
+        return torch.log_softmax(self.proj(h_ND).float(), dim=-1)
+
     def forward_macs_per_token(self) -> int:
         return self.proj.in_features * self.proj.out_features
 
@@ -111,6 +115,10 @@ class SampledSoftmax(nn.Module):
         nll_N = torch.logsumexp(logits_N1S, dim=1) - true_N
         return torch.where(counted_N, nll_N, torch.zeros_like(nll_N))
 
+    def log_probs(self, h_ND: torch.Tensor) -> torch.Tensor:
+        """The exact distribution (as at eval): [N, V] float32."""
+        return torch.log_softmax(self.proj(h_ND).float(), dim=-1)
+
     def forward_macs_per_token(self) -> int:
         return self.proj.in_features * (self.num_sampled + 1)
 
@@ -134,6 +142,9 @@ class AdaptiveSoftmax(nn.Module):
         safe_targets_N = torch.where(counted_N, targets_N, torch.zeros_like(targets_N))
         logprob_N = self.inner(h_ND.float(), safe_targets_N).output
         return torch.where(counted_N, -logprob_N, torch.zeros_like(logprob_N))
+
+    def log_probs(self, h_ND: torch.Tensor) -> torch.Tensor:
+        return self.inner.log_prob(h_ND.float())
 
     def forward_macs_per_token(self) -> float:
         """Head for every token, tail i for the share of tokens whose target lies in cluster i."""

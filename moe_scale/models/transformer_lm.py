@@ -78,6 +78,17 @@ class Block(nn.Module):
         return x_BTD + self.dropout(ffn_out), aux
 
 
+    def decode(self, x_BTD: torch.Tensor, cache: dict) -> torch.Tensor:
+        """Generation (eval mode): forward() for new positions, the attention reading its cache."""
+        attended = self.attn.decode(self.norm1(x_BTD), cache)
+        x_BTD = x_BTD + (attended[0] if isinstance(attended, tuple) else attended)
+        B, T, D = x_BTD.shape
+        normed = self.norm2(x_BTD)
+        if isinstance(self.ffn, MoELayer):
+            return x_BTD + self.ffn(normed.reshape(B * T, D))[0].view(B, T, D)
+        return x_BTD + self.ffn(normed)
+
+
 class TransformerLM(nn.Module):
     def __init__(self, config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0):
         """`ep_rank` selects which experts (attention and FFN) this process holds; `seed` seeds the experts'
@@ -108,3 +119,18 @@ class TransformerLM(nn.Module):
             aux = aux + block_aux
         nll_N = self.softmax(self.final_norm(x_BTD).reshape(B * T, -1), targets_BT.reshape(-1))
         return LMOutput(nll_N.sum(), B * T, aux)
+
+    @torch.no_grad()
+    def decode(self, inputs_BT: torch.Tensor, cache: dict | None = None) -> tuple[torch.Tensor, dict]:
+        """Generation (eval mode): log p(next word) after each input position [B, T, V], continuing from `cache`
+        (every layer's keys and values of the earlier positions; None: the start), and the extended cache.
+        Each new word costs one position of every layer, never a re-run of the prefix."""
+        B, T = inputs_BT.shape
+        cache = cache or {"length": 0, "layers": [{} for _ in self.blocks]}
+        start = cache["length"]
+        x_BTD = self.embedding(inputs_BT)
+        x_BTD = x_BTD + sinusoidal_positions(start + T, self.d_model, x_BTD.device)[start:].to(x_BTD.dtype)
+        for block, layer_cache in zip(self.blocks, cache["layers"]):
+            x_BTD = block.decode(x_BTD, layer_cache)
+        cache["length"] = start + T
+        return self.softmax.log_probs(self.final_norm(x_BTD).reshape(B * T, -1)).view(B, T, -1), cache
