@@ -3,6 +3,7 @@
     moe-scale train [--config FILE] [--num-experts 16 --top-k 2 ...]
     moe-scale eval --run DIR [--split valid|test] [--data PATH] [--json]
     moe-scale flops --preset NAME [--json]        moe-scale plan --preset NAME --nodes N ...
+    moe-scale generate --run DIR [--prompt TEXT] [--greedy | --temperature T --top-k K --top-p P]
     moe-scale prune-heads --run DIR [--data PATH] [--steps 10]
 
 Errors a user can cause print one line `moe-scale: error: ...` and exit with status 2.
@@ -14,19 +15,20 @@ import argparse
 import sys
 
 from moe_scale.commands import eval as eval_command
-from moe_scale.commands import flops, plan, prune_heads, train
+from moe_scale.commands import flops, generate, plan, prune_heads, train
 from moe_scale.distributed.launch import select_accelerator
 from moe_scale.errors import UserError
 from moe_scale.host_memory import apply_process_settings
 
-COMMANDS = (train, eval_command, flops, plan, prune_heads)
+COMMANDS = (train, eval_command, generate, flops, plan, prune_heads)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-scale",
         description="Train sparsely-gated mixture-of-experts language models (Shazeer et al. 2017; MoA, MAE) on "
-                    "DeepSpeed, from one CPU to GPU clusters; evaluate them; count their FLOPs and plan their memory.")
+                    "DeepSpeed, from one CPU to GPU clusters; evaluate them and sample text from them; count their FLOPs and "
+                    "plan their memory.")
     # The deepspeed launcher puts --local_rank=N before the subcommand; LOCAL_RANK is what we use.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -22,13 +22,11 @@ import torch
 
 from moe_scale.attention.prune_schedule import prune_schedule
 from moe_scale.attention.pruning import apply_pruning, head_importance, heads_to_prune, prunable_layers
-from moe_scale.config import RunConfig
-from moe_scale.data import LMWindows, Vocab, load_sentences, resolve_text_files
-from moe_scale.distributed.launch import init_distributed
+from moe_scale.data import LMWindows, load_sentences, resolve_text_files
 from moe_scale.errors import UserError
-from moe_scale.models.build import build_model, parameter_counts
+from moe_scale.models.build import parameter_counts
 from moe_scale.train.data_setup import load_run_splits, min_over_ranks
-from moe_scale.train.checkpoint import choose_checkpoint, load_weights
+from moe_scale.inference.trained_run import load_model, trained_config
 from moe_scale.train.evaluate import evaluate
 from moe_scale.files import write_json_atomic
 
@@ -64,27 +62,13 @@ def run(args: argparse.Namespace) -> None:
 def load_trained(run: Path, checkpoint: str | None = None):
     """(config, vocab, model on checkpoint `checkpoint` (default: the newest complete one), tag, device), in one
     process."""
-    if not (run / "config.json").exists() or not (run / "checkpoints").is_dir():
-        raise UserError(f"--run {run}: no trained run there (config.json and a complete checkpoint are needed); "
-                        f"pass the --out directory of a finished `moe-scale train`")
-    config = RunConfig.load(run / "config.json")
-    tag, _ = choose_checkpoint(run, checkpoint, "--checkpoint", config)
+    config, tag = trained_config(run, checkpoint)
     if config.model.kind != "transformer" or config.attention.kind == "moa":
         what = "an LSTM" if config.model.kind != "transformer" else "an MoA"
         raise UserError(f"--run {run} holds {what} model; prune-heads works on transformer runs with "
                         f"--attention mha or mae")
-    vocab = Vocab.load(run / "vocab")
-    env = init_distributed()
-    if env.world_size != 1:
-        raise UserError("prune-heads runs in one process; start it without a launcher")
-    import deepspeed   # here, not at the top: flag errors come back before this slow import
-
-    torch.manual_seed(config.train.seed)
-    model = build_model(config, len(vocab), seed=config.train.seed)
-    engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
-                                      config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
-    load_weights(engine, run, tag, module_only=True)
-    return config, vocab, model, tag, env.device
+    vocab, model, device = load_model(run, config, tag, "prune-heads")
+    return config, vocab, model, tag, device
 
 
 def run_prune_heads(run_dir: str, data: str | None, steps: int, fraction_per_step: float, max_batches: int,

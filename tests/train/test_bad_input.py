@@ -32,11 +32,20 @@ def trained(tmp_path_factory, embedded_cache) -> Path:
     return run
 
 
-class Work:
-    """The case's working directory: text files, JSON files and copies of the trained run, made on demand."""
+@pytest.fixture(scope="module")
+def trained_transformer(tmp_path_factory, embedded_cache) -> Path:
+    """A 2-step transformer run (context: 16 positions)."""
+    run = tmp_path_factory.mktemp("bad_input_transformer") / "run"
+    run_train([*TINY, "--model", "transformer", "--num-heads", "2", "--num-layers", "1", "--ffn", "moe",
+               "--max-steps", "2", "--out", str(run)], cwd=run.parent, cache=embedded_cache)
+    return run
 
-    def __init__(self, root: Path, trained: Path):
-        self.root, self._trained = root, trained
+
+class Work:
+    """The case's working directory: text files, JSON files and copies of the trained runs, made on demand."""
+
+    def __init__(self, root: Path, trained: Path, trained_transformer: Path | None = None):
+        self.root, self._trained, self._transformer = root, trained, trained_transformer
 
     def text(self, name: str, content: str | bytes = LINES) -> str:
         path = self.root / name
@@ -54,6 +63,11 @@ class Work:
         shutil.copytree(self._trained, run)
         if edit:
             edit(run)
+        return str(run)
+
+    def transformer_run(self) -> str:
+        run = self.root / "transformer_run"
+        shutil.copytree(self._transformer, run)
         return str(run)
 
     def out(self) -> str:
@@ -196,6 +210,20 @@ CASES = [
      ["checksum", f"--checkpoint {OLD}"]),
     ("eval-unknown-checkpoint", lambda w: ["eval", "--run", w.run(), "--checkpoint", "nope"], ["nope"]),
     ("prune-lstm-run", lambda w: ["prune-heads", "--run", w.run()], ["holds an LSTM model", "transformer"]),
+    # generate
+    ("generate-no-checkpoint", lambda w: ["generate", "--run", w.run(
+        lambda r: [shutil.rmtree(p) if p.is_dir() else p.unlink() for p in (r / "checkpoints").iterdir()])],
+     ["no complete checkpoint"]),
+    ("generate-temperature-zero", lambda w: ["generate", "--run", w.run(), "--temperature", "0"],
+     ["--temperature must be positive", "--greedy"]),
+    ("generate-top-p-above-one", lambda w: ["generate", "--run", w.run(), "--top-p", "1.5"], ["--top-p", "(0, 1]"]),
+    ("generate-no-words", lambda w: ["generate", "--run", w.run(), "--max-new-tokens", "0"], ["--max-new-tokens"]),
+    ("generate-prompt-file-missing", lambda w: ["generate", "--run", w.run(), "--prompt-file", "nope.txt"],
+     ["--prompt-file nope.txt", "no such file"]),
+    ("generate-prompt-beyond-context", lambda w: ["generate", "--run", w.transformer_run(), "--prompt",
+                                                  " ".join(["the"] * 20)], ["longer than the model's context of 16"]),
+    ("generate-words-beyond-context", lambda w: ["generate", "--run", w.transformer_run(), "--prompt", "a b c",
+                                                 "--max-new-tokens", "30"], ["--max-new-tokens 13 or less"]),
 ]
 
 
@@ -221,10 +249,10 @@ def _snapshot(root: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("make_args, fragments", [pytest.param(m, f, id=i) for i, m, f in CASES])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, trained, embedded_cache, monkeypatch,
-                                                         make_args, fragments):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, trained, trained_transformer, embedded_cache,
+                                                         monkeypatch, make_args, fragments):
     monkeypatch.setenv("MOE_SCALE_CACHE", str(embedded_cache))
-    args = make_args(Work(tmp_path, trained))
+    args = make_args(Work(tmp_path, trained, trained_transformer))
     before = _snapshot(tmp_path)
     proc = run_cli(*args, cwd=tmp_path)
     assert_one_line_error(proc, *fragments)

@@ -1,0 +1,97 @@
+"""`moe-scale generate`: text from a trained run, in one process on CPU or GPU.
+
+    moe-scale generate --run DIR [--prompt TEXT | --prompt-file PATH] [--max-new-tokens 30] [--num-samples 1]
+                       [--temperature 1.0] [--top-k 0] [--top-p 1.0] [--greedy] [--seed 0] [--show-experts]
+
+A sample starts after <S> (and the prompt) and ends at </S> or after --max-new-tokens words; words outside the
+vocabulary show as <unk>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+from moe_scale.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="sample text from a trained run (LSTM or transformer), word by word")
+    p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", metavar="TEXT", help="words to continue (default: start a sentence)")
+    prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 file")
+    p.add_argument("--max-new-tokens", type=int, default=30, help="words per sample at most (a sample also ends "
+                                                                  "at the end of its sentence)")
+    p.add_argument("--num-samples", type=int, default=1, help="samples drawn together")
+    p.add_argument("--temperature", type=float, default=1.0, help="divides the log-probabilities (<1: safer)")
+    p.add_argument("--top-k", type=int, default=0, help="draw only among the k most likely words (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="draw only among the most likely words whose "
+                                                            "probabilities sum to p (nucleus sampling)")
+    p.add_argument("--greedy", action="store_true", help="always the most likely word (no sampling)")
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same samples")
+    p.add_argument("--show-experts", action="store_true", help="per generated word: the experts (and gates) "
+                                                               "it was routed to in every expert layer")
+    p.add_argument("--checkpoint", metavar="TAG", help="use this checkpoint (default: the newest complete one)")
+    p.set_defaults(run_command=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    from moe_scale.inference.sampling import SamplingConfig
+
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy)
+    sampling.validate()
+    if args.max_new_tokens < 1 or args.num_samples < 1:
+        raise UserError(f"--max-new-tokens and --num-samples must be at least 1 (got {args.max_new_tokens} and "
+                        f"{args.num_samples})")
+    prompt = _prompt_words(args.prompt, args.prompt_file)
+    with contextlib.redirect_stdout(sys.stderr):   # only the samples on stdout
+        text = run_generate(Path(args.run), prompt, args.max_new_tokens, args.num_samples, sampling, args.seed,
+                            args.show_experts, args.checkpoint)
+    print(text)
+
+
+def _prompt_words(prompt: str | None, prompt_file: str | None) -> list[str]:
+    if prompt_file is None:
+        return (prompt or "").split()
+    path = Path(prompt_file)
+    try:
+        return path.read_text(encoding="utf-8").split()
+    except FileNotFoundError:
+        raise UserError(f"--prompt-file {prompt_file}: no such file; check the path") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompt-file {prompt_file}: not UTF-8 text (invalid byte at offset {e.start}); convert "
+                        f"it, e.g. `iconv -f latin1 -t utf-8`") from None
+    except OSError as e:
+        raise UserError(f"--prompt-file {prompt_file}: cannot be read ({e.strerror or e})") from None
+
+
+def run_generate(run: Path, prompt: list[str], max_new: int, num_samples: int, sampling, seed: int,
+                 show_experts: bool, checkpoint: str | None) -> str:
+    from moe_scale.inference.trained_run import trained_config
+
+    config, tag = trained_config(run, checkpoint)
+    if config.model.kind == "transformer":
+        context, used = config.data.seq_len, 1 + len(prompt)   # <S> + the prompt
+        if used > context:
+            raise UserError(f"the prompt ({len(prompt)} words after <S>) is longer than the model's context of "
+                            f"{context} positions (--seq-len it was trained with); shorten it")
+        fed = max_new if show_experts else max_new - 1   # the last word is read back only to show its routing
+        if used + fed > context:
+            raise UserError(f"<S>, the {len(prompt)}-word prompt and --max-new-tokens {max_new} need "
+                            f"{used + fed} positions, more than the model's context of {context}; "
+                            f"pass --max-new-tokens {context - used + max_new - fed} or less")
+    import torch
+
+    from moe_scale.inference.generate import format_samples, generate
+    from moe_scale.inference.trained_run import load_model
+
+    vocab, model, device = load_model(run, config, tag, "generate")
+    prompt_ids = [vocab.id(w) for w in prompt]
+    shown_prompt = [w if i != vocab.UNK_ID else "<unk>" for w, i in zip(prompt, prompt_ids)]
+    generator = torch.Generator().manual_seed(seed)
+    samples = generate(model, vocab, prompt_ids, num_samples, max_new, sampling, generator, device, show_experts)
+    return format_samples(shown_prompt, samples, show_experts)

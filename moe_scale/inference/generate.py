@@ -1,0 +1,100 @@
+"""Text from a trained model: a prompt (after <S>) continued word by word until </S> or a word limit, each new
+word one decode step (the LSTMs' states, the transformer's KV cache), and on request the experts each word was
+routed to in every expert layer (Shazeer et al.'s Table 9 view). Legend: B samples, T positions, V vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moe_scale.data import Vocab
+from moe_scale.inference.sampling import SamplingConfig, next_words
+from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
+
+UNK_SHOWN = "<unk>"
+
+
+@dataclass
+class Sample:
+    words: list[str]                                   # generated, without the closing </S>
+    finished: bool = False                             # ended with </S> (else at the word limit)
+    routes: list[dict[str, list[tuple[int, float]]]] = field(default_factory=list)   # per word: layer -> (expert, gate)
+
+
+def shown(vocab: Vocab, word_id: int) -> str:
+    return UNK_SHOWN if word_id == Vocab.UNK_ID else vocab.words[word_id]
+
+
+class RouteRecorder:
+    """Forward hooks on every expert layer's router: the (token, expert, gate) pairs of the last forward."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelModule)]
+        self.last: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._hooks = [m.router.register_forward_hook(self._record(name)) for name, m in self.layers]
+
+    def _record(self, name: str):
+        def hook(_router, _inputs, route):
+            self.last[name] = tuple(t.detach().cpu() for t in route.pairs())
+        return hook
+
+    def of_token(self, token: int) -> dict[str, list[tuple[int, float]]]:
+        """Layer -> [(expert, gate)] of token `token` of the last forward, largest gate first."""
+        out = {}
+        for name, (token_C, expert_C, gate_C) in self.last.items():
+            mine = (token_C == token).nonzero()[:, 0]
+            pairs = sorted(zip(expert_C[mine].tolist(), gate_C[mine].float().tolist()), key=lambda p: -p[1])
+            out[name] = pairs
+        return out
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+@torch.no_grad()
+def generate(model: nn.Module, vocab: Vocab, prompt_ids: list[int], num_samples: int, max_new_words: int,
+             sampling: SamplingConfig, generator: torch.Generator, device: torch.device,
+             show_experts: bool = False) -> list[Sample]:
+    """`num_samples` continuations of <S> + prompt, sampled together as one batch."""
+    model.eval()
+    recorder = RouteRecorder(model) if show_experts else None
+    try:
+        inputs_BT = torch.tensor([[Vocab.BOS_ID, *prompt_ids]] * num_samples, device=device)
+        log_probs_BTV, state = model.decode(inputs_BT)
+        samples = [Sample([]) for _ in range(num_samples)]
+        for step in range(max_new_words):
+            word_B = next_words(log_probs_BTV[:, -1], sampling, generator)
+            if show_experts or step + 1 < max_new_words:   # the word's own routing needs it as an input
+                log_probs_BTV, state = model.decode(word_B[:, None], state)
+            for b, (sample, word) in enumerate(zip(samples, word_B.tolist())):
+                if sample.finished:
+                    continue
+                if word == Vocab.EOS_ID:
+                    sample.finished = True
+                    continue
+                sample.words.append(shown(vocab, word))
+                if recorder is not None:
+                    sample.routes.append(recorder.of_token(b))
+            if all(s.finished for s in samples):
+                break
+        return samples
+    finally:
+        if recorder is not None:
+            recorder.close()
+
+
+def format_samples(prompt: list[str], samples: list[Sample], show_experts: bool) -> str:
+    lines = []
+    for i, sample in enumerate(samples):
+        text = " ".join([*prompt, *sample.words]) + ("" if sample.finished else " ...")
+        lines.append(text if len(samples) == 1 and not show_experts else f"[{i + 1}] {text}")
+        if show_experts and sample.routes:
+            width = max(len(w) for w in sample.words)
+            lines.append(f"    {'word':<{width}}  " + "  |  ".join(sample.routes[0]))
+            for word, routes in zip(sample.words, sample.routes):
+                cells = ["  ".join(f"e{e} {g:.2f}" for e, g in pairs) for pairs in routes.values()]
+                lines.append(f"    {word:<{width}}  " + "  |  ".join(cells))
+    return "\n".join(lines)

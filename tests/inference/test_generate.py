@@ -1,0 +1,82 @@
+"""Generation: with its cache, greedy generation picks the same words as re-running the whole sequence every
+step, and --show-experts reports the routing the full forward gives each word; the command on real runs (LSTM,
+and a transformer with MoA and an MoE FFN trained on 2 processes with --ep-size 2) prints only the samples."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_scale.data import Vocab
+from moe_scale.inference.generate import RouteRecorder, generate
+from moe_scale.inference.sampling import SamplingConfig
+from tests.models.test_decode import MODELS, V, _model
+from tests.train.run_helpers import TINY, _env, run_train
+
+PROMPT = [5, 9, 3]
+
+
+def _vocab() -> Vocab:
+    return Vocab([*Vocab.SPECIALS, *(f"w{i}" for i in range(3, V))])
+
+
+@pytest.mark.parametrize("name", ["lstm-moe-lstm", "moa-moe", "mae-dense"])
+def test_cached_greedy_generation_equals_rerunning_the_sequence(name):
+    model, vocab = _model(MODELS[name]), _vocab()
+    samples = generate(model, vocab, PROMPT, 2, 6, SamplingConfig(greedy=True), torch.Generator(), torch.device("cpu"),
+                       show_experts=True)
+    sequence = torch.tensor([[Vocab.BOS_ID, *PROMPT]])
+    recorder = RouteRecorder(model)
+    for step in range(6):
+        log_probs, _ = model.decode(sequence)
+        word = int(log_probs[0, -1].argmax())
+        if word == Vocab.EOS_ID:
+            assert samples[0].finished and len(samples[0].words) == step
+            break
+        assert samples[0].words[step] == (vocab.words[word] if word else "<unk>")
+        sequence = torch.cat([sequence, torch.tensor([[word]])], dim=1)
+        model.decode(sequence)   # the word's routing as an input, from the full forward
+        full = recorder.of_token(sequence.shape[1] - 1)
+        for layer, pairs in samples[0].routes[step].items():
+            assert [e for e, _ in pairs] == [e for e, _ in full[layer]]
+            torch.testing.assert_close(torch.tensor([g for _, g in pairs]), torch.tensor([g for _, g in full[layer]]))
+    recorder.close()
+    assert samples[1].words == samples[0].words   # greedy: every sample the same
+
+
+def _generate(run: Path, *args: str, cache: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "moe_scale", "generate", "--run", str(run), *args], cwd=run.parent,
+                          env=_env(cache), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_generate_from_an_lstm_run(tmp_path, embedded_cache):
+    run = tmp_path / "run"
+    run_train([*TINY, "--max-steps", "4", "--out", str(run)], cwd=tmp_path, cache=embedded_cache)
+    first = _generate(run, "--greedy", "--max-new-tokens", "5", cache=embedded_cache).stdout
+    assert first == _generate(run, "--greedy", "--max-new-tokens", "5", cache=embedded_cache).stdout
+    assert len(first.split()) <= 6 and "DeepSpeed" not in first   # only the sample on stdout
+    a, b = (_generate(run, "--seed", s, "--num-samples", "3", "--prompt", "the zzunknownzz", cache=embedded_cache)
+            .stdout.splitlines() for s in ("1", "2"))
+    assert len(a) == 3 and all(line.startswith(f"[{i + 1}] the <unk>") for i, line in enumerate(a)) and a != b
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_generate_from_a_two_process_expert_parallel_transformer(tmp_path, embedded_cache):
+    run = tmp_path / "run"
+    run_train([*TINY, "--model", "transformer", "--attention", "moa", "--moa-num-experts", "4", "--moa-top-k", "2",
+               "--ffn", "moe", "--num-layers", "2", "--max-steps", "4", "--ep-size", "2", "--ds-config",
+               str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json"), "--out", str(run)],
+              cwd=tmp_path, cache=embedded_cache, nprocs=2)
+    out = _generate(run, "--show-experts", "--max-new-tokens", "4", "--top-k", "20", cache=embedded_cache).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("[1] ") and lines[1].split()[:2] == ["word", "blocks.0.attn"]
+    assert "blocks.1.ffn" in lines[1]
+    for row in lines[2:]:   # per word: 2 attention experts and 2 FFN experts in each of 2 blocks
+        assert row.count(" e") == 8, row
