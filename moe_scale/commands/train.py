@@ -7,6 +7,7 @@ import typing
 from pathlib import Path
 
 from moe_scale.config import RunConfig
+from moe_scale.distributed.accelerate_env import ds_config_from_accelerate
 from moe_scale.errors import UserError
 
 
@@ -62,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         apply_preset(config, given.pop("preset"))
     for key, value in given.items():
         config.set(key, value)
+    config.parallel.ds_config = ds_config_from_accelerate(config.parallel.ds_config)
     for key in given:
         reason = config.inapplicable(key)
         if reason:
@@ -92,6 +94,9 @@ def _resumed_config(args: argparse.Namespace, given: dict) -> RunConfig:
                             f"keeps its settings (it may change only "
                             f"{', '.join(RunConfig.leaves()[k].flag for k in RESUMABLE_CHANGES)}); start a new run "
                             f"with --out elsewhere to change it")
+    if config.parallel.ds_config != ds_config_from_accelerate(config.parallel.ds_config):
+        raise UserError(f"this run was trained with --ds-config {config.parallel.ds_config}, and accelerate's "
+                        f"deepspeed_config_file is another; resume with the run's own DeepSpeed JSON")
     config.run.resume, config.run.overwrite = True, False
     config.validate()
     return config

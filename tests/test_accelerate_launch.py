@@ -1,0 +1,60 @@
+"""`accelerate launch` as the third launcher: its DeepSpeed plugin's JSON becomes --ds-config (conflicts are one
+line), and 2 CPU processes started with the shipped accelerate config train exactly as the deepspeed launcher's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from moe_scale.distributed.accelerate_env import ds_config_from_accelerate
+from moe_scale.errors import UserError
+from tests.train.run_helpers import TINY, _env, free_port, run_train, step_log
+
+ROOT = Path(__file__).parents[1]
+ZERO2 = str(ROOT / "ds_configs" / "zero2_ep.json")
+PLUGIN = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO2}
+
+
+def test_the_plugins_json_is_the_ds_config():
+    assert ds_config_from_accelerate(None, {}) is None                              # not under accelerate
+    assert ds_config_from_accelerate("mine.json", {"ACCELERATE_MIXED_PRECISION": "bf16"}) == "mine.json"
+    assert ds_config_from_accelerate(None, PLUGIN) == ZERO2
+    assert ds_config_from_accelerate(ZERO2, PLUGIN) == ZERO2                         # the same file twice: fine
+    assert ds_config_from_accelerate("x.json", {"ACCELERATE_USE_DEEPSPEED": "true"}) == "x.json"
+
+
+@pytest.mark.parametrize("env, words", [
+    ({**PLUGIN, "ACCELERATE_MIXED_PRECISION": "bf16"}, "mixed_precision bf16 is not enabled in"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, "sets zero_stage without a "
+                                                                                  "deepspeed_config_file"),
+])
+def test_settings_moe_scale_cannot_take_are_refused(env, words):
+    with pytest.raises(UserError, match=words):
+        ds_config_from_accelerate(None, env)
+    with pytest.raises(UserError, match="differ"):
+        ds_config_from_accelerate("other.json", PLUGIN)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_accelerate_launch_trains_as_the_deepspeed_launcher(tmp_path, embedded_cache):
+    if shutil.which("accelerate") is None:
+        pytest.skip("the accelerate command is not on PATH")
+    settings = [*TINY, "--max-steps", "4", "--log-interval", "1", "--ep-size", "2", "--noise-rng", "global"]
+    reference = tmp_path / "deepspeed"
+    run_train([*settings, "--ds-config", ZERO2, "--out", str(reference)], cwd=tmp_path, cache=embedded_cache,
+              nprocs=2)
+    run = tmp_path / "accelerate"
+    proc = subprocess.run(["accelerate", "launch", "--config_file", str(ROOT / "ds_configs" /
+                                                                          "accelerate_deepspeed.yaml"),
+                           "--main_process_port", str(free_port()), "-m", "moe_scale", "train", *settings,
+                           "--out", str(run)], cwd=ROOT, env=_env(embedded_cache), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads((run / "config.json").read_text())["parallel"]["ds_config"] == "ds_configs/zero2_ep.json"
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    assert [r["loss"] for r in step_log(run)] == [r["loss"] for r in step_log(reference)]
