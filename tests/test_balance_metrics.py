@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moe_scale.metrics.balance import MoEMetrics, balance_metrics
+from moe_scale.moe.layer import MoEStats
 
 
 def fake_layer():
@@ -21,12 +22,13 @@ def test_cv_is_taken_over_the_summed_interval():
     for hot in (0, 1):
         vector = torch.zeros(2)
         vector[hot] = 4.0
-        layer.stats = SimpleNamespace(importance_E=vector, load_E=vector, metrics={"agreement": float(hot)})
+        layer.stats = MoEStats(vector, vector, {"agreement": float(hot)}, routed_E=vector)
         metrics.add()
     values = metrics.values()
     assert values["cv_importance"] == pytest.approx(0.0, abs=1e-9)
     assert values["max_over_mean_load"] == pytest.approx(1.0)
     assert values["agreement"] == pytest.approx(0.5)            # router metrics are means over batches
+    assert metrics.relative_loads()[0].tolist() == [1.0, 1.0]  # tokens routed, summed over the interval
     metrics.reset()
     assert metrics.values() == {}
 
@@ -38,7 +40,7 @@ def test_balance_metrics_by_hand_and_layer_prefixes():
     assert values["max_over_mean_load"] == pytest.approx(3.0)
     first, second = fake_layer(), fake_layer()
     for layer in (first, second):
-        layer.stats = SimpleNamespace(importance_E=torch.ones(2), load_E=torch.ones(2), metrics={})
+        layer.stats = MoEStats(torch.ones(2), torch.ones(2), {})
     metrics = MoEMetrics([first, second])
     metrics.add()
     assert {"layer0_cv_load", "layer1_cv_load"} <= set(metrics.values())

@@ -91,8 +91,9 @@ class MoAAttention(ExpertParallelModule):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         route = self.router(x_ND)
-        self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach(), dict(route.metrics))
         token_index_C, expert_C, gate_C = route.pairs()
+        self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach(), dict(route.metrics),
+                              count_per_bin(expert_C, self.num_experts))
 
         kv_STd, group_rank = self._gather_over_experts(self.shared_kv(x_BTD))
         # Each query's position in the group's token list travels with its row.

@@ -89,6 +89,11 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
     if observer is not None:
         result["expert_stats"] = observer.report()
         observer.close()
+        if env.rank == 0 and expert_stats:
+            from moe_scale.metrics.plots import write_expert_stats_plot
+
+            name = f"eval_{result['split']}_{tag}_experts.png"
+            result["expert_stats_plot"] = str(write_expert_stats_plot(result["expert_stats"], run / "plots" / name))
     return result if env.rank == 0 else None
 
 

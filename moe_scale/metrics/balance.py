@@ -12,7 +12,9 @@ the CV near 1/sqrt(tokens per expert) however well balanced the router is. The p
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from moe_scale.distributed.comm import collective_device
 from moe_scale.moe.losses import cv_squared
 
 
@@ -56,6 +58,7 @@ class MoEMetrics:
     def reset(self) -> None:
         self.importance: list[torch.Tensor | None] = [None] * len(self.layers)
         self.load: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.routed: list[torch.Tensor | None] = [None] * len(self.layers)
         self.router_sums: dict[str, torch.Tensor | float] = {}
         self.count = 0
 
@@ -67,6 +70,9 @@ class MoEMetrics:
             self.importance[index] = importance if self.importance[index] is None else \
                 self.importance[index] + importance
             self.load[index] = load if self.load[index] is None else self.load[index] + load
+            if stats.routed_E is not None:
+                routed = stats.routed_E.detach().double()
+                self.routed[index] = routed if self.routed[index] is None else self.routed[index] + routed
             for name, value in stats.metrics.items():
                 key = self._prefix(index) + name
                 value = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
@@ -81,6 +87,18 @@ class MoEMetrics:
                 out.update({self._prefix(index) + name: value for name, value in balance.items()})
         out.update({name: float(total) / max(self.count, 1) for name, total in self.router_sums.items()})
         return out
+
+    def relative_loads(self) -> list[torch.Tensor]:
+        """Per layer that routed since the last reset: the tokens each expert received over the mean [E] (1 =
+        even), summed over every rank (one all-reduce of all layers' counts; call it on every rank)."""
+        routed = [r for r in self.routed if r is not None]
+        if not routed:
+            return []
+        flat = torch.cat(routed)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flat = flat.to(collective_device())
+            dist.all_reduce(flat)
+        return [(r / r.mean().clamp_min(1e-12)).float().cpu() for r in flat.split([len(r) for r in routed])]
 
     def _prefix(self, index: int) -> str:
         return "" if len(self.layers) == 1 else f"layer{index}_"

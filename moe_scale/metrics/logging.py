@@ -14,6 +14,8 @@ from torch.utils.tensorboard import SummaryWriter
 from moe_scale.files import write_text_atomic
 from tqdm import tqdm
 
+EXPERT_LOAD_LOG = "expert_load.jsonl"
+
 
 class RunLogger:
     def __init__(self, run: Path, total_steps: int, start_step: int, enabled: bool):
@@ -25,13 +27,18 @@ class RunLogger:
         if not enabled:
             return
         self.tb = SummaryWriter(str(run / "tb"), purge_step=start_step + 1 if start_step else None)
-        log = run / "train_log.jsonl"
+        log, loads = run / "train_log.jsonl", run / EXPERT_LOAD_LOG
         if start_step and log.exists():
             self.resumed_records = _records_up_to(log, start_step)
             write_text_atomic(log, "".join(json.dumps(r) + "\n" for r in self.resumed_records))
         elif not start_step:
             log.unlink(missing_ok=True)
-        self.step_log = log.open("a")
+        if start_step and loads.exists():
+            write_text_atomic(loads, "".join(json.dumps(r) + "\n" for r in _records_up_to(loads, start_step)))
+        elif not start_step:
+            loads.unlink(missing_ok=True)
+        self.step_log, self.load_log = log.open("a"), None
+        self._loads_path = loads
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not sys.stdout.isatty())
 
@@ -51,6 +58,19 @@ class RunLogger:
             self.tb.add_scalar(tag, value, step)
         self.tb.flush()
 
+    def expert_loads(self, step: int, relative_loads: list) -> None:
+        """Every logging interval: each MoE layer's per-expert load / mean load, one JSON line (for the heatmaps
+        in plots/) and a TensorBoard histogram per layer."""
+        if not self.enabled or not relative_loads:
+            return
+        if self.load_log is None:
+            self.load_log = self._loads_path.open("a")
+        layers = [[round(float(x), 3) for x in load.tolist()] for load in relative_loads]
+        self.load_log.write(json.dumps({"step": step, "layers": layers}) + "\n")
+        self.load_log.flush()
+        for index, load in enumerate(relative_loads):
+            self.tb.add_histogram(f"moe/load_over_mean/layer{index}", load, step)
+
     def line(self, text: str) -> None:
         """A log line: above the bar on a terminal, plain otherwise."""
         if self.enabled:
@@ -61,6 +81,8 @@ class RunLogger:
             self.bar.close()
             self.tb.close()
             self.step_log.close()
+            if self.load_log is not None:
+                self.load_log.close()
 
 
 def _records_up_to(log: Path, step: int) -> list[dict]:

@@ -19,6 +19,7 @@ from moe_scale.distributed.launch import ranks_per_node
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule, ParallelGroups
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.experts import GroupedExperts
+from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.config import MoEConfig
 from moe_scale.moe.router import NoisyTopKRouter, Router, build_router
 
@@ -32,6 +33,7 @@ class MoEStats:
     importance_E: torch.Tensor
     load_E: torch.Tensor
     metrics: dict[str, float | torch.Tensor]   # the router's own numbers (e.g. threshold agreement)
+    routed_E: torch.Tensor | None = None      # tokens this rank routed to each expert (hard counts)
 
 
 class MoELayer(ExpertParallelModule):
@@ -85,8 +87,9 @@ class MoELayer(ExpertParallelModule):
         """Returns (y_ND, aux_loss)."""
         self.require_groups()
         route = self.router(x_ND)
-        self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach(), dict(route.metrics))
         token_index_C, expert_C, gate_C = route.pairs()
+        self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach(), dict(route.metrics),
+                              count_per_bin(expert_C, self.num_experts))
         rows_RD, state = self.dispatcher.dispatch_rows(x_ND, token_index_C, expert_C, gate_C)
         if self.dispatcher.mode == "capacity":
             self.stats.metrics["dropped_fraction"] = self._dropped_fraction(state)

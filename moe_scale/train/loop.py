@@ -8,6 +8,7 @@ different world sizes on the same global batch take the same steps.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -181,6 +182,7 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
             interval.add({"nll": record["loss"], "aux_loss": record["aux_loss"]})
         if log_now:
             last_train = {**interval.means(), **interval_moe.values()}
+            logger.expert_loads(done, interval_moe.relative_loads())
             interval.reset()
             interval_moe.reset()
             perf = _throughput(timer.take_interval(), t.batch_size * config.data.seq_len, flops_per_step,
@@ -210,6 +212,8 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
                 "this run writes no checkpoints (--checkpoint-interval 0), so it cannot be resumed"
             logger.line(f"stopped by {stop} after step {done}: {saved}")
             logger.close()
+            if env.rank == 0:
+                _write_plots(run)
             return {"stopped_by": stop, "steps": done}
 
     if not valid:   # resumed a run that had already finished
@@ -222,7 +226,19 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
         write_json_atomic(run / "summary.json", summary)
         logger.line(summary_table(summary))
     logger.close()
+    if env.rank == 0:
+        _write_plots(run)
     return summary
+
+
+def _write_plots(run) -> None:
+    """plots/ from the run's logs; a picture that cannot be drawn is a warning, never a failed run."""
+    from moe_scale.metrics.plots import write_run_plots
+
+    try:
+        write_run_plots(run)
+    except Exception as e:   # noqa: BLE001 - after the training, nothing may fail the run
+        print(f"moe-scale: warning: plots/ not written ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 def _install_noise(model: torch.nn.Module, config: RunConfig, env: DistEnv) -> list[GlobalTokenNoise]:

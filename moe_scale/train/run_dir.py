@@ -10,6 +10,8 @@
     tb/                 TensorBoard events
     checkpoints/        DeepSpeed checkpoints; checkpoints/complete names the newest complete one
     pruning/            `moe-scale prune-heads` reports
+    expert_load.jsonl   per logging interval: each MoE layer's load per expert / mean load
+    plots/              loss and perplexity curves, expert-load heatmaps; `eval --expert-stats` charts
 
 `--overwrite` deletes only these entries, only in a directory that holds a run, only when every entry there
 is one of them, and never while the run's lock is live.
@@ -29,7 +31,7 @@ from moe_scale.train.run_lock import LOCK_NAME, RunLock, live_owner
 MARKER = "moe_scale_run.json"
 RUN_FILES = ("config.json", "summary.json", "checkpoints", "train_log.jsonl")   # any of these: a run is here
 OWNED = frozenset({MARKER, LOCK_NAME, "config.json", "ds_config.json", "vocab", "vocab.counts", "train_log.jsonl",
-                   "summary.json", "tb", "checkpoints", "pruning"})
+                   "summary.json", "tb", "checkpoints", "pruning", "expert_load.jsonl", "plots"})
 
 
 def _owned(name: str) -> bool:

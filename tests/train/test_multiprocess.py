@@ -42,6 +42,8 @@ def test_two_processes_expert_parallel_equal_one_process(tmp_path, embedded_cach
     assert single[-1]["loss"] < single[0]["loss"]              # it trained
     summary = json.loads((two / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["ep_size"] == 2
+    # tokens routed per expert are summed over the ranks: the heatmaps' numbers equal one process's
+    assert (one / "expert_load.jsonl").read_text() == (two / "expert_load.jsonl").read_text()
     # the 2-rank checkpoint (one file per global expert) evaluates in one process like the 1-rank one
     assert run_eval(["--run", str(two)], cwd=tmp_path, cache=embedded_cache)["ppl"] == pytest.approx(
         run_eval(["--run", str(one)], cwd=tmp_path, cache=embedded_cache)["ppl"], rel=1e-4)
