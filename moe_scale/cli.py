@@ -4,6 +4,7 @@
     moe-scale eval --run DIR [--split valid|test] [--data PATH] [--json]
     moe-scale flops --preset NAME [--json]        moe-scale plan --preset NAME --nodes N ...
     moe-scale generate --run DIR [--prompt TEXT] [--greedy | --temperature T --top-k K --top-p P]
+    moe-scale export --run DIR --format hf --out DIR
     moe-scale prune-heads --run DIR [--data PATH] [--steps 10]
 
 Errors a user can cause print one line `moe-scale: error: ...` and exit with status 2.
@@ -15,12 +16,12 @@ import argparse
 import sys
 
 from moe_scale.commands import eval as eval_command
-from moe_scale.commands import flops, generate, plan, prune_heads, train
+from moe_scale.commands import export, flops, generate, plan, prune_heads, train
 from moe_scale.distributed.launch import select_accelerator
 from moe_scale.errors import UserError
 from moe_scale.host_memory import apply_process_settings
 
-COMMANDS = (train, eval_command, generate, flops, plan, prune_heads)
+COMMANDS = (train, eval_command, generate, export, flops, plan, prune_heads)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,8 +51,15 @@ class ExpertParallelModule(DeepSpeedMoE):
         self.num_local_experts = num_experts // ep_size
         self.expert_group_name = f"ep_size_{ep_size}"
         self.groups: ParallelGroups | None = None
-        self._register_state_dict_hook(_stacked_to_per_expert_keys)
-        self._register_load_state_dict_pre_hook(_per_expert_to_stacked_keys, with_module=True)
+        self._checkpoint_key_hooks = (
+            self._register_state_dict_hook(_stacked_to_per_expert_keys),
+            self._register_load_state_dict_pre_hook(_per_expert_to_stacked_keys, with_module=True))
+
+    def use_module_path_keys(self) -> None:
+        """State-dict keys by module path (experts.w_in, stacked), not DeepSpeed's per-expert checkpoint names:
+        for loaders outside DeepSpeed (transformers' from_pretrained of an exported model)."""
+        for hook in self._checkpoint_key_hooks:
+            hook.remove()
 
     def mark_expert_parameters(self) -> None:
         for param in self.experts.parameters():

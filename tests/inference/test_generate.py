@@ -80,3 +80,14 @@ def test_generate_from_a_two_process_expert_parallel_transformer(tmp_path, embed
     assert "blocks.1.ffn" in lines[1]
     for row in lines[2:]:   # per word: 2 attention experts and 2 FFN experts in each of 2 blocks
         assert row.count(" e") == 8, row
+
+    # exported with the experts of both expert-parallel ranks, transformers generates the same words
+    from transformers import AutoModelForCausalLM
+    subprocess.run([sys.executable, "-m", "moe_scale", "export", "--run", str(run), "--out", str(tmp_path / "hf")],
+                   cwd=tmp_path, env=_env(embedded_cache), check=True, capture_output=True)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
+    ids = model.generate(torch.tensor([[Vocab.BOS_ID]]), do_sample=False, max_new_tokens=5)[0, 1:].tolist()
+    vocab = Vocab.load(run / "vocab")
+    words = [vocab.words[i] if i else "<unk>" for i in ids if i != Vocab.EOS_ID]
+    greedy = _generate(run, "--greedy", "--max-new-tokens", "5", cache=embedded_cache).stdout.split()
+    assert [w for w in greedy if w != "..."] == words

@@ -210,6 +210,11 @@ CASES = [
      ["checksum", f"--checkpoint {OLD}"]),
     ("eval-unknown-checkpoint", lambda w: ["eval", "--run", w.run(), "--checkpoint", "nope"], ["nope"]),
     ("prune-lstm-run", lambda w: ["prune-heads", "--run", w.run()], ["holds an LSTM model", "transformer"]),
+    # export
+    ("export-target-exists", lambda w: ["export", "--run", w.run(), "--out", str(Path(w.text("x/keep.txt")).parent)],
+     ["--out", "already exists"]),
+    ("export-target-parent-missing", lambda w: ["export", "--run", w.run(), "--out", str(w.root / "no" / "hf")],
+     ["parent directory", "does not exist"]),
     # generate
     ("generate-no-checkpoint", lambda w: ["generate", "--run", w.run(
         lambda r: [shutil.rmtree(p) if p.is_dir() else p.unlink() for p in (r / "checkpoints").iterdir()])],

@@ -1,0 +1,30 @@
+"""`moe-scale export`: a trained run as a model directory other tools load (--format hf: HuggingFace
+transformers, with remote code, safetensors weights and a word-level tokenizer)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="a trained run as a HuggingFace transformers model directory")
+    p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
+    p.add_argument("--format", choices=("hf",), default="hf", help="hf: transformers' from_pretrained with "
+                                                                 "trust_remote_code=True")
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to create (must not exist)")
+    p.add_argument("--checkpoint", metavar="TAG", help="export this checkpoint (default: the newest complete one)")
+    p.set_defaults(run_command=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    from moe_scale.inference.hf_export import check_target, export_hf
+
+    out = Path(args.out)
+    check_target(out)   # before the slow imports
+    with contextlib.redirect_stdout(sys.stderr):
+        tag = export_hf(Path(args.run), out, args.checkpoint)
+    print(f"exported {args.run} ({tag}) to {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}, "
+          f"trust_remote_code=True)")

@@ -1,0 +1,117 @@
+"""A trained run as a HuggingFace model directory: `AutoModelForCausalLM.from_pretrained(DIR,
+trust_remote_code=True)` and `AutoTokenizer.from_pretrained(DIR)` load it (moe_scale must be installed there).
+
+    config.json                 transformers' config: model_type moe_scale, auto_map, the run's configuration
+    configuration_moe_scale.py  modeling_moe_scale.py   the remote code (hf_remote/)
+    model.safetensors           every weight, the experts of every expert-parallel rank gathered
+    tokenizer.json              a word-level `tokenizers` tokenizer over the run's vocabulary (<S> prepended)
+    tokenizer_config.json  special_tokens_map.json  README.md
+
+Written under a temporary name beside --out and renamed when complete; an existing --out is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from moe_scale.errors import UserError
+
+REMOTE = Path(__file__).with_name("hf_remote")
+REMOTE_FILES = ("configuration_moe_scale.py", "modeling_moe_scale.py")
+
+
+def check_target(out: Path) -> None:
+    if out.exists() or out.is_symlink():
+        raise UserError(f"--out {out} already exists; export writes a new directory: choose another --out or "
+                        f"remove it")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: its parent directory {out.parent} does not exist; create it first")
+
+
+def export_hf(run: Path, out: Path, checkpoint: str | None) -> str:
+    """Writes the model directory; returns the checkpoint tag exported."""
+    from moe_scale.inference.trained_run import load_model, trained_config
+
+    check_target(out)
+    config, tag = trained_config(run, checkpoint)
+    vocab, model, _ = load_model(run, config, tag, "export")
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        partial.mkdir()
+        _write(partial, config, vocab, model, run, tag)
+        partial.rename(out)
+    except OSError as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise UserError(f"writing {out} failed ({e.strerror or e}); nothing was left behind") from None
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return tag
+
+
+def _write(target: Path, config, vocab, model, run: Path, tag: str) -> None:
+    from safetensors.torch import save_file
+
+    state = {f"lm.{name}": t.detach().cpu().clone().contiguous() for name, t in _tensors_by_module_path(model)}
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    context = config.data.seq_len if config.model.kind == "transformer" else 0
+    hf_config = {
+        "model_type": "moe_scale", "architectures": ["MoEScaleForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_moe_scale.MoEScaleConfig",
+                     "AutoModelForCausalLM": "modeling_moe_scale.MoEScaleForCausalLM"},
+        "run_config": config.to_dict(), "vocab_size": len(vocab), "context": context,
+        "bos_token_id": vocab.BOS_ID, "eos_token_id": vocab.EOS_ID, "pad_token_id": vocab.EOS_ID,
+        "dtype": "float32", "exported_from": {"run": str(run.resolve()), "checkpoint": tag},
+    }
+    (target / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    for name in REMOTE_FILES:
+        shutil.copyfile(REMOTE / name, target / name)
+    _write_tokenizer(target, vocab, context)
+    (target / "README.md").write_text(_model_card(config, len(vocab), tag))
+
+
+def _tensors_by_module_path(model):
+    """Every parameter and persistent buffer under its module path (as transformers loads them), not under
+    DeepSpeed's per-expert checkpoint names (moe/deepspeed_adapter.py)."""
+    for layer in model.moe_layers():
+        layer.use_module_path_keys()
+    return model.state_dict().items()
+
+
+def _write_tokenizer(target: Path, vocab, context: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab.words)}, unk_token=vocab.UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()   # the run's words: split at whitespace only
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{vocab.BOS} $A",
+                                                             special_tokens=[(vocab.BOS, vocab.BOS_ID)])
+    tokenizer.save(str(target / "tokenizer.json"))
+    special = {"bos_token": vocab.BOS, "eos_token": vocab.EOS, "unk_token": vocab.UNK, "pad_token": vocab.EOS}
+    (target / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context or 1_000_000_000,
+         "clean_up_tokenization_spaces": False, **special}, indent=2) + "\n")
+    (target / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def _model_card(config, vocab_size: int, tag: str) -> str:
+    kind = "an LSTM-MoE" if config.model.kind == "lstm" else f"a transformer ({config.attention.kind} attention)"
+    return f"""# moe_scale export
+
+{kind} language model trained with moe_scale (checkpoint {tag}), {vocab_size} words.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained(".", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(".")
+ids = tokenizer("the company said", return_tensors="pt").input_ids        # <S> is prepended
+print(tokenizer.decode(model.generate(ids, do_sample=False, max_new_tokens=20)[0]))
+```
+
+Inference only, one device, float32; needs `moe_scale` installed (the remote code builds its model). The logits
+are log-probabilities of the next word. `generate` re-reads the whole prefix each step (no cache is handed to
+transformers). Text is split at whitespace into the run's words; others become `<UNK>`.
+"""
