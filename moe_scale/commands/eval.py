@@ -93,7 +93,10 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
             from moe_scale.metrics.plots import write_expert_stats_plot
 
             name = f"eval_{result['split']}_{tag}_experts.png"
-            result["expert_stats_plot"] = str(write_expert_stats_plot(result["expert_stats"], run / "plots" / name))
+            try:
+                result["expert_stats_plot"] = str(write_expert_stats_plot(result["expert_stats"], run / "plots" / name))
+            except OSError as e:   # a read-only run directory: the numbers still come out
+                print(f"moe-scale: warning: {run / 'plots' / name} not written ({e.strerror or e})", file=sys.stderr)
     return result if env.rank == 0 else None
 
 
