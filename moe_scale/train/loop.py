@@ -212,8 +212,7 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
                 "this run writes no checkpoints (--checkpoint-interval 0), so it cannot be resumed"
             logger.line(f"stopped by {stop} after step {done}: {saved}")
             logger.close()
-            if env.rank == 0:
-                _write_plots(run)
+            _write_plots(run, env.rank)
             return {"stopped_by": stop, "steps": done}
 
     if not valid:   # resumed a run that had already finished
@@ -226,19 +225,23 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
         write_json_atomic(run / "summary.json", summary)
         logger.line(summary_table(summary))
     logger.close()
-    if env.rank == 0:
-        _write_plots(run)
+    _write_plots(run, env.rank)
     return summary
 
 
-def _write_plots(run) -> None:
-    """plots/ from the run's logs; a picture that cannot be drawn is a warning, never a failed run."""
-    from moe_scale.metrics.plots import write_run_plots
+def _write_plots(run, rank: int) -> None:
+    """plots/ from the run's logs, drawn by rank 0 while the others wait, so every rank leaves together (a rank
+    that exits while rank 0 is still busy can abort in gloo's teardown). A picture that cannot be drawn is a
+    warning, never a failed run."""
+    if rank == 0:
+        from moe_scale.metrics.plots import write_run_plots
 
-    try:
-        write_run_plots(run)
-    except Exception as e:   # noqa: BLE001 - after the training, nothing may fail the run
-        print(f"moe-scale: warning: plots/ not written ({type(e).__name__}: {e})", file=sys.stderr)
+        try:
+            write_run_plots(run)
+        except Exception as e:   # noqa: BLE001 - after the training, nothing may fail the run
+            print(f"moe-scale: warning: plots/ not written ({type(e).__name__}: {e})", file=sys.stderr)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _install_noise(model: torch.nn.Module, config: RunConfig, env: DistEnv) -> list[GlobalTokenNoise]:
