@@ -19,9 +19,9 @@ def _run(*flags: str, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def test_one_row_end_to_end(tmp_path):
+def test_one_row_end_to_end(tmp_path, wikitext_dir):
     proc = _run("--out", str(tmp_path / "t"), "--only", "mha", "--max-steps", "2", "--eval-max-batches", "2",
-                cwd=tmp_path)
+                "--wikitext", str(wikitext_dir), cwd=tmp_path)   # the shipped fixture: a clone has no ../shared
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "t" / "attention_table.json").read_text())
     summary = json.loads((tmp_path / "t" / "runs" / "mha" / "summary.json").read_text())
