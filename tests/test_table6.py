@@ -48,8 +48,8 @@ def test_table6_two_rows_tiny(tmp_path, wikitext_dir):
     assert table["tokens"] == 3 * 8 * 8
 
     # --reuse: nothing is retrained, the same table comes back
-    again = _run("--out", str(out), "--only", "0,3", "--max-steps", "3", "--num-experts", "64", "--reuse", *TINY,
-                 timeout=30)
+    again = _run("--out", str(out), "--only", "0,3", "--max-steps", "3", "--num-experts", "64", "--reuse",
+                 "--wikitext", str(wikitext_dir), *TINY, timeout=30)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout == md and again.stderr.count("reusing") == 2
 
