@@ -57,16 +57,17 @@ def run(args: argparse.Namespace) -> None:
 def _prompt_words(prompt: str | None, prompt_file: str | None) -> list[str]:
     if prompt_file is None:
         return (prompt or "").split()
+    from moe_scale.data.text import not_utf8_error, unreadable_error
+
     path = Path(prompt_file)
     try:
         return path.read_text(encoding="utf-8").split()
     except FileNotFoundError:
         raise UserError(f"--prompt-file {prompt_file}: no such file; check the path") from None
     except UnicodeDecodeError as e:
-        raise UserError(f"--prompt-file {prompt_file}: not UTF-8 text (invalid byte at offset {e.start}); convert "
-                        f"it, e.g. `iconv -f latin1 -t utf-8`") from None
+        raise not_utf8_error(path, e.start) from None
     except OSError as e:
-        raise UserError(f"--prompt-file {prompt_file}: cannot be read ({e.strerror or e})") from None
+        raise unreadable_error(path, e) from None
 
 
 def run_generate(run: Path, prompt: list[str], max_new: int, num_samples: int, sampling, seed: int,
@@ -86,12 +87,12 @@ def run_generate(run: Path, prompt: list[str], max_new: int, num_samples: int, s
                             f"pass --max-new-tokens {context - used + max_new - fed} or less")
     import torch
 
-    from moe_scale.inference.generate import format_samples, generate
+    from moe_scale.inference.generate import format_samples, generate, shown
     from moe_scale.inference.trained_run import load_model
 
     vocab, model, device = load_model(run, config, tag, "generate")
     prompt_ids = [vocab.id(w) for w in prompt]
-    shown_prompt = [w if i != vocab.UNK_ID else "<unk>" for w, i in zip(prompt, prompt_ids)]
+    shown_prompt = [shown(vocab, i) for i in prompt_ids]
     generator = torch.Generator().manual_seed(seed)
     samples = generate(model, vocab, prompt_ids, num_samples, max_new, sampling, generator, device, show_experts)
     return format_samples(shown_prompt, samples, show_experts)
