@@ -37,6 +37,8 @@ KERNELS = ("loop", "grouped", "triton", "native")
 # Rows per expert: on the device (what grouped GEMMs read), as a host list, or both (device, host).
 Counts = Union[torch.Tensor, list[int], tuple[torch.Tensor, list[int]]]
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# F.grouped_mm (torch >= 2.10) or, on CUDA, the private op it wraps (torch 2.8 and 2.9)
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
@@ -86,7 +88,8 @@ def choose_kernel(like: torch.Tensor) -> str:
         return "native"
     cuda = like.device.type == "cuda"
     kernel, why = kernel_for(like.device.type, like.dtype, torch.cuda.get_device_capability(like.device) if cuda
-                             else None, hasattr(F, "grouped_mm"), cuda and _triton_ops() is not None)
+                             else None, hasattr(F, "grouped_mm") or (cuda and _grouped_mm is not None),
+                             cuda and _triton_ops() is not None)
     if kernel == "loop":
         _warn_loop(like.device.type, str(like.dtype).replace("torch.", ""), why)
     return kernel
@@ -205,7 +208,7 @@ def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout
 
 
 def _grouped_rows(a_MI: torch.Tensor, b_LIO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return F.grouped_mm(a_MI, b_LIO, offs=offsets)
+    return _grouped_mm(a_MI, b_LIO, offs=offsets)
 
 
 def _triton_rows(a_MI: torch.Tensor, b_LIO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -213,7 +216,7 @@ def _triton_rows(a_MI: torch.Tensor, b_LIO: torch.Tensor, offsets: torch.Tensor)
 
 
 def _grouped_outer(a_MI, b_MO, offsets, counts_L) -> torch.Tensor:
-    out_LIO = F.grouped_mm(a_MI.t(), b_MO, offs=offsets)
+    out_LIO = _grouped_mm(a_MI.t(), b_MO, offs=offsets)
     if out_LIO.is_cuda and torch.cuda.get_device_capability(out_LIO.device)[0] == 10:
         # Blackwell's kernel leaves experts without rows unwritten (pytorch/pytorch#172439); Hopper zeroes them.
         out_LIO.masked_fill_((counts_L == 0)[:, None, None], 0.0)
