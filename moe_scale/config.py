@@ -306,7 +306,11 @@ class DataConfig:
     valid_data: str | None = _f(None, "validation text (default: valid* files beside --data, else held out)")
     test_data: str | None = _f(None, "test text (default: test* files beside --data, else held out)")
     holdout_fraction: float = _f(0.02, "share of training sentences held out for valid+test when none given")
-    vocab_size: int = _f(10000, "largest vocabulary, including <UNK>, <S>, </S>")
+    tokenizer: str = _f("words", "words (whitespace-separated words: pre-tokenised text such as the 1B-word "
+                                 "benchmark), bpe (a byte-level BPE learned from the training text, no <UNK>), or "
+                                 "the path of a tokenizer.json; perplexity is per word with every tokenizer")
+    vocab_size: int = _f(10000, "largest vocabulary, including <UNK>, <S>, </S> (bpe: its size; a "
+                                "tokenizer.json keeps its own)")
     min_count: int = _f(1, "drop words seen fewer times than this from the vocabulary")
     seq_len: int = _f(32, "tokens per training window (truncated back-propagation length)")
     stream: bool = _f(False, "stream the training shards (never loads them into memory; the position is "
@@ -322,6 +326,8 @@ class DataConfig:
             raise UserError(f"--holdout-fraction must be in (0, 0.5) (got {self.holdout_fraction})")
         if self.vocab_size < 4:
             raise UserError(f"--vocab-size must be at least 4 (3 special symbols and a word); got {self.vocab_size}")
+        if not self.tokenizer.strip():
+            raise UserError("--tokenizer is empty; use words, bpe or the path of a tokenizer.json")
         if min(self.shuffle_buffer, self.token_budget) < 0 or self.stream_workers < 1:
             raise UserError("--shuffle-buffer and --token-budget must not be negative and --stream-workers must be "
                             "at least 1")

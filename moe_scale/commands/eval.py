@@ -42,7 +42,8 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
     import deepspeed   # here: flag errors come back before these slow imports
     import torch
 
-    from moe_scale.data import Vocab, load_sentences, resolve_text_files, sentence_texts
+    from moe_scale.data import load_sentences, resolve_text_files, sentence_texts
+    from moe_scale.data.subwords import load_run_tokenizer
     from moe_scale.data.eval_windows import EvalWindows
     from moe_scale.distributed.launch import init_distributed
     from moe_scale.models.build import build_model
@@ -60,7 +61,7 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
         raise UserError(f"--top-tokens must be 0 or more (got {top_tokens})")
     config = RunConfig.load(run / "config.json")
     tag, _ = choose_checkpoint(run, checkpoint, "--checkpoint", config)
-    vocab = Vocab.load(run / "vocab")
+    vocab = load_run_tokenizer(run)
     env = init_distributed()
     if config.moe.experts.num_experts % env.world_size:
         raise UserError(f"{config.moe.experts.num_experts} experts cannot be split over {env.world_size} processes; "
@@ -85,7 +86,8 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
     observer = ExpertTokenStats(model.moe_layers(), vocab, windows.tokens, top_tokens) \
         if expert_stats or top_tokens else None
     result = evaluate(model, windows, device=env.device, observer=observer, describe=True)
-    result = {"split": "data" if data else split, "source": source, "checkpoint": tag, **result}
+    result = {"split": "data" if data else split, "source": source, "checkpoint": tag,
+              "tokenizer": config.data.tokenizer, **result}
     if observer is not None:
         result["expert_stats"] = observer.report()
         observer.close()

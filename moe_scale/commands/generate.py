@@ -3,8 +3,8 @@
     moe-scale generate --run DIR [--prompt TEXT | --prompt-file PATH] [--max-new-tokens 30] [--num-samples 1]
                        [--temperature 1.0] [--top-k 0] [--top-p 1.0] [--greedy] [--seed 0] [--show-experts]
 
-A sample starts after <S> (and the prompt) and ends at </S> or after --max-new-tokens words; words outside the
-vocabulary show as <unk>.
+A sample starts after <S> (and the prompt) and ends at </S> or after --max-new-tokens tokens (words, or BPE
+pieces for a run trained with --tokenizer bpe or a tokenizer.json); words outside a word vocabulary show as <unk>.
 """
 
 from __future__ import annotations
@@ -74,25 +74,28 @@ def run_generate(run: Path, prompt: list[str], max_new: int, num_samples: int, s
                  show_experts: bool, checkpoint: str | None) -> str:
     from moe_scale.inference.trained_run import trained_config
 
+    from moe_scale.data.subwords import load_run_tokenizer
+
     config, tag = trained_config(run, checkpoint)
+    tokenizer = load_run_tokenizer(run)
+    prompt_ids = tokenizer.encode(" ".join(prompt))
+    unit = "words" if config.data.tokenizer == "words" else "tokens"
     if config.model.kind == "transformer":
-        context, used = config.data.seq_len, 1 + len(prompt)   # <S> + the prompt
+        context, used = config.data.seq_len, 1 + len(prompt_ids)   # <S> + the prompt
         if used > context:
-            raise UserError(f"the prompt ({len(prompt)} words after <S>) is longer than the model's context of "
+            raise UserError(f"the prompt ({len(prompt_ids)} {unit} after <S>) is longer than the model's context of "
                             f"{context} positions (--seq-len it was trained with); shorten it")
-        fed = max_new if show_experts else max_new - 1   # the last word is read back only to show its routing
+        fed = max_new if show_experts else max_new - 1   # the last token is read back only to show its routing
         if used + fed > context:
-            raise UserError(f"<S>, the {len(prompt)}-word prompt and --max-new-tokens {max_new} need "
+            raise UserError(f"<S>, the {len(prompt_ids)}-{unit[:-1]} prompt and --max-new-tokens {max_new} need "
                             f"{used + fed} positions, more than the model's context of {context}; "
                             f"pass --max-new-tokens {context - used + max_new - fed} or less")
     import torch
 
-    from moe_scale.inference.generate import format_samples, generate, shown
+    from moe_scale.inference.generate import format_samples, generate
     from moe_scale.inference.trained_run import load_model
 
-    vocab, model, device = load_model(run, config, tag, "generate")
-    prompt_ids = [vocab.id(w) for w in prompt]
-    shown_prompt = [shown(vocab, i) for i in prompt_ids]
+    _, model, device = load_model(run, config, tag, "generate")
     generator = torch.Generator().manual_seed(seed)
-    samples = generate(model, vocab, prompt_ids, num_samples, max_new, sampling, generator, device, show_experts)
-    return format_samples(shown_prompt, samples, show_experts)
+    samples = generate(model, tokenizer, prompt_ids, num_samples, max_new, sampling, generator, device, show_experts)
+    return format_samples(tokenizer, prompt_ids, samples, show_experts)

@@ -26,11 +26,17 @@ from moe_scale.errors import UserError
 
 def _encode_row(texts: list[str], vocab: Vocab) -> np.ndarray:
     out: list[int] = []
-    for t in texts:
+    for ids in vocab.encode_many(texts):
         out.append(Vocab.BOS_ID)
-        out.extend(vocab.encode(t))
+        out.extend(ids)
         out.append(Vocab.EOS_ID)
     return np.asarray(out, dtype=np.int32)
+
+
+def _tokens_per_word(rows: list[np.ndarray], words: int) -> float:
+    sentences = sum(int((r == Vocab.BOS_ID).sum()) for r in rows)
+    tokens = sum(len(r) for r in rows) - sentences
+    return tokens / words if words else 1.0
 
 
 class LMWindows:
@@ -52,9 +58,14 @@ class LMWindows:
         first = rank * self.rows_per_rank
         n_sentences = len(sentences)
         self.rows: list[np.ndarray] = []  # B rows of int32 tokens
+        words = 0
         for i in range(first, first + self.rows_per_rank):
             texts = sentence_texts(sentences.shard(global_rows, i, contiguous=True)) if i < n_sentences else []
             self.rows.append(_encode_row(texts, vocab))
+            words += sum(len(t.split()) + 1 for t in texts)   # each </S> counts as a word
+        # tokens per word of this rank's text (</S> both a token and a word; <S> neither): 1 for the word
+        # vocabulary; the training perplexity per word is exp(loss per token x this)
+        self.tokens_per_word = _tokens_per_word(self.rows, words)
         # All ranks take part in the reduction (and raise together) even if their rows are empty.
         shortest = int(min_over_ranks(min(len(r) for r in self.rows)))
         self.num_windows = (shortest - 1) // seq_len if shortest > 0 else 0  # W

@@ -39,6 +39,7 @@ class ShuffledReader:
         self.rng = np.random.default_rng(seed)
         self.buffer: list[str] = []
         self.carry: list[int] = []      # tokens read but not yet emitted as a window
+        self.tokens_read = self.words_read = 0   # </S> counted in both; for the perplexity per word
         self.source_done = False
         self._lines: Iterator[str] | None = None
 
@@ -67,7 +68,10 @@ class ShuffledReader:
             sentence = self._next_sentence()
             if sentence is None:
                 return None
-            self.carry += [Vocab.BOS_ID, *self.vocab.encode(sentence), Vocab.EOS_ID]
+            ids = self.vocab.encode(sentence)
+            self.carry += [Vocab.BOS_ID, *ids, Vocab.EOS_ID]
+            self.tokens_read += len(ids) + 1
+            self.words_read += len(sentence.split()) + 1
         out = self.carry[: self.window]
         self.carry = self.carry[self.window - 1:]   # the last token starts the next window
         return out
@@ -111,6 +115,12 @@ class StreamBatches:
 
     def describe(self) -> str:
         return f"streaming {len(self.readers)} reader(s) per rank, one pass"
+
+    @property
+    def tokens_per_word(self) -> float:
+        """Of the text read so far (see LMWindows.tokens_per_word)."""
+        words = sum(r.words_read for r in self.readers)
+        return sum(r.tokens_read for r in self.readers) / words if words else 1.0
 
     def _reader_states(self) -> list[dict]:
         return [r.state_dict() for r in self.readers]

@@ -68,6 +68,20 @@ class Vocab:
         ids = self._ids
         return [ids.get(w, 0) for w in sentence.split()]
 
+    def encode_many(self, sentences: list[str]) -> list[list[int]]:
+        return [self.encode(s) for s in sentences]
+
+    def encode_with_word_starts(self, sentence: str) -> tuple[list[int], list[int]]:
+        """(ids, starts): one word per token (the subword tokenizers' interface, data/subwords.py)."""
+        ids = self.encode(sentence)
+        return ids, [1] * len(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self.words[i] for i in ids if i not in (self.BOS_ID, self.EOS_ID))
+
+    def token_text(self, token_id: int) -> str:
+        return self.words[token_id]
+
     def save(self, path: Path) -> None:
         """One word per line, UTF-8, written atomically; the counts (if known) first, beside it (for the
         unigram sampler and adaptive-softmax FLOPs), so a reader that sees the vocabulary sees its counts."""
@@ -112,8 +126,9 @@ def counts_path(vocab_path: Path) -> Path:
 
 
 def unigram_perplexity(train_sentences: Iterable[str] | None, eval_sentences: Iterable[str], vocab: Vocab) -> float:
-    """Perplexity of an add-one smoothed unigram model over `vocab` (one </S> per sentence, OOV -> <UNK>);
-    train_sentences None: from the vocabulary's own training counts (the same numbers)."""
+    """Per-word perplexity of an add-one smoothed unigram model over `vocab`'s tokens (one </S> per sentence,
+    OOV -> <UNK>): exp(total NLL / (words + sentences)); train_sentences None: from the vocabulary's own
+    training counts (the same numbers)."""
     if train_sentences is None:
         if vocab.counts is None:
             raise ValueError("unigram_perplexity without training sentences needs vocabulary counts")
@@ -129,5 +144,5 @@ def unigram_perplexity(train_sentences: Iterable[str] | None, eval_sentences: It
     for s in eval_sentences:
         for i in vocab.encode(s) + [Vocab.EOS_ID]:
             nll += log_total - math.log(counts[i])
-            n += 1
+        n += len(s.split()) + 1
     return math.exp(nll / n)

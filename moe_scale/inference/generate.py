@@ -1,5 +1,5 @@
-"""Text from a trained model: a prompt (after <S>) continued word by word until </S> or a word limit, each new
-word one decode step (the LSTMs' states, the transformer's KV cache), and on request the experts each word was
+"""Text from a trained model: a prompt (after <S>) continued token by token (a word, or a subword piece for a
+BPE run) until </S> or a token limit, each new token one decode step (the LSTMs' states, the transformer's KV cache), and on request the experts each word was
 routed to in every expert layer (Shazeer et al.'s Table 9 view). Legend: B samples, T positions, V vocabulary."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from moe_scale.data import Vocab
+from moe_scale.data.subwords import SubwordTokenizer
 from moe_scale.inference.sampling import SamplingConfig, next_words
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 
@@ -18,13 +19,24 @@ UNK_SHOWN = "<unk>"
 
 @dataclass
 class Sample:
-    words: list[str]                                   # generated, without the closing </S>
+    words: list[str]                                   # generated tokens as shown, without the closing </S>
+    ids: list[int] = field(default_factory=list)       # the same, as ids
     finished: bool = False                             # ended with </S> (else at the word limit)
     routes: list[dict[str, list[tuple[int, float]]]] = field(default_factory=list)   # per word: layer -> (expert, gate)
 
 
-def shown(vocab: Vocab, word_id: int) -> str:
+def shown(vocab: Vocab | SubwordTokenizer, word_id: int) -> str:
+    """One token as printed: <unk> for an unknown word, a subword piece as it reads."""
+    if isinstance(vocab, SubwordTokenizer):
+        return vocab.token_text(word_id)
     return UNK_SHOWN if word_id == Vocab.UNK_ID else vocab.words[word_id]
+
+
+def render(vocab: Vocab | SubwordTokenizer, ids: list[int]) -> str:
+    """Token ids as text: words joined by spaces, subword pieces decoded."""
+    if isinstance(vocab, SubwordTokenizer):
+        return vocab.decode(ids)
+    return " ".join(shown(vocab, i) for i in ids)
 
 
 class RouteRecorder:
@@ -76,6 +88,7 @@ def generate(model: nn.Module, vocab: Vocab, prompt_ids: list[int], num_samples:
                     sample.finished = True
                     continue
                 sample.words.append(shown(vocab, word))
+                sample.ids.append(word)
                 if recorder is not None:
                     sample.routes.append(recorder.of_token(b))
             if all(s.finished for s in samples):
@@ -86,14 +99,16 @@ def generate(model: nn.Module, vocab: Vocab, prompt_ids: list[int], num_samples:
             recorder.close()
 
 
-def format_samples(prompt: list[str], samples: list[Sample], show_experts: bool) -> str:
+def format_samples(vocab: Vocab | SubwordTokenizer, prompt_ids: list[int], samples: list[Sample],
+                   show_experts: bool) -> str:
     lines = []
     for i, sample in enumerate(samples):
-        text = " ".join([*prompt, *sample.words]) + ("" if sample.finished else " ...")
+        text = render(vocab, [*prompt_ids, *sample.ids]) + ("" if sample.finished else " ...")
         lines.append(text if len(samples) == 1 and not show_experts else f"[{i + 1}] {text}")
         if show_experts and sample.routes:
             width = max(len(w) for w in sample.words)
-            lines.append(f"    {'word':<{width}}  " + "  |  ".join(sample.routes[0]))
+            unit = "token" if isinstance(vocab, SubwordTokenizer) else "word"
+            lines.append(f"    {unit:<{width}}  " + "  |  ".join(sample.routes[0]))
             for word, routes in zip(sample.words, sample.routes):
                 cells = ["  ".join(f"e{e} {g:.2f}" for e, g in pairs) for pairs in routes.values()]
                 lines.append(f"    {word:<{width}}  " + "  |  ".join(cells))

@@ -4,7 +4,7 @@ trust_remote_code=True)` and `AutoTokenizer.from_pretrained(DIR)` load it (moe_s
     config.json                 transformers' config: model_type moe_scale, auto_map, the run's configuration
     configuration_moe_scale.py  modeling_moe_scale.py   the remote code (hf_remote/)
     model.safetensors           every weight, the experts of every expert-parallel rank gathered
-    tokenizer.json              a word-level `tokenizers` tokenizer over the run's vocabulary (<S> prepended)
+    tokenizer.json              the run's tokenizer (word-level over its vocabulary, or its BPE), <S> prepended
     tokenizer_config.json  special_tokens_map.json  README.md
 
 Written under a temporary name beside --out and renamed when complete; an existing --out is refused.
@@ -85,8 +85,13 @@ def _tensors_by_module_path(model):
 def _write_tokenizer(target: Path, vocab, context: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab.words)}, unk_token=vocab.UNK))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()   # the run's words: split at whitespace only
+    from moe_scale.data.subwords import SubwordTokenizer
+
+    if isinstance(vocab, SubwordTokenizer):   # the run's own BPE or tokenizer.json (its ids are the model's)
+        tokenizer = Tokenizer.from_str(vocab.to_json())
+    else:
+        tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab.words)}, unk_token=vocab.UNK))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()   # the run's words: split at whitespace only
     tokenizer.post_processor = processors.TemplateProcessing(single=f"{vocab.BOS} $A",
                                                              special_tokens=[(vocab.BOS, vocab.BOS_ID)])
     tokenizer.save(str(target / "tokenizer.json"))
@@ -99,9 +104,12 @@ def _write_tokenizer(target: Path, vocab, context: int) -> None:
 
 def _model_card(config, vocab_size: int, tag: str) -> str:
     kind = "an LSTM-MoE" if config.model.kind == "lstm" else f"a transformer ({config.attention.kind} attention)"
+    text = "Text is split at whitespace into the run's words; others become `<UNK>`." \
+        if config.data.tokenizer == "words" else \
+        f"Text is encoded with the run's tokenizer ({config.data.tokenizer}), {vocab_size} tokens."
     return f"""# moe_scale export
 
-{kind} language model trained with moe_scale (checkpoint {tag}), {vocab_size} words.
+{kind} language model trained with moe_scale (checkpoint {tag}), a vocabulary of {vocab_size}.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -112,6 +120,6 @@ print(tokenizer.decode(model.generate(ids, do_sample=False, max_new_tokens=20)[0
 ```
 
 Inference only, one device, float32; needs `moe_scale` installed (the remote code builds its model). The logits
-are log-probabilities of the next word. `generate` re-reads the whole prefix each step (no cache is handed to
-transformers). Text is split at whitespace into the run's words; others become `<UNK>`.
+are log-probabilities of the next token. `generate` re-reads the whole prefix each step (no cache is handed to
+transformers). {text}
 """

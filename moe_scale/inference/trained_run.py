@@ -28,13 +28,13 @@ def load_model(run: Path, config: RunConfig, tag: str, command: str):
     import deepspeed   # here, not at the top: flag errors come back before this slow import
     import torch
 
-    from moe_scale.data import Vocab
+    from moe_scale.data.subwords import load_run_tokenizer
     from moe_scale.distributed.launch import init_distributed
     from moe_scale.models.build import build_model
     from moe_scale.models.build_softmax import build_softmax
     from moe_scale.train.checkpoint import load_weights
 
-    vocab = Vocab.load(run / "vocab")
+    vocab = load_run_tokenizer(run)
     env = init_distributed()
     if env.world_size != 1:
         raise UserError(f"{command} runs in one process; start it without a launcher")

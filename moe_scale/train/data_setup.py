@@ -1,4 +1,5 @@
-"""From --data to token windows: split files, build or reload the vocabulary, shard rows by rank."""
+"""From --data to token windows: split files, build or reload the tokenizer (word vocabulary, BPE or a
+tokenizer.json), shard rows by rank."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from moe_scale.config import DataConfig
 from moe_scale.data import (LMWindows, Vocab, load_sentences, load_splits, resolve_text_files, sentence_texts,
                             split_files)
 from moe_scale.data.eval_windows import EvalWindows
+from moe_scale.data.shards import LineReader, plan_pieces
 from moe_scale.data.stream import StreamBatches
+from moe_scale.data.subwords import SubwordTokenizer, load_run_tokenizer
 from moe_scale.data.vocab import unigram_perplexity
 from moe_scale.data.vocab_cache import cached_stream_vocab
 from moe_scale.distributed.comm import collective_device
@@ -22,7 +25,7 @@ from moe_scale.errors import UserError
 
 @dataclass
 class LMData:
-    vocab: Vocab
+    vocab: Vocab | SubwordTokenizer
     train: LMWindows | StreamBatches
     valid: EvalWindows
     valid_sentences: object
@@ -31,6 +34,8 @@ class LMData:
     def unigram_valid_ppl(self) -> float:
         """Add-one unigram perplexity on the validation text (from the vocabulary's counts when streaming)."""
         train = sentence_texts(self.train_sentences) if self.train_sentences is not None else None
+        if train is None and self.vocab.counts is None:   # streamed text, subword tokenizer: no counts kept
+            return None
         return unigram_perplexity(train, sentence_texts(self.valid_sentences), self.vocab)
 
 
@@ -54,19 +59,38 @@ def load_run_splits(config: DataConfig):
     return splits["train"], splits["valid"], splits["test"]
 
 
-def build_lm_data(config: DataConfig, env: DistEnv, global_rows: int, saved_vocab: Path | None,
+def _saved_tokenizer(run: Path):
+    if not any((run / name).exists() for name in ("vocab", "tokenizer.json")):
+        raise UserError(f"{run / 'vocab'} is missing; the run directory is incomplete, start a new run")
+    return load_run_tokenizer(run)
+
+
+def user_tokenizer(config: DataConfig) -> SubwordTokenizer | None:
+    """--tokenizer PATH, loaded; None for words and bpe (built from the training text)."""
+    return None if config.tokenizer in ("words", "bpe") else SubwordTokenizer.from_user_file(Path(config.tokenizer))
+
+
+def trained_bpe(sentences, config: DataConfig) -> SubwordTokenizer:
+    """--tokenizer bpe: learned once, on rank 0, and sent to the others (every rank then holds the same one)."""
+    text = [SubwordTokenizer.train_bpe(sentences(), config.vocab_size, config.min_count).to_json()] \
+        if not dist.is_initialized() or dist.get_rank() == 0 else [None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(text, src=0)
+    return SubwordTokenizer.from_json(text[0])
+
+
+def build_lm_data(config: DataConfig, env: DistEnv, global_rows: int, saved_run: Path | None,
                   seed: int = 0) -> LMData:
-    """Loads text and makes this rank's windows. The vocabulary is rebuilt deterministically on every rank
-    (no file exchange needed), or reloaded from a resumed run. With `config.stream`, see `build_stream_data`
-    (`seed` shuffles its buffers)."""
+    """Loads text and makes this rank's windows. The word vocabulary is rebuilt deterministically on every rank
+    (no file exchange needed), a BPE learned on rank 0 and broadcast; a resumed run reloads its own (from
+    `saved_run`). With `config.stream`, see `build_stream_data` (`seed` shuffles its buffers)."""
     if config.stream:
-        return build_stream_data(config, seed, env, global_rows, saved_vocab)
+        return build_stream_data(config, seed, env, global_rows, saved_run)
+    vocab = _saved_tokenizer(saved_run) if saved_run is not None else user_tokenizer(config)
     train, valid, _ = load_run_splits(config)
-    if saved_vocab is not None:
-        if not saved_vocab.exists():
-            raise UserError(f"{saved_vocab} is missing; the run directory is incomplete, start a new run")
-        vocab = Vocab.load(saved_vocab)
-    else:
+    if vocab is None and config.tokenizer == "bpe":
+        vocab = trained_bpe(lambda: sentence_texts(train), config)
+    elif vocab is None:
         vocab = Vocab.build(sentence_texts(train), max_size=config.vocab_size, min_count=config.min_count)
     windows = dict(seq_len=config.seq_len, global_rows=global_rows, rank=env.rank, world_size=env.world_size,
                    min_over_ranks=min_over_ranks)
@@ -89,15 +113,14 @@ def stream_files(config: DataConfig) -> tuple[list[Path], object]:
 
 
 def build_stream_data(config: DataConfig, seed: int, env: DistEnv, global_rows: int,
-                      saved_vocab: Path | None) -> LMData:
-    """Streaming training batches; the vocabulary counted in one pass and cached (rank 0 counts, the
-    others load the cache after a barrier), or reloaded from a resumed run."""
+                      saved_run: Path | None) -> LMData:
+    """Streaming training batches; the word vocabulary counted in one pass and cached (rank 0 counts, the
+    others load the cache after a barrier), a BPE learned in one pass on rank 0, or reloaded from a resumed run."""
     train_files, valid = stream_files(config)
-    if saved_vocab is not None:
-        if not saved_vocab.exists():
-            raise UserError(f"{saved_vocab} is missing; the run directory is incomplete, start a new run")
-        vocab = Vocab.load(saved_vocab)
-    else:
+    vocab = _saved_tokenizer(saved_run) if saved_run is not None else user_tokenizer(config)
+    if vocab is None and config.tokenizer == "bpe":
+        vocab = trained_bpe(lambda: (line for line in LineReader(plan_pieces(train_files, 1)[0])), config)
+    elif vocab is None:
         if env.rank == 0:
             cached_stream_vocab(train_files, config.vocab_size, config.min_count)
         if dist.is_initialized():

@@ -13,18 +13,19 @@ from moe_scale.distributed.comm import collective_device
 from moe_scale.metrics.balance import MoEMetrics
 from moe_scale.models.softmax import IGNORE
 
-COUNTED = "every word (out-of-vocabulary ones as <UNK>) and each sentence's </S>; <S> is never predicted"
+COUNTED = ("every word (out-of-vocabulary ones as <UNK>) and each sentence's </S>; <S> is never predicted; "
+           "perplexity per word: exp(total NLL / (words + sentences)), for subword tokenizers too")
 
 
 @torch.no_grad()
 def evaluate(model, windows: EvalWindows, max_batches: int = 0, device=None, observer=None,
              describe: bool = False) -> dict:
-    """exp(total NLL / counted targets) over the split (every rank runs the same number of batches, which
+    """exp(total NLL / counted words) over the split (every rank runs the same number of batches, which
     expert-parallel all-to-alls need). `observer` (e.g. ExpertTokenStats) is told each batch's positions;
     `describe` adds what was counted (word, sentence and OOV counts of a complete pass)."""
     was_training = model.training
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=collective_device())      # [NLL sum, counted targets]
+    totals = torch.zeros(3, dtype=torch.float64, device=collective_device())   # [NLL sum, counted targets, words]
     balance = MoEMetrics(model.moe_layers())
     for index, (inputs, targets) in enumerate(windows.all_windows()):
         if max_batches and index >= max_batches:
@@ -33,15 +34,16 @@ def evaluate(model, windows: EvalWindows, max_batches: int = 0, device=None, obs
             observer.begin_batch(windows.batch_positions(index))
         out = model(inputs.to(device), targets.to(device))
         counted = int((targets != IGNORE).sum())
-        totals += torch.tensor([out.nll_sum.item(), counted], dtype=torch.float64, device=totals.device)
+        totals += torch.tensor([out.nll_sum.item(), counted, windows.counted_words(index)], dtype=torch.float64,
+                               device=totals.device)
         balance.add()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(totals)
     model.train(was_training)
-    nll, tokens = totals.tolist()
+    nll, tokens, words = totals.tolist()
     described = describe and (not max_batches or max_batches >= windows.num_batches)
-    ppl = math.exp(min(nll / tokens, 709.0)) if math.isfinite(nll) else float("nan")   # exp(709): float's top
-    return {"ppl": ppl, "nll_per_token": nll / tokens, "tokens": int(tokens),
+    ppl = math.exp(min(nll / words, 709.0)) if math.isfinite(nll) else float("nan")   # exp(709): float's top
+    return {"ppl": ppl, "nll_per_token": nll / tokens, "tokens": int(tokens), "words_predicted": int(words),
             **({"words": windows.counts["words"], "sentences": windows.counts["sentences"],
                 "oov_words": windows.counts["oov_words"], "counted": COUNTED} if described else {}),
             **balance.values()}

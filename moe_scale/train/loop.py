@@ -25,6 +25,7 @@ from moe_scale.models.build import build_model, describe_parameters, forward_mac
 from moe_scale.moe.router import GlobalTokenNoise
 from moe_scale.train.memory_check import check_model_fits
 from moe_scale.train.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
+from moe_scale.data.subwords import save_run_tokenizer
 from moe_scale.train.data_setup import apply_token_budget, build_lm_data
 from moe_scale.train.ds_config import complete_ds_config, load_ds_config
 from moe_scale.train.engine import TrainingEngine
@@ -37,7 +38,7 @@ from moe_scale.models.build_softmax import build_softmax
 from moe_scale.train.preemption import StopRequests
 from moe_scale.train.step_stats import PendingSteps, StepTimer
 
-_EVAL_TOTALS = ("ppl", "nll_per_token", "tokens")
+_EVAL_TOTALS = ("ppl", "nll_per_token", "tokens", "words_predicted")
 DIVERGED_LOSS = 1000.0     # nats per token: no model that still learns gets anywhere near it
 TIMING_WARMUP_STEPS = 3   # first steps pay for allocation and DeepSpeed's lazy setup; not counted in tokens/s
 
@@ -86,7 +87,7 @@ def run_training(config: RunConfig) -> dict:
     resume_tag = checkpoint_to_resume(run, run_dir.resume_from, config) if run_dir.resume else None   # files verified
     ds_config = complete_ds_config(user_ds_config, micro_batch, t.grad_accum, env.world_size, ds_source)
     data = build_lm_data(config.data, env, global_rows=t.batch_size,
-                         saved_vocab=run / "vocab" if run_dir.resume else None, seed=t.seed)
+                         saved_run=run if run_dir.resume else None, seed=t.seed)
 
     if env.device.type == "cuda":   # float32 products on TF32 tensor cores (bf16 runs are unaffected)
         torch.set_float32_matmul_precision("high")
@@ -107,7 +108,7 @@ def run_training(config: RunConfig) -> dict:
     lock = claim_run_dir(run, run_dir.resume, run_dir.overwrite) if env.rank == 0 else None
     try:
         if env.rank == 0:
-            data.vocab.save(run / "vocab")
+            save_run_tokenizer(data.vocab, run)
             config.save(run / "config.json")
             write_json_atomic(run / "ds_config.json", ds_config)
         dist.barrier()
@@ -142,6 +143,9 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
     logger.line(f"training {describe_parameters(model)} on {env.world_size} process(es), "
                 f"ep_size={config.parallel.ep_size}, {data.train.describe()}; MFU against a peak of {peak[0]:.4g} "
                 f"TFLOPS per device ({peak[1]})")
+    if config.data.tokenizer != "words":
+        logger.line(f"tokenizer {config.data.tokenizer}: {len(data.vocab)} tokens, {data.train.tokens_per_word:.3f} "
+                    f"per word of the training text; perplexities are per word (exp(total NLL / words))")
     for step in range(start_step, t.max_steps):
         if step >= t.max_steps:   # a streamed run's data ran out (one pass)
             break
@@ -187,7 +191,8 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
             interval_moe.reset()
             perf = _throughput(timer.take_interval(), t.batch_size * config.data.seq_len, flops_per_step,
                                env.world_size, peak[0])
-            logger.scalars(done, {"train/loss": last_train["nll"], "train/ppl": _exp(last_train["nll"]),
+            train_ppl = _word_ppl(last_train["nll"], data)
+            logger.scalars(done, {"train/loss": last_train["nll"], "train/ppl": train_ppl,
                                   "train/aux_loss": last_train["aux_loss"], "train/lr": record["lr"],
                                   **{f"moe/{name}": value for name, value in last_train.items()
                                      if name not in ("nll", "aux_loss")},
@@ -199,7 +204,7 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
                      f"MFU {perf['mfu']:.2%}  all-to-all {perf['all_to_all_share']:.1%}") \
                 if math.isfinite(perf["tokens_per_s"]) else f"not timed (the first {TIMING_WARMUP_STEPS} steps warm up)"
             logger.line(f"step {done}/{t.max_steps}  loss {last_train['nll']:.4f}  "
-                        f"ppl {_exp(last_train['nll']):.2f}{balance}  this interval: {rates}")
+                        f"ppl {train_ppl:.2f}{balance}  this interval: {rates}")
         if eval_now:
             valid = evaluate(model, data.valid, r.eval_max_batches, env.device)
             logger.scalars(done, {"valid/ppl": valid["ppl"], **{f"valid_moe/{name}": value for name, value
@@ -306,9 +311,14 @@ def _peak(env: DistEnv, ds_config: dict) -> tuple[float, str]:
     return peak_t.item() / env.world_size, source
 
 
+def _word_ppl(nll_per_token: float, data) -> float:
+    """Training perplexity per word: exp(loss per token x the training text's tokens per word), 1 for words."""
+    return _exp(nll_per_token * data.train.tokens_per_word)
+
+
 def _summary(config, env, data, last_train, valid, timed, peak, flops_per_step) -> dict:
     perf = _throughput(timed, config.train.batch_size * config.data.seq_len, flops_per_step, env.world_size, peak[0])
-    train_ppl = _exp(last_train["nll"]) if last_train else float("nan")
+    train_ppl = _word_ppl(last_train["nll"], data) if last_train else float("nan")
     train_moe = {name: value for name, value in last_train.items() if name not in ("nll", "aux_loss")}
     valid_moe = {f"valid_{name}": value for name, value in valid.items() if name not in _EVAL_TOTALS}
     return {
@@ -316,6 +326,8 @@ def _summary(config, env, data, last_train, valid, timed, peak, flops_per_step) 
         "world_size": env.world_size,
         "ep_size": config.parallel.ep_size,
         **({"gate": config.moe.router.gate} if config.has_moe_ffn else {}),
+        "tokenizer": config.data.tokenizer if config.data.tokenizer in ("words", "bpe") else "file",
+        "tokens_per_word": data.train.tokens_per_word,
         "train_ppl": train_ppl,
         "valid_ppl": valid["ppl"],
         "unigram_valid_ppl": data.unigram_valid_ppl(),

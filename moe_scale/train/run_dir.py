@@ -4,7 +4,8 @@
     lock                host and PID of the live run writing here (removed when it ends)
     config.json         resolved run configuration (reload with --config)
     ds_config.json      the DeepSpeed JSON as used (batch keys filled in)
-    vocab               one word per line (vocab.counts: the training counts)
+    vocab               one word per line (vocab.counts: the training counts); word runs
+    tokenizer.json      the BPE or --tokenizer file (ids 0-2: <UNK> <S> </S>); subword runs
     train_log.jsonl     one record per optimizer step (loss, aux loss, lr)
     summary.json        final numbers
     tb/                 TensorBoard events
@@ -30,8 +31,8 @@ from moe_scale.train.run_lock import LOCK_NAME, RunLock, live_owner
 
 MARKER = "moe_scale_run.json"
 RUN_FILES = ("config.json", "summary.json", "checkpoints", "train_log.jsonl")   # any of these: a run is here
-OWNED = frozenset({MARKER, LOCK_NAME, "config.json", "ds_config.json", "vocab", "vocab.counts", "train_log.jsonl",
-                   "summary.json", "tb", "checkpoints", "pruning", "expert_load.jsonl", "plots"})
+OWNED = frozenset({MARKER, LOCK_NAME, "config.json", "ds_config.json", "vocab", "vocab.counts", "tokenizer.json",
+                   "train_log.jsonl", "summary.json", "tb", "checkpoints", "pruning", "expert_load.jsonl", "plots"})
 
 
 def _owned(name: str) -> bool:
