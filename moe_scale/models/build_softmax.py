@@ -19,8 +19,9 @@ def build_softmax(config: SoftmaxConfig, full: FullSoftmax, counts: list[int] | 
     if config.kind == "sampled":
         if config.sampler == "unigram":
             if counts is None:
-                raise UserError("--sampler unigram needs the training word counts (vocab.counts beside the "
-                                "vocabulary); use --sampler log_uniform or rebuild the vocabulary")
+                raise UserError("--sampler unigram needs the training counts of every token, which only "
+                                "--tokenizer words keeps (vocab.counts beside the vocabulary); use --sampler "
+                                "log_uniform, or --tokenizer words")
             import torch
             sampler = UnigramSampler(torch.tensor(counts))
         else:
