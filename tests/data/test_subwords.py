@@ -174,3 +174,30 @@ def test_every_rank_gets_rank_zeros_bpe():
     texts = run_ranks(_bpe_on_rank, world_size=2)
     assert texts[0] == texts[1]
     assert texts[0] == SubwordTokenizer.train_bpe(wikitext_sentences("valid")[:800], 400).to_json()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+def test_training_data_with_a_bpe_counts_tokens_per_word(tmp_path, stream):
+    """build_lm_data learns the BPE from the training split (in memory, or in one pass over the shards) and the
+    batches know the text's tokens per word, which turns the training loss into a per-word perplexity."""
+    from moe_scale.distributed.launch import DistEnv
+    from moe_scale.train.data_setup import build_lm_data
+
+    train, valid = wikitext_sentences("valid")[:600], wikitext_sentences("test")[:100]
+    (tmp_path / "train.txt").write_text("\n".join(train) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(valid) + "\n")
+    (tmp_path / "test.txt").write_text("\n".join(valid) + "\n")
+    config = DataConfig(data=str(tmp_path), tokenizer="bpe", vocab_size=400, seq_len=8, stream=stream,
+                        shuffle_buffer=1)
+    data = build_lm_data(config, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), global_rows=2, saved_run=None)
+    assert data.vocab.to_json() == SubwordTokenizer.train_bpe(train, 400).to_json()
+    if stream:
+        for step in range(40):
+            data.train.batch(step)
+        words, m = 0, 0   # no shuffling: the reader has encoded the first m sentences
+        while words < data.train.readers[0].words_read:
+            words, m = words + len(train[m].split()) + 1, m + 1
+        train = train[:m]
+    ratio = sum(len(data.vocab.encode(s)) + 1 for s in train) / sum(len(s.split()) + 1 for s in train)
+    assert data.train.tokens_per_word == pytest.approx(ratio, rel=1e-12)
+    assert data.train.tokens_per_word > 1.2
