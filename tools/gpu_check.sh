@@ -8,13 +8,15 @@
 #     LAYER_FLAGS=--no-memory bash tools/gpu_check.sh   # more flags for bench_moe_layer.py (here: no memory pass)
 #
 # Each stage runs under its own time limit (STAGE_TIMEOUT seconds, default 900), so a hung stage still leaves
-# the others' results and the report.
+# the others' results and the report; a stage stopped at its limit prints every thread's Python stack first.
 # OUT_DIR/report.json and report.md (tools/gpu_report.py) sum it up; the raw outputs stay beside them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu_check}
 mkdir -p "$out"
-timeout 120 python - <<'EOF' > "$out/device.txt" || { echo "gpu_check: no CUDA device (or torch did not import in 2 minutes)" >&2; exit 2; }
+export PYTHONFAULTHANDLER=1   # with SIGABRT from timeout: where a hung stage was
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${TMPDIR:-/tmp}/moe_scale_triton_cache}   # a local disk (DeepSpeed#5205)
+timeout -s ABRT 120 python - <<'EOF' > "$out/device.txt" || { echo "gpu_check: no CUDA device (or torch did not import in 2 minutes)" >&2; exit 2; }
 import torch
 assert torch.cuda.is_available()
 p = torch.cuda.get_device_properties(0)
@@ -24,7 +26,7 @@ cat "$out/device.txt"
 steps=200; experts=8,64,256,1024,4096
 if [ "${QUICK:-0}" = 1 ]; then steps=50; experts=8,64,256,1024; fi
 steps=${STEPS:-$steps}; experts=${EXPERTS:-$experts}
-limit=(timeout --kill-after=10 "${STAGE_TIMEOUT:-900}")
+limit=(timeout -s ABRT --kill-after=10 "${STAGE_TIMEOUT:-900}")
 
 echo "== CUDA tests"
 "${limit[@]}" python -m pytest -q -m gpu tests/gpu --durations=0 --junitxml="$out/tests.xml" 2>&1 | tail -n 30 | tee "$out/tests.txt"
