@@ -1,3 +1,4 @@
+import contextlib
 import math
 
 import pytest
@@ -32,6 +33,16 @@ class RecordedNoise:
     def __call__(self, n, e, device):
         self.calls.append((n, e))
         return self.noises[len(self.calls) - 1].to(device)
+
+
+def picked_noise(router, x, noise_p, noise_full):
+    """The router's secondary noise (N, Kp*G) from noise for every (token, group, expert) (N, A*G): row t holds
+    the rows of token t's picked groups, in the primary's top-k order (the references index the full noise)."""
+    n, a, b, kp = x.shape[0], router.num_groups, router.experts_per_group, router.k_primary
+    with torch.no_grad():
+        std = F.softplus(x @ router.w_noise_primary) + router.noise_epsilon
+        groups = (x @ router.w_gate_primary + noise_p * std).topk(kp, dim=1).indices
+    return noise_full.reshape(n, a, b).gather(1, groups[..., None].expand(n, kp, b)).reshape(n, kp * b)
 
 
 def dense(gates_NK, experts_NK, e):
@@ -125,7 +136,7 @@ def test_batched_equals_per_group_loop_incl_gradients(mode, a, b, kp, ks):
     noisy = mode == "train"
     x = torch.randn(n, d, dtype=torch.float64)
     noise_p, noise_s = torch.randn(n, a, dtype=torch.float64), torch.randn(n, a * b, dtype=torch.float64)
-    router.noise_sampler = RecordedNoise(noise_p, noise_s)
+    router.noise_sampler = RecordedNoise(noise_p, picked_noise(router, x, noise_p, noise_s))
     out = router(x)
     ref_dense, ref_imp, ref_load, ref_aux = loop_reference(router, x, noise_p, noise_s, noisy)
 
@@ -136,7 +147,7 @@ def test_batched_equals_per_group_loop_incl_gradients(mode, a, b, kp, ks):
     torch.testing.assert_close(out.importance_E, ref_imp)
     torch.testing.assert_close(out.load_E, ref_load)
     torch.testing.assert_close(out.aux_loss, ref_aux)
-    assert router.noise_sampler.calls == ([(n, a), (n, a * b)] if noisy else [])
+    assert router.noise_sampler.calls == ([(n, a), (n, kp * b)] if noisy else [])
 
     # gradients of a task-like loss on the gates plus the balancing loss, to all four matrices
     probe = torch.randn(n, a * b, dtype=torch.float64)
@@ -156,7 +167,7 @@ def test_eq14_against_flat_routers():
     n, d, a, b = 60, 8, 4, 5
     router = make_router(d=d, a=a, b=b, kp=2, ks=2).train()
     x, noise_p, noise_s = torch.randn(n, d), torch.randn(n, a), torch.randn(n, a * b)
-    router.noise_sampler = RecordedNoise(noise_p, noise_s)
+    router.noise_sampler = RecordedNoise(noise_p, picked_noise(router, x, noise_p, noise_s))
     out = router(x)
 
     primary = NoisyTopKRouter(d, a, 2).train()
@@ -202,12 +213,12 @@ def test_each_token_gets_kp_times_ks_distinct_experts_gates_sum_to_one_importanc
 def test_zero_init_std_at_both_levels():
     n, a, b = 30, 4, 3
     router = HierarchicalRouter(8, a, b).train()
-    noise_p, noise_s = torch.randn(n, a), torch.randn(n, a * b)
+    noise_p, noise_s = torch.randn(n, a), torch.randn(n, 2 * b)
     router.noise_sampler = RecordedNoise(noise_p, noise_s)
     out = router(torch.randn(n, 8))
     vp, groups = noise_p.topk(2, dim=1)  # zero logits: noise times a constant std keeps the noise order
     gp = torch.softmax(vp * STD_AT_ZERO_INIT, dim=1)
-    sec = noise_s.reshape(n, a, b).gather(1, groups[..., None].expand(n, 2, b))
+    sec = noise_s.reshape(n, 2, b)   # the picked groups' noise, in the primary's order
     vs, local = sec.topk(2, dim=2)
     gs = torch.softmax(vs * STD_AT_ZERO_INIT, dim=2)
     torch.testing.assert_close(out.gates_NK, (gp[..., None] * gs).reshape(n, 4))
@@ -216,7 +227,7 @@ def test_zero_init_std_at_both_levels():
 
 def test_zero_init_expected_load_is_balanced():
     torch.manual_seed(4)
-    n, a, b = 8000, 4, 4
+    n, a, b = 20000, 4, 4   # Monte Carlo: about 1,250 gates per expert, a relative spread of about 2%
     router = HierarchicalRouter(8, a, b).train()
     out = router(torch.randn(n, 8))
     expected = n * 4 / (a * b)
@@ -255,11 +266,11 @@ def test_sum_over_batch_called_once_on_concatenation_even_without_tokens():
     router = make_router(a=a, b=b).train()
     calls = []
     router.sum_over_batch = lambda t: calls.append(t.shape) or t
-    noise = RecordedNoise(torch.randn(0, a), torch.randn(0, a * b))
+    noise = RecordedNoise(torch.randn(0, a), torch.randn(0, 2 * b))
     router.noise_sampler = noise
     out = router(torch.randn(0, 8))
     assert calls == [(2 * a * b + 2 * a,)]
-    assert noise.calls == [(0, a), (0, a * b)]
+    assert noise.calls == [(0, a), (0, 2 * b)]
     assert torch.isfinite(out.aux_loss) and out.gates_NK.shape == (0, 4)
 
 
@@ -329,3 +340,31 @@ def test_two_ranks_equal_one_process_on_concatenated_batch():
     torch.testing.assert_close(torch.cat([r["experts"] for r in ranks]), full["experts"])
     for name in WEIGHTS:  # DDP's gradient average of the per-rank gradients == the 1-process gradient
         torch.testing.assert_close((ranks[0]["grads"][name] + ranks[1]["grads"][name]) / 2, full["grads"][name])
+
+
+@pytest.mark.parametrize("gpu_kernels", [False, True], ids=["native-cpu", "grouped-mm"])
+def test_float32_grouped_products_match_float64(gpu_kernels):
+    """The secondary logits of the picked groups through the float32 kernels (the native CPU ones, or torch's
+    grouped GEMM as on a GPU), forward and every gradient, against the float64 computation."""
+    from moe_scale.moe.kernel_policy import gpu_decisions
+
+    torch.manual_seed(6)
+    n, d, a, b = 300, 16, 6, 5
+    router64 = make_router(d=d, a=a, b=b, kp=2, ks=2, dtype=torch.float64).train()
+    router32 = make_router(d=d, a=a, b=b, kp=2, ks=2, dtype=torch.float32).train()
+    x = torch.randn(n, d, dtype=torch.float64)
+    noise_p, noise_s = torch.randn(n, a, dtype=torch.float64), torch.randn(n, 2 * b, dtype=torch.float64)
+    probe = torch.randn(n, a * b, dtype=torch.float64)
+    results = []
+    for router, dtype in ((router64, torch.float64), (router32, torch.float32)):
+        router.noise_sampler = RecordedNoise(noise_p.to(dtype), noise_s.to(dtype))
+        with gpu_decisions() if gpu_kernels and dtype == torch.float32 else contextlib.nullcontext():
+            out = router(x.to(dtype))
+            loss = (dense(out.gates_NK, out.experts_NK, a * b) * probe.to(dtype)).sum() + out.aux_loss
+            grads = torch.autograd.grad(loss, [getattr(router, w) for w in WEIGHTS])
+        results.append((out.experts_NK, out.gates_NK.double(), [g.double() for g in grads]))
+    (experts64, gates64, grads64), (experts32, gates32, grads32) = results
+    assert torch.equal(experts64, experts32)
+    torch.testing.assert_close(gates32, gates64, rtol=1e-5, atol=1e-6)
+    for name, g32, g64 in zip(WEIGHTS, grads32, grads64):
+        torch.testing.assert_close(g32, g64, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")

@@ -9,12 +9,13 @@ gate with group i's own weights picks Ks of its G experts. Expert (i, j) gets th
 (eq. 12) and the flat global id ``i*G + j``, so the G experts of a group are contiguous and live on one
 expert-parallel rank whenever ep_size divides A.
 
-Placement (a deliberate deviation from the paper, with identical math): the primary gate is data-parallel, as in
-the paper, but the secondary gates are replicated too and evaluated on the token's own rank, batched over all
-groups. A token therefore crosses the network once, straight to the rank that holds its group's experts, instead
-of twice (to the group's secondary gate, then on to its experts). The cost is A*D*G*2 replicated gate parameters,
-the same as a flat gate over A*G experts, and the secondary logits are computed for all A groups
-(``einsum('nd,adb->nab')``, N*D*E multiply-adds, again the same as a flat gate) and then gathered.
+Placement: the primary gate is data-parallel, as in the paper; the secondary gates are replicated and evaluated
+on the token's own rank, but only for the groups the token picked: the J = N*Kp (token, group) rows are sorted by
+group and multiplied with their group's matrices in one grouped GEMM (moe/experts/grouped_gemm.py), so the gate
+costs N*(A + Kp*G)*D multiply-adds and N*(A + Kp*G) floats per matrix, never N*E (the paper's count, which
+`moe-scale flops` uses). A token crosses the network once, straight to the rank that holds its group's experts.
+The paper keeps each secondary gate beside its group's experts instead; here the A*D*G*2 secondary parameters
+are replicated on every rank (the planner counts them).
 """
 
 import math
@@ -23,6 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from moe_scale.moe.experts.grouped_gemm import GroupLayout, per_expert_outer, rows_times_expert
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.losses import cv_squared
 from moe_scale.moe.router.gating_ops import noisy_top_k
@@ -31,10 +33,27 @@ from moe_scale.moe.router.base import Router, RouterOutput
 _EPS = 1e-10  # t2t's epsilon in eq. 14's denominator: a group that got no token has load 0, not NaN
 
 
-def _all_groups(x_ND: Tensor, w_ADG: Tensor) -> Tensor:
-    """x @ w[i] for every group i: [N, A, G], as one matrix product."""
-    a, d, b = w_ADG.shape
-    return (x_ND @ w_ADG.transpose(0, 1).reshape(d, a * b)).view(-1, a, b)
+class _PickedGroupProduct(torch.autograd.Function):
+    """out[j] = x[row_J[j]] @ w[group of row j] for J rows sorted by group (`layout` holds the rows per group):
+    [J, G]. One grouped GEMM forward, two backward (dx, dw), whatever the number of groups."""
+
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, w_ADG: Tensor, row_J: Tensor, layout: GroupLayout) -> Tensor:
+        ctx.save_for_backward(x_ND, w_ADG, row_J)
+        ctx.layout = layout
+        return rows_times_expert(x_ND, w_ADG, layout, a_index_M=row_J)
+
+    @staticmethod
+    def backward(ctx, grad_JG: Tensor):
+        x_ND, w_ADG, row_J = ctx.saved_tensors
+        grad_JG = grad_JG.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.zeros_like(x_ND).index_add_(0, row_J, rows_times_expert(grad_JG, w_ADG.transpose(1, 2),
+                                                                                   ctx.layout))
+        if ctx.needs_input_grad[1]:
+            grad_w = per_expert_outer(x_ND.index_select(0, row_J), grad_JG, ctx.layout)
+        return grad_x, grad_w, None, None
 
 
 def _top_k(clean_RC: Tensor, raw_noise_RC: Optional[Tensor], noise_RC: Optional[Tensor], k: int, eps: float,
@@ -70,8 +89,9 @@ class HierarchicalRouter(Router):
     every rank even when it has no tokens. It must be an autograd-aware all-reduce(SUM).
 
     Noise: ``noise_sampler`` (default ``torch.randn``) is called exactly twice per training forward with noise on:
-    first ``(N, A)`` for the primary, then ``(N, A*G)`` for the secondary (noise for every (token, group, expert),
-    of which the picked groups are used), so ``GlobalTokenNoise`` keeps a 1-process run equal to an N-process run.
+    first ``(N, A)`` for the primary, then ``(N, Kp*G)`` for the secondary (row t, columns s*G..s*G+G-1: the
+    noise of token t's s-th picked group, in the primary's top-k order), so ``GlobalTokenNoise`` keeps a
+    1-process run equal to an N-process run.
 
     Initialisation as the flat gate: all four matrices start at zero (noise std 0.703147 at both levels, balanced
     expected load); with ``noisy=False`` the ``w_gate_*`` start from small random values so top-k doesn't tie.
@@ -134,20 +154,28 @@ class HierarchicalRouter(Router):
             noise_NA = self._sample_noise(n, a, x_ND.device).to(dtype) if noisy else None
             gp_NKp, groups_NKp, load_p_A = _top_k(clean_NA, raw_NA, noise_NA, kp, self.noise_epsilon)
             groups_J = groups_NKp.reshape(-1)  # J = N*Kp (token, chosen group) rows, token-major
-            cnt_A = count_per_bin(groups_J, a, dtype)  # |X^(i)|
+            counts_A = count_per_bin(groups_J, a)  # |X^(i)|
+            cnt_A = counts_A.to(dtype)
             if load_p_A is None:  # eval, noise off, or Kp == A: the hard count
                 load_p_A = cnt_A
 
-            # ---- secondary: logits of all groups at once, then the picked groups' rows
-            clean_NAG = _all_groups(x_ND, self.w_gate_secondary.to(dtype))
-            pick_NKpG = groups_NKp.unsqueeze(-1).expand(n, kp, b)
-            clean_JG = clean_NAG.gather(1, pick_NKpG).reshape(n * kp, b)
-            raw_JG = noise_JG = None
-            if noisy:
-                raw_NAG = _all_groups(x_ND, self.w_noise_secondary.to(dtype))
-                raw_JG = raw_NAG.gather(1, pick_NKpG).reshape(n * kp, b)
-                noise_NAG = self._sample_noise(n, a * b, x_ND.device).to(dtype).reshape(n, a, b)
-                noise_JG = noise_NAG.gather(1, pick_NKpG).reshape(n * kp, b)
+            # ---- secondary: each (token, picked group) row times that group's matrices, rows sorted by group
+            order_J = torch.argsort(groups_J, stable=True)
+            layout = GroupLayout(counts_A, x_ND)
+            row_J = order_J // kp   # the token of each sorted row
+
+            pad = -b % (16 // x_ND.element_size()) if layout.kernel in ("grouped", "triton") else 0
+
+            def picked(w_ADG: Tensor) -> Tensor:
+                w_ADG = w_ADG.to(dtype)
+                if pad:   # grouped GEMMs read rows 16-byte aligned: zero columns up to the next multiple
+                    w_ADG = nn.functional.pad(w_ADG, (0, pad))
+                sorted_JG = _PickedGroupProduct.apply(x_ND, w_ADG, row_J, layout)[:, :b]
+                return sorted_JG.new_empty(sorted_JG.shape).index_copy(0, order_J, sorted_JG)   # token-major again
+
+            clean_JG = picked(self.w_gate_secondary)
+            raw_JG = picked(self.w_noise_secondary) if noisy else None
+            noise_JG = self._sample_noise(n, kp * b, x_ND.device).to(dtype).reshape(n * kp, b) if noisy else None
             # Load_i(X^(i)): the secondary smooth load summed per group, NOT multiplied by G_p
             gs_JKs, local_JKs, load_s_AG = _top_k(clean_JG, raw_JG, noise_JG, ks, self.noise_epsilon, groups_J, a)
             if load_s_AG is None:
