@@ -60,8 +60,8 @@ def test_model_table_is_computationally_matched(sweep_module, d, ffn):
 
 
 def test_refuses_a_model_it_cannot_match(tmp_path, wikitext_dir):
-    (wikitext_dir / "train.txt").write_text("a b c\n")
-    proc = subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path / "o"), "--data", str(wikitext_dir),
+    proc = subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path / "o"), "--data",
+                           str(wikitext_dir / "valid.txt"), "--test-data", str(wikitext_dir / "test.txt"),
                            "--d-model", "64", "--ffn-hidden", "256", "--models", "moe-256"],
                           capture_output=True, text=True, env=_env(None), timeout=300)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
@@ -70,15 +70,15 @@ def test_refuses_a_model_it_cannot_match(tmp_path, wikitext_dir):
 
 
 def _corpus(root: Path) -> Path:
-    valid, test = wikitext_sentences("valid"), wikitext_sentences("test")
     root.mkdir()
-    for name, lines in (("train.txt", valid[:1500]), ("valid.txt", valid[1500:1700]), ("test.txt", test[:200])):
+    for name, lines in (("train.txt", wikitext_sentences("valid")[:1700]), ("test.txt", wikitext_sentences("test")[:200])):
         (root / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return root
 
 
 def _sweep(data: Path, out: Path, steps: int) -> list[str]:
-    return [sys.executable, str(TOOL), "--out", str(out), "--data", str(data), "--models", "dense,moe-32",
+    return [sys.executable, str(TOOL), "--out", str(out), "--data", str(data / "train.txt"), "--test-data",
+            str(data / "test.txt"), "--models", "dense,moe-32",
             "--seeds", "1", "--d-model", "32", "--ffn-hidden", "256", "--vocab-size", "500", "--batch-size", "8",
             "--seq-len", "16", "--max-steps", str(steps), "--checkpoint-interval", "20", "--extra",
             "--eval-max-batches", "4"]

