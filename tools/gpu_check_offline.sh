@@ -3,9 +3,11 @@
 # come as wheels, are installed into a private directory (the node's own Python and torch are left alone),
 # every step runs under a time limit, and the whole output is packed into one tarball to copy back.
 #
-#     # where pip works, for the node's Python (e.g. 3.12):
-#     pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#         -d wheels deepspeed==0.19.8 hjson pydantic pydantic_core annotated-types typing-inspection datasets ...
+#     # where pip works, for the node's Python (e.g. 3.12; DeepSpeed ships a source archive: build its wheel):
+#     pip wheel --no-deps deepspeed==0.19.8 -w wheels
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux2014_x86_64 -d wheels hjson pydantic pydantic_core annotated-types \
+#         typing-inspection datasets dill multiprocess      # what the node lacks of moe_scale's dependencies
 #     # on the node, in the repository:
 #     bash tools/gpu_check_offline.sh wheels OUT_DIR      # OUT_DIR/gpu_check.tgz, OUT_DIR/report.md
 #
