@@ -23,6 +23,7 @@ import torch
 from moe_scale.attention.prune_schedule import prune_schedule
 from moe_scale.attention.pruning import apply_pruning, head_importance, heads_to_prune, prunable_layers
 from moe_scale.data import LMWindows, load_sentences, resolve_text_files
+from moe_scale.models.softmax import IGNORE
 from moe_scale.errors import UserError
 from moe_scale.models.build import parameter_counts
 from moe_scale.train.data_setup import load_run_splits, min_over_ranks
@@ -126,13 +127,17 @@ def _batches(windows: LMWindows, max_batches: int) -> list:
 
 
 class _Replay:
-    """The fixed batches in the shape `evaluate` reads."""
+    """The fixed batches in the shape `evaluate` reads; every target counts as one unit of the perplexity (per
+    token, not per word: these are training windows)."""
 
     def __init__(self, batches):
         self.batches = batches
 
     def all_windows(self):
         return iter(self.batches)
+
+    def counted_words(self, index: int) -> int:
+        return int((self.batches[index][1] != IGNORE).sum())
 
 
 @torch.no_grad()
