@@ -7,6 +7,7 @@ from typing import Any
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from torch import nn
 
@@ -48,6 +49,11 @@ class TrainingEngine:
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=ds_config, dist_init_required=False)
         self.grad_norm = None   # last step's norm: a device tensor (or DeepSpeed's float), read at log points
+        if zero_stage(ds_config) == 0 and self.engine.dp_world_size == 1 and \
+                (not dist.is_initialized() or dist.get_world_size() == 1):
+            # one process, no ZeRO: nothing to reduce, and DeepSpeed's fallback all-reduce would flatten every
+            # gradient into a buffer and copy it back (two full copies of the gradients per step)
+            self.engine.enable_backward_allreduce = False
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
