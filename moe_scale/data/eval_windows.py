@@ -4,7 +4,7 @@ The text is one token stream `<S> w1 .. wn </S> <S> ...`. Every word (out-of-voc
 every sentence's `</S>` is predicted exactly once; `<S>` is context only, never a target. The stream is cut
 into windows of T inputs; window w holds stream[w*T : w*T+T] as inputs and stream[w*T+1 : w*T+T+1] as
 targets, so no target is dropped: the last window is padded, and padded or `<S>` targets are IGNORE
-(the softmax layers give them zero loss). Perplexity = exp(sum of NLL / number of counted targets).
+(the softmax layers give them zero loss).
 
 Whatever the tokenizer, perplexity is per word: exp(sum of NLL / (words + sentences)), each target token
 weighted by the whitespace words that begin at it (`word_starts`; every token for the word vocabulary, the
