@@ -28,7 +28,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tool_args import OneLineParser, positive_float, positive_int, positive_int_list
@@ -46,7 +46,11 @@ class Model:
     procs: int = 1
     ops: int = 0                   # forward MACs per token (moe-scale flops)
     params: int = 0                # parameters without embedding and softmax
-    flags: list[str] = field(default_factory=list)
+
+    @property
+    def flags(self) -> list[str]:
+        """`moe-scale train` flags for `settings`."""
+        return [part for key, value in self.settings.items() for part in (f"--{key.replace('_', '-')}", str(value))]
 
 
 # name -> (gate, experts, groups, active experts (k or kp x ks), processes)
@@ -62,10 +66,6 @@ def _accounting(settings: dict, vocab: int):
     from moe_scale.config import RunConfig
 
     return lstm_lm_accounting(RunConfig.from_settings(**settings), vocab)
-
-
-def _flags(settings: dict) -> list[str]:
-    return [part for key, value in settings.items() for part in (f"--{key.replace('_', '-')}", str(value))]
 
 
 def model_table(names: list[str], d: int, ffn_hidden: int, vocab: int, match: float) -> list[Model]:
@@ -102,7 +102,7 @@ def model_table(names: list[str], d: int, ffn_hidden: int, vocab: int, match: fl
                              f"{target:,} (more than {match:.0%} apart: {why}); raise --ffn-hidden or --d-model, "
                              f"or leave {name} out")
         models.append(Model(name, settings, experts, procs, counts.ops_per_timestep,
-                            counts.params_excluding_embedding_softmax, _flags(settings)))
+                            counts.params_excluding_embedding_softmax))
     return models
 
 
@@ -176,12 +176,12 @@ def _train(model: Model, seed: int, run: Path, args, log) -> None:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(model.procs), "--master_port",
                str(_free_port()), "--module", "moe_scale", *common]
     with open(log, "a") as f:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=_env(model))
+        proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=_env())
     if proc.returncode != 0 or not (run / "summary.json").is_file():
         raise RuntimeError(f"{model.name} seed {seed} failed (exit {proc.returncode}); see {log}")
 
 
-def _env(model: Model) -> dict:
+def _env() -> dict:
     env = dict(os.environ)
     env.setdefault("DS_ACCELERATOR", "cpu")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -203,7 +203,7 @@ def _test_ppl(run: Path, log: Path) -> float:
         with open(log, "a") as f:
             proc = subprocess.run([sys.executable, "-m", "moe_scale", "eval", "--run", str(run), "--split", "test",
                                    "--json"], cwd=REPO, stdout=subprocess.PIPE, stderr=f, text=True,
-                                  env=_env(Model("", {})))
+                                  env=_env())
         if proc.returncode != 0:
             raise RuntimeError(f"evaluating {run} failed (exit {proc.returncode}); see {log}")
         tmp = cached.with_suffix(".tmp")

@@ -12,6 +12,7 @@ evaluation divides the total NLL by the text's word count (data/eval_windows.py)
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Iterable
@@ -33,7 +34,6 @@ class SubwordTokenizer:
         if [tokenizer.id_to_token(i) for i in range(3)] != list(self.SPECIALS):
             raise ValueError(f"ids 0-2 must be {self.SPECIALS}")
         self.tokenizer = tokenizer
-        self._texts: list[str] | None = None
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -132,21 +132,13 @@ class SubwordTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
-    def token_text(self, token_id: int) -> str:
-        """What token `token_id` reads as (a byte-level BPE's 'Ġthe' reads ' the')."""
-        if self._texts is None:
-            self._texts = [self.tokenizer.decode([i], skip_special_tokens=False) for i in range(len(self))]
-        return self._texts[token_id]
-
-    @property
+    @functools.cached_property
     def words(self) -> list[str]:
-        """Every token as it reads (expert reports)."""
-        self.token_text(0)
-        return self._texts
+        """Every token as it reads (a byte-level BPE's 'Ġthe' reads ' the'): expert reports, generate."""
+        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in range(len(self))]
 
-    def id(self, word: str) -> int:
-        ids = self.encode(word)
-        return ids[0] if len(ids) == 1 else self.UNK_ID
+    def token_text(self, token_id: int) -> str:
+        return self.words[token_id]
 
 
 def _word_begins(sentence: str) -> list[int]:
