@@ -92,6 +92,8 @@ class MoAAttention(ExpertParallelModule):
         x_ND = x_BTD.reshape(B * T, D)
         route = self.router(x_ND)
         token_index_C, expert_C, gate_C = route.pairs()
+        if self.record_routes:
+            self.routes = (token_index_C, expert_C, gate_C)
         self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach(), dict(route.metrics),
                               count_per_bin(expert_C, self.num_experts))
 
@@ -113,6 +115,8 @@ class MoAAttention(ExpertParallelModule):
         x_ND = x_BTD.reshape(B * T, D)
         route = self.router(x_ND)
         token_C, expert_C, gate_C = route.pairs()
+        if self.record_routes:
+            self.routes = (token_C, expert_C, gate_C)
         kv_BSd = self.shared_kv(x_BTD)
         if "kv" in cache:
             kv_BSd = torch.cat([cache["kv"], kv_BSd], dim=1)

@@ -40,30 +40,28 @@ def render(vocab: Vocab | SubwordTokenizer, ids: list[int]) -> str:
 
 
 class RouteRecorder:
-    """Forward hooks on every expert layer's router: the (token, expert, gate) pairs of the last forward."""
+    """The (token, expert, gate) pairs of every expert layer's last forward (the layers keep them while recorded)."""
 
     def __init__(self, model: nn.Module):
         self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelModule)]
-        self.last: dict[str, tuple[torch.Tensor, ...]] = {}
-        self._hooks = [m.router.register_forward_hook(self._record(name)) for name, m in self.layers]
-
-    def _record(self, name: str):
-        def hook(_router, _inputs, route):
-            self.last[name] = tuple(t.detach().cpu() for t in route.pairs())
-        return hook
+        for _, layer in self.layers:
+            layer.record_routes, layer.routes = True, None
 
     def of_token(self, token: int) -> dict[str, list[tuple[int, float]]]:
         """Layer -> [(expert, gate)] of token `token` of the last forward, largest gate first."""
         out = {}
-        for name, (token_C, expert_C, gate_C) in self.last.items():
+        for name, layer in self.layers:
+            if layer.routes is None:
+                continue
+            token_C, expert_C, gate_C = (t.detach().cpu() for t in layer.routes)
             mine = (token_C == token).nonzero()[:, 0]
             pairs = sorted(zip(expert_C[mine].tolist(), gate_C[mine].float().tolist()), key=lambda p: -p[1])
             out[name] = pairs
         return out
 
     def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
+        for _, layer in self.layers:
+            layer.record_routes, layer.routes = False, None
 
 
 @torch.no_grad()

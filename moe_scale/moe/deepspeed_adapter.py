@@ -10,7 +10,9 @@ only (none of DeepSpeed's gate or dispatch code runs) and provides what the engi
 - expert parameters flagged `allreduce=False` with `group_name` (DeepSpeed's `is_moe_param`);
 - state-dict keys `deepspeed_moe.experts.deepspeed_experts.<local id>.<name>` for expert weights (its per-expert
   checkpoint files are keyed by that pattern) and no "expert" in any other key. Expert weights are stacked
-  [L, ...]; two state-dict hooks present them per expert and stack them back.
+  [L, ...]; two state-dict hooks present them per expert and stack them back. Other parameters that live with
+  the experts (the hierarchical gate's secondary matrices, [A/P, D, G]: column j of group i belongs to expert
+  i*G + j) are `ExpertShard`s too, checkpointed in their experts' files the same way.
 
 The group helpers are private in DeepSpeed 0.19 (`deepspeed.utils.groups._*`); pyproject.toml bounds DeepSpeed to
 the versions tested, and this module is the only one that calls them.
@@ -27,6 +29,29 @@ from torch import nn
 
 DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 STACKED_PREFIX = "experts."
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """A parameter split over the expert-parallel ranks along dim 0: `per_rank` of its `total` rows on each.
+    A row holds `experts_per_row` consecutive experts, indexed by its last dim (1: the row is one expert)."""
+
+    param: nn.Parameter
+    per_rank: int
+    total: int
+    experts_per_row: int = 1
+
+    def per_expert(self, value: torch.Tensor) -> torch.Tensor:
+        """[local experts, ...]: one entry per local expert."""
+        if self.experts_per_row == 1:
+            return value
+        return value.movedim(-1, 1).reshape(value.shape[0] * self.experts_per_row, *value.shape[1:-1])
+
+    def from_per_expert(self, per_expert: torch.Tensor) -> torch.Tensor:
+        if self.experts_per_row == 1:
+            return per_expert
+        rows = per_expert.shape[0] // self.experts_per_row
+        return per_expert.reshape(rows, self.experts_per_row, *per_expert.shape[1:]).movedim(1, -1).contiguous()
 
 
 @dataclass
@@ -51,6 +76,8 @@ class ExpertParallelModule(DeepSpeedMoE):
         self.num_local_experts = num_experts // ep_size
         self.expert_group_name = f"ep_size_{ep_size}"
         self.groups: ParallelGroups | None = None
+        self.record_routes = False   # True: forward keeps its (token, expert, gate) pairs in `routes` (one process)
+        self.routes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._checkpoint_key_hooks = (
             self._register_state_dict_hook(_stacked_to_per_expert_keys),
             self._register_load_state_dict_pre_hook(_per_expert_to_stacked_keys, with_module=True))
@@ -61,10 +88,16 @@ class ExpertParallelModule(DeepSpeedMoE):
         for hook in self._checkpoint_key_hooks:
             hook.remove()
 
+    def expert_shards(self) -> dict[str, ExpertShard]:
+        """Every parameter split over the expert-parallel ranks, by its name in this module: the experts' own
+        (subclasses add what else lives with them)."""
+        return {STACKED_PREFIX + name: ExpertShard(param, self.num_local_experts, self.num_experts)
+                for name, param in self.experts.named_parameters()}
+
     def mark_expert_parameters(self) -> None:
-        for param in self.experts.parameters():
-            param.allreduce = False
-            param.group_name = self.expert_group_name
+        for shard in self.expert_shards().values():
+            shard.param.allreduce = False
+            shard.param.group_name = self.expert_group_name
 
     # Called by deepspeed.initialize (and by tests) once torch.distributed is up.
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
@@ -92,17 +125,21 @@ def expert_data_parallel_group(group_name: str):
     return groups._get_expert_data_parallel_group(group_name)
 
 
+def _per_expert_key(prefix: str, name: str, local_id: int) -> str:
+    return f"{prefix}{DS_EXPERT_PREFIX}{local_id}.{name.removeprefix(STACKED_PREFIX)}"
+
+
 def _stacked_to_per_expert_keys(module: ExpertParallelModule, state_dict, prefix, local_metadata):
-    for name, _ in module.experts.named_parameters():
-        stacked = state_dict.pop(prefix + STACKED_PREFIX + name)
-        for local_id in range(stacked.shape[0]):
-            state_dict[f"{prefix}{DS_EXPERT_PREFIX}{local_id}.{name}"] = stacked[local_id]
+    for name, shard in module.expert_shards().items():
+        per_expert = shard.per_expert(state_dict.pop(prefix + name))
+        for local_id in range(per_expert.shape[0]):
+            state_dict[_per_expert_key(prefix, name, local_id)] = per_expert[local_id]
     return state_dict
 
 
 def _per_expert_to_stacked_keys(module: ExpertParallelModule, state_dict, prefix, local_metadata, strict,
                                 missing_keys, unexpected_keys, error_msgs):
-    for name, _ in module.experts.named_parameters():
-        keys = [f"{prefix}{DS_EXPERT_PREFIX}{i}.{name}" for i in range(module.num_local_experts)]
+    for name, shard in module.expert_shards().items():
+        keys = [_per_expert_key(prefix, name, i) for i in range(module.num_local_experts)]
         if all(key in state_dict for key in keys):
-            state_dict[prefix + STACKED_PREFIX + name] = torch.stack([state_dict.pop(key) for key in keys])
+            state_dict[prefix + name] = shard.from_per_expert(torch.stack([state_dict.pop(key) for key in keys]))

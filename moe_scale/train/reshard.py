@@ -24,19 +24,19 @@ import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 
 from moe_scale.errors import UserError
-from moe_scale.moe.deepspeed_adapter import ExpertParallelModule, expert_data_parallel_group
+from moe_scale.moe.deepspeed_adapter import ExpertParallelModule, ExpertShard, expert_data_parallel_group
 
 PORTABLE = "portable"
 PARAM = "param"   # the fp32 value, beside the optimizer state's keys
 
 
-def _expert_modules(model: torch.nn.Module) -> dict[str, ExpertParallelModule]:
-    """Each expert parameter's name -> the module that holds it."""
+def _expert_modules(model: torch.nn.Module) -> dict[str, tuple[ExpertParallelModule, ExpertShard]]:
+    """Each expert-parallel parameter's name -> the module that holds it and how it is split."""
     owners = {}
     for prefix, module in model.named_modules():
         if isinstance(module, ExpertParallelModule):
-            for name, _ in module.experts.named_parameters():
-                owners[f"{prefix}.experts.{name}" if prefix else f"experts.{name}"] = module
+            for name, shard in module.expert_shards().items():
+                owners[f"{prefix}.{name}" if prefix else name] = module, shard
     return owners
 
 
@@ -104,11 +104,11 @@ def save_portable(engine, directory: Path, rank: int) -> None:
     for name, param in model.named_parameters():
         state = _full_state(engine, param)
         if is_moe_param(param):
-            module = owners[name]
+            module, shard = owners[name]
             ep_rank = module.ep_rank
             group = expert_data_parallel_group(module.expert_group_name) if dist.is_initialized() else None
             writes_experts = group is None or dist.get_rank(group=group) == 0
-            experts[name] = {"first": module.ep_rank * module.num_local_experts, "total": module.num_experts,
+            experts[name] = {"first": module.ep_rank * shard.per_rank, "total": shard.total,
                              "state": state}
         else:
             dense[name] = state
@@ -138,9 +138,8 @@ def load_portable(engine, checkpoint: Path) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if is_moe_param(param):
-                module = owners[name]
-                first = module.ep_rank * module.num_local_experts
-                state = experts.slice(name, first, module.num_local_experts, module.num_experts)
+                module, shard = owners[name]
+                state = experts.slice(name, module.ep_rank * shard.per_rank, shard.per_rank, shard.total)
             elif name in saved["dense"]:
                 state = saved["dense"][name]
             else:

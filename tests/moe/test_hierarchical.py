@@ -25,24 +25,31 @@ def make_router(d=8, a=4, b=3, kp=2, ks=2, seed=0, scale=0.5, dtype=torch.float3
 
 
 class RecordedNoise:
-    """Hands out fixed noise tensors in call order and records the requested shapes."""
+    """Hands out fixed noise tensors in call order (as the requested shape) and records the requested shapes."""
 
     def __init__(self, *noises):
         self.noises, self.calls = list(noises), []
 
     def __call__(self, n, e, device):
         self.calls.append((n, e))
-        return self.noises[len(self.calls) - 1].to(device)
+        return self.noises[len(self.calls) - 1].reshape(n, e).to(device)
+
+
+def by_group(noise_NKpG, groups_NKp):
+    """Noise of each token's picked groups [N, Kp*G] (row t: its groups in the primary's top-k order) as the
+    router draws it: one row per (token, group) pair, the pairs sorted by group (stable) [N*Kp, G]."""
+    rows = noise_NKpG.reshape(groups_NKp.numel(), -1)
+    return rows[torch.argsort(groups_NKp.reshape(-1), stable=True)]
 
 
 def picked_noise(router, x, noise_p, noise_full):
-    """The router's secondary noise (N, Kp*G) from noise for every (token, group, expert) (N, A*G): row t holds
-    the rows of token t's picked groups, in the primary's top-k order (the references index the full noise)."""
+    """The router's secondary noise (N*Kp, G) from noise for every (token, group, expert) (N, A*G): the rows of
+    each token's picked groups, sorted by group (the references index the full noise)."""
     n, a, b, kp = x.shape[0], router.num_groups, router.experts_per_group, router.k_primary
     with torch.no_grad():
         std = F.softplus(x @ router.w_noise_primary) + router.noise_epsilon
         groups = (x @ router.w_gate_primary + noise_p * std).topk(kp, dim=1).indices
-    return noise_full.reshape(n, a, b).gather(1, groups[..., None].expand(n, kp, b)).reshape(n, kp * b)
+    return by_group(noise_full.reshape(n, a, b).gather(1, groups[..., None].expand(n, kp, b)), groups)
 
 
 def dense(gates_NK, experts_NK, e):
@@ -147,7 +154,7 @@ def test_batched_equals_per_group_loop_incl_gradients(mode, a, b, kp, ks):
     torch.testing.assert_close(out.importance_E, ref_imp)
     torch.testing.assert_close(out.load_E, ref_load)
     torch.testing.assert_close(out.aux_loss, ref_aux)
-    assert router.noise_sampler.calls == ([(n, a), (n, kp * b)] if noisy else [])
+    assert router.noise_sampler.calls == ([(n, a), (n * kp, b)] if noisy else [])
 
     # gradients of a task-like loss on the gates plus the balancing loss, to all four matrices
     probe = torch.randn(n, a * b, dtype=torch.float64)
@@ -214,9 +221,9 @@ def test_zero_init_std_at_both_levels():
     n, a, b = 30, 4, 3
     router = HierarchicalRouter(8, a, b).train()
     noise_p, noise_s = torch.randn(n, a), torch.randn(n, 2 * b)
-    router.noise_sampler = RecordedNoise(noise_p, noise_s)
-    out = router(torch.randn(n, 8))
     vp, groups = noise_p.topk(2, dim=1)  # zero logits: noise times a constant std keeps the noise order
+    router.noise_sampler = RecordedNoise(noise_p, by_group(noise_s, groups))
+    out = router(torch.randn(n, 8))
     gp = torch.softmax(vp * STD_AT_ZERO_INIT, dim=1)
     sec = noise_s.reshape(n, 2, b)   # the picked groups' noise, in the primary's order
     vs, local = sec.topk(2, dim=2)
@@ -270,7 +277,7 @@ def test_sum_over_batch_called_once_on_concatenation_even_without_tokens():
     router.noise_sampler = noise
     out = router(torch.randn(0, 8))
     assert calls == [(2 * a * b + 2 * a,)]
-    assert noise.calls == [(0, a), (0, 2 * b)]
+    assert noise.calls == [(0, a), (0, b)]
     assert torch.isfinite(out.aux_loss) and out.gates_NK.shape == (0, 4)
 
 

@@ -276,6 +276,8 @@ def test_four_expert_parallel_ranks_equal_one_process(gate, all_to_all):
     results = run_ranks(_four_rank_worker, world_size=4, args=(gate, all_to_all), deepspeed=True, timeout=90)
     single, x, y, aux = _single_process_reference("train_noisy", _router(gate))
     n, local = x.shape[0] // 4, E // 4
+    sharded = set(single.expert_shards()) - {"experts.w_in", "experts.w_out"}
+    assert sharded == ({"router.w_gate_secondary", "router.w_noise_secondary"} if gate == "hierarchical" else set())
     for rank, res in enumerate(results):
         assert res["exchange"] == ("HierarchicalExchange" if all_to_all == "hierarchical" else "FlatExchange")
         mine, experts = slice(rank * n, (rank + 1) * n), slice(rank * local, (rank + 1) * local)
@@ -284,7 +286,10 @@ def test_four_expert_parallel_ranks_equal_one_process(gate, all_to_all):
         torch.testing.assert_close(res["x_grad"], x.grad[mine])
         for name in ("experts.w_in", "experts.w_out"):
             torch.testing.assert_close(res["grads"][name], dict(single.named_parameters())[name].grad[experts])
+        for name in sharded:   # the secondary gates live with their groups: rank r holds group r of 4
+            torch.testing.assert_close(res["grads"][name],
+                                       dict(single.named_parameters())[name].grad[rank:rank + 1])
     for name, param in single.named_parameters():
-        if not name.startswith("experts.") and param.grad is not None:   # replicated: ranks sum to it
+        if name not in single.expert_shards() and param.grad is not None:   # replicated: ranks sum to it
             torch.testing.assert_close(sum(res["grads"][name] for res in results), param.grad,
                                        msg=lambda m, name=name: f"grad of {name}: {m}")

@@ -193,7 +193,12 @@ class AllToAllDispatcher:
 
     def pair_gates(self, gate_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """The gates of the arrived pairs [M], in the order of the experts' rows."""
-        return self.exchange.move(gate_C.index_select(0, state.sort_order_S)[:, None], state.pair_route)[:, 0]
+        return self.follow_pairs(gate_C, state)
+
+    def follow_pairs(self, values_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """values_C[p] (one per routed pair, any dtype) delivered with pair p: [M], in the order of the arrived
+        pairs (grouped by local expert), without planning the exchange again."""
+        return self.exchange.move(values_C.index_select(0, state.sort_order_S)[:, None], state.pair_route)[:, 0]
 
     def combine(self, y_MD: torch.Tensor, gate_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """out[t] = sum over the delivered pairs p of token t of gate_C[p] * (expert output for p)."""

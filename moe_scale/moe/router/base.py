@@ -118,10 +118,23 @@ class GlobalTokenNoise:
     def set_step(self, step: int) -> None:
         self.step, self.micro_step = step, 0
 
-    def __call__(self, n_tokens_local: int, n_experts: int, device) -> Tensor:
+    def _global(self, n_rows_local: int, width: int) -> Tensor:
         gen = torch.Generator(device="cpu")
         gen.manual_seed(_mix_seed(self.seed, self.layer_index, self.step, self.micro_step))
         self.micro_step += 1
-        noise_GE = torch.randn(n_tokens_local * self.world_size, n_experts, generator=gen)
+        return torch.randn(n_rows_local * self.world_size, width, generator=gen)
+
+    def __call__(self, n_tokens_local: int, n_experts: int, device) -> Tensor:
         start = self.rank * n_tokens_local
-        return noise_GE[start : start + n_tokens_local].to(device)
+        return self._global(n_tokens_local, n_experts)[start : start + n_tokens_local].to(device)
+
+    def first_row(self, n_rows_local: int) -> int:
+        """The global index of this rank's first row when every rank has `n_rows_local` rows."""
+        return self.rank * n_rows_local
+
+    def rows(self, n_rows_local: int, width: int, row_ids: Tensor, device) -> Tensor:
+        """Rows `row_ids` (global indices, see `first_row`) of the global noise [n_rows_local * world_size, width],
+        for rows scored on another rank than their own (the hierarchical gate's secondary, beside its group).
+        The same numbers as __call__(n_tokens_local, width * rows_per_token) with n_rows_local = n_tokens_local *
+        rows_per_token: the generator fills row-major either way."""
+        return self._global(n_rows_local, width).to(device).index_select(0, row_ids)

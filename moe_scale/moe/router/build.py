@@ -6,7 +6,9 @@ from moe_scale.config import RouterConfig
 from moe_scale.moe.router.base import Router
 
 
-def build_router(config: RouterConfig, d_model: int, num_experts: int) -> Router:
+def build_router(config: RouterConfig, d_model: int, num_experts: int, ep_size: int = 1, ep_rank: int = 0) -> Router:
+    """The gate of `config`; a gate with parameters that live beside the experts (hierarchical) builds only
+    expert-parallel rank `ep_rank`'s share of them."""
     k = config.top_k
     if config.gate == "noisy_topk":
         from moe_scale.moe.router.noisy_topk import NoisyTopKRouter
@@ -19,7 +21,8 @@ def build_router(config: RouterConfig, d_model: int, num_experts: int) -> Router
         h = config.hierarchical
         return HierarchicalRouter(d_model, h.num_groups, num_experts // h.num_groups, k_primary=k,
                                   k_secondary=h.top_k_secondary, w_importance=config.w_importance,
-                                  w_load=config.w_load, noisy=config.noisy_gating)
+                                  w_load=config.w_load, noisy=config.noisy_gating, ep_size=ep_size,
+                                  ep_rank=ep_rank)
     if config.gate == "batchwise":
         from moe_scale.moe.router.batchwise import BatchwiseRouter
 

@@ -9,16 +9,18 @@ gate with group i's own weights picks Ks of its G experts. Expert (i, j) gets th
 (eq. 12) and the flat global id ``i*G + j``, so the G experts of a group are contiguous and live on one
 expert-parallel rank whenever ep_size divides A.
 
-Placement: the primary gate is data-parallel, as in the paper; the secondary gates are replicated and evaluated
-on the token's own rank, but only for the groups the token picked: the J = N*Kp (token, group) rows are sorted by
-group and multiplied with their group's matrices in one grouped GEMM (moe/experts/grouped_gemm.py), so the gate
-costs N*(A + Kp*G)*D multiply-adds and N*(A + Kp*G) floats per matrix, never N*E (the paper's count, which
-`moe-scale flops` uses). A token crosses the network once, straight to the rank that holds its group's experts.
-The paper keeps each secondary gate beside its group's experts instead; here the A*D*G*2 secondary parameters
-are replicated on every rank (the planner counts them).
+Placement (the paper's): the primary gate is data-parallel; each group's secondary gate lives beside the group's
+experts, sharded over the expert-parallel ranks like them (a rank holds the secondary matrices of its A/P groups,
+[A/P, D, G] each; ExpertParallelModule checkpoints column j of group i with expert i*G + j). The MoE layer sends
+each (token, picked group) row to the group's rank once (`route_groups`), where the J = N*Kp rows are already
+sorted by group and multiplied with their group's matrices in one grouped GEMM (`route_within_groups`), so the
+gate costs N*(A + Kp*G)*D multiply-adds and N*(A + Kp*G) floats per matrix, never N*E (the paper's count, which
+`moe-scale flops` uses). `balance` forms eq. 13-14 from the data-parallel sums. `forward` runs all three on one
+rank (every group local) and returns the usual RouterOutput.
 """
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,7 +30,7 @@ from moe_scale.moe.experts.grouped_gemm import GroupLayout, per_expert_outer, ro
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.losses import cv_squared
 from moe_scale.moe.router.gating_ops import noisy_top_k
-from moe_scale.moe.router.base import Router, RouterOutput
+from moe_scale.moe.router.base import Router, RouterOutput, sample_noise
 
 _EPS = 1e-10  # t2t's epsilon in eq. 14's denominator: a group that got no token has load 0, not NaN
 
@@ -72,6 +74,26 @@ def _top_k(clean_RC: Tensor, raw_noise_RC: Optional[Tensor], noise_RC: Optional[
     return torch.softmax(top_values_RM[:, :k], dim=1), top_idx_RM[:, :k], load
 
 
+@dataclass
+class GroupRoute:
+    """The primary gate's choice for this rank's N tokens: J = N*Kp (token, group) rows, token-major."""
+
+    gates_J: Tensor    # G_p(x)_i of each row
+    groups_J: Tensor   # int64 group i of each row
+    load_A: Tensor     # Load(X)_i over this rank's tokens: smooth with noise in training, else the hard count
+    count_A: Tensor    # |X^(i)| over this rank's tokens
+
+
+@dataclass
+class WithinGroups:
+    """The secondary gates' choice for M (token, group) rows of this rank's groups, sorted by group."""
+
+    gates_MKs: Tensor       # G_p * G_s, each expert's gate (eq. 12)
+    experts_MKs: Tensor     # local expert ids group*G + j, the group counted among this rank's groups
+    importance_aG: Tensor   # Σ G_p G_s per local expert over these rows (eq. 13's terms)
+    load_aG: Tensor         # Load_i(X^(i))_j per local group over these rows (smooth, or the hard count)
+
+
 class HierarchicalRouter(Router):
     """Hierarchical MoE gate with Importance_H / Load_H CV² losses over all A*G experts (eq. 13-14).
 
@@ -85,13 +107,15 @@ class HierarchicalRouter(Router):
 
     Data parallelism: ``load_p``, ``load_s`` and ``cnt_p`` are summed over the data-parallel batch before eq. 14 is
     formed (the ratio of sums, not the sum of ratios), together with the importance: ``sum_over_batch`` is called
-    exactly once per forward, on the concatenation ``[importance (E), load_s (E), load_p (A), cnt_p (A)]``, and on
-    every rank even when it has no tokens. It must be an autograd-aware all-reduce(SUM).
+    exactly once per forward, on the concatenation ``[importance (E), load_s (E), load_p (A), cnt_p (A)]`` (a rank
+    fills the entries of its own groups), and on every rank even when it has no tokens. It must be an
+    autograd-aware all-reduce(SUM).
 
-    Noise: ``noise_sampler`` (default ``torch.randn``) is called exactly twice per training forward with noise on:
-    first ``(N, A)`` for the primary, then ``(N, Kp*G)`` for the secondary (row t, columns s*G..s*G+G-1: the
-    noise of token t's s-th picked group, in the primary's top-k order), so ``GlobalTokenNoise`` keeps a
-    1-process run equal to an N-process run.
+    Noise: ``noise_sampler`` (default: the global RNG) is called exactly twice per training forward with noise on:
+    first ``(N, A)`` for the primary, then ``(M, G)`` for the M (token, group) rows the secondary gates score, in
+    the order they arrive (sorted by group). A sampler with ``rows``/``first_row`` (``GlobalTokenNoise``) gives
+    row (token t, its s-th picked group) the noise of global row ``first_row(N*Kp) + t*Kp + s`` wherever it is
+    scored, so a 1-process run equals an N-process run.
 
     Initialisation as the flat gate: all four matrices start at zero (noise std 0.703147 at both levels, balanced
     expected load); with ``noisy=False`` the ``w_gate_*`` start from small random values so top-k doesn't tie.
@@ -109,6 +133,8 @@ class HierarchicalRouter(Router):
         w_load: float = 0.1,
         noisy: bool = True,
         noise_epsilon: float = 1e-2,
+        ep_size: int = 1,
+        ep_rank: int = 0,
     ):
         a, b = num_groups, experts_per_group
         if a < 1 or b < 1:
@@ -119,77 +145,155 @@ class HierarchicalRouter(Router):
             raise ValueError(
                 f"hierarchical router: k_secondary must be in [1, experts_per_group={b}], got {k_secondary}"
             )
+        _check_shard(a, ep_size, ep_rank)
         super().__init__(d_model, a * b, k_primary * k_secondary)   # k: experts per token
         self.num_groups, self.experts_per_group = a, b
         self.k_primary, self.k_secondary = k_primary, k_secondary
         self.w_importance, self.w_load = w_importance, w_load
         self.noisy, self.noise_epsilon = noisy, noise_epsilon
-        # Names avoid the substring "expert": DeepSpeed's checkpointing treats such names as expert weights.
+        self.num_local_groups, self.first_group = a // ep_size, ep_rank * (a // ep_size)
+        # Names avoid the substring "expert": DeepSpeed's checkpointing treats such names as expert weights (the
+        # layer presents the secondary matrices to it per expert itself).
         self.w_gate_primary = nn.Parameter(torch.zeros(d_model, a))
         self.w_noise_primary = nn.Parameter(torch.zeros(d_model, a))
-        self.w_gate_secondary = nn.Parameter(torch.zeros(a, d_model, b))
-        self.w_noise_secondary = nn.Parameter(torch.zeros(a, d_model, b))
-        if not noisy:
+        local = slice(self.first_group, self.first_group + self.num_local_groups)
+        secondary = torch.zeros(a, d_model, b)
+        if not noisy:   # drawn whole, so every expert-parallel size starts from the same gates
             nn.init.normal_(self.w_gate_primary, std=1e-2 / math.sqrt(d_model))
-            nn.init.normal_(self.w_gate_secondary, std=1e-2 / math.sqrt(d_model))
+            nn.init.normal_(secondary, std=1e-2 / math.sqrt(d_model))
+        self.w_gate_secondary = nn.Parameter(secondary[local].clone())
+        self.w_noise_secondary = nn.Parameter(torch.zeros(self.num_local_groups, d_model, b))
 
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, num_groups={self.num_groups}, experts_per_group={self.experts_per_group}, "
             f"k_primary={self.k_primary}, k_secondary={self.k_secondary}, noisy={self.noisy}, "
-            f"w_importance={self.w_importance}, w_load={self.w_load}"
+            f"w_importance={self.w_importance}, w_load={self.w_load}, local_groups={self.first_group}.."
+            f"{self.first_group + self.num_local_groups - 1}"
         )
 
-    def forward(self, x_ND: Tensor) -> RouterOutput:
-        a, b, kp, ks = self.num_groups, self.experts_per_group, self.k_primary, self.k_secondary
-        n = x_ND.shape[0]
+    def sharded_parameters(self) -> dict[str, nn.Parameter]:
+        """The secondary matrices [A/P, D, G]: split over the expert-parallel ranks with the groups' experts."""
+        return {"w_gate_secondary": self.w_gate_secondary, "w_noise_secondary": self.w_noise_secondary}
+
+    def shard(self, ep_size: int, ep_rank: int) -> None:
+        """Keep only expert-parallel rank `ep_rank`'s groups' secondary matrices (a router built whole)."""
+        _check_shard(self.num_groups, ep_size, ep_rank)
+        local, first = self.num_groups // ep_size, ep_rank * (self.num_groups // ep_size)
+        if (local, first) == (self.num_local_groups, self.first_group):
+            return
+        if self.num_local_groups != self.num_groups:
+            raise ValueError(f"this router already holds groups {self.first_group}..{self.first_group + self.num_local_groups - 1} "
+                             f"only; build it whole (ep_size=1) to shard it again")
+        with torch.no_grad():
+            for param in self.sharded_parameters().values():
+                param.data = param.data[first:first + local].clone()
+        self.num_local_groups, self.first_group = local, first
+
+    # ---------------------------------------------------------------- the three steps
+
+    def route_groups(self, x_ND: Tensor) -> GroupRoute:
+        """The primary gate: noisy top-Kp over the A groups for each token (on the token's rank)."""
+        a, kp = self.num_groups, self.k_primary
         noisy = self.training and self.noisy
         dtype = torch.promote_types(x_ND.dtype, torch.float32)
         with torch.autocast(device_type=x_ND.device.type, enabled=False):
             x_ND = x_ND.to(dtype)
-
-            # ---- primary: noisy top-kp over the A groups
             clean_NA = x_ND @ self.w_gate_primary.to(dtype)
             raw_NA = x_ND @ self.w_noise_primary.to(dtype) if noisy else None
-            noise_NA = self._sample_noise(n, a, x_ND.device).to(dtype) if noisy else None
-            gp_NKp, groups_NKp, load_p_A = _top_k(clean_NA, raw_NA, noise_NA, kp, self.noise_epsilon)
-            groups_J = groups_NKp.reshape(-1)  # J = N*Kp (token, chosen group) rows, token-major
-            counts_A = count_per_bin(groups_J, a)  # |X^(i)|
-            cnt_A = counts_A.to(dtype)
-            if load_p_A is None:  # eval, noise off, or Kp == A: the hard count
-                load_p_A = cnt_A
+            noise_NA = self._sample_noise(x_ND.shape[0], a, x_ND.device).to(dtype) if noisy else None
+            gp_NKp, groups_NKp, load_A = _top_k(clean_NA, raw_NA, noise_NA, kp, self.noise_epsilon)
+            groups_J = groups_NKp.reshape(-1)
+            count_A = count_per_bin(groups_J, a, dtype)
+        return GroupRoute(gp_NKp.reshape(-1), groups_J, count_A if load_A is None else load_A, count_A)
 
-            # ---- secondary: each (token, picked group) row times that group's matrices, rows sorted by group
-            order_J = torch.argsort(groups_J, stable=True)
-            layout = GroupLayout(counts_A, x_ND)
-            row_J = order_J // kp   # the token of each sorted row
+    def noise_keys(self, num_tokens: int, device: torch.device) -> Optional[Tensor]:
+        """The global noise row of each of this rank's J token-major rows, where the sampler draws by row (else
+        None: the secondary noise is drawn where the rows are scored)."""
+        sampler = self.noise_sampler
+        if not (self.training and self.noisy and hasattr(sampler, "rows")):
+            return None
+        j = num_tokens * self.k_primary
+        return sampler.first_row(j) + torch.arange(j, device=device)
 
-            pad = -b % (16 // x_ND.element_size()) if layout.kernel in ("grouped", "triton") else 0
+    def route_within_groups(self, x_RD: Tensor, row_M: Tensor, counts, group_M: Tensor, gates_M: Tensor,
+                            noise_key_M: Optional[Tensor], num_tokens: int) -> WithinGroups:
+        """The secondary gates of this rank's groups for M rows sorted by group: row m reads x_RD[row_M[m]],
+        belongs to local group group_M[m] (`counts` rows per local group: device tensor, or (device, host)) and
+        carries its primary gate gates_M[m]. `num_tokens`: tokens per rank (for keyed noise)."""
+        b, ks, groups = self.experts_per_group, self.k_secondary, self.num_local_groups
+        noisy = self.training and self.noisy
+        dtype = torch.promote_types(x_RD.dtype, torch.float32)
+        with torch.autocast(device_type=x_RD.device.type, enabled=False):
+            x_RD = x_RD.to(dtype)
+            layout = GroupLayout(counts, x_RD)
+            pad = -b % (16 // x_RD.element_size()) if layout.kernel in ("grouped", "triton") else 0
 
-            def picked(w_ADG: Tensor) -> Tensor:
-                w_ADG = w_ADG.to(dtype)
+            def picked(w_aDG: Tensor) -> Tensor:
+                w_aDG = w_aDG.to(dtype)
                 if pad:   # grouped GEMMs read rows 16-byte aligned: zero columns up to the next multiple
-                    w_ADG = nn.functional.pad(w_ADG, (0, pad))
-                sorted_JG = _PickedGroupProduct.apply(x_ND, w_ADG, row_J, layout)[:, :b]
-                return sorted_JG.new_empty(sorted_JG.shape).index_copy(0, order_J, sorted_JG)   # token-major again
+                    w_aDG = nn.functional.pad(w_aDG, (0, pad))
+                return _PickedGroupProduct.apply(x_RD, w_aDG, row_M, layout)[:, :b]
 
-            clean_JG = picked(self.w_gate_secondary)
-            raw_JG = picked(self.w_noise_secondary) if noisy else None
-            noise_JG = self._sample_noise(n, kp * b, x_ND.device).to(dtype).reshape(n * kp, b) if noisy else None
+            clean_MG = picked(self.w_gate_secondary)
+            raw_MG = noise_MG = None
+            if noisy:
+                raw_MG = picked(self.w_noise_secondary)
+                noise_MG = self._secondary_noise(row_M.shape[0], noise_key_M, num_tokens, x_RD.device).to(dtype)
             # Load_i(X^(i)): the secondary smooth load summed per group, NOT multiplied by G_p
-            gs_JKs, local_JKs, load_s_AG = _top_k(clean_JG, raw_JG, noise_JG, ks, self.noise_epsilon, groups_J, a)
-            if load_s_AG is None:
-                load_s_AG = count_per_bin(groups_J[:, None] * b + local_JKs, a * b, dtype).reshape(a, b)
+            gs_MKs, local_MKs, load_aG = _top_k(clean_MG, raw_MG, noise_MG, ks, self.noise_epsilon, group_M, groups)
+            experts_MKs = group_M[:, None] * b + local_MKs
+            if load_aG is None:
+                load_aG = count_per_bin(experts_MKs, groups * b, dtype).reshape(groups, b)
+            gates_MKs = gates_M.to(dtype)[:, None] * gs_MKs   # eq. 12: the primary gate applied once, here
+            importance_aG = gates_MKs.new_zeros(groups * b).index_add(0, experts_MKs.reshape(-1), gates_MKs.reshape(-1))
+        return WithinGroups(gates_MKs, experts_MKs, importance_aG.reshape(groups, b), load_aG)
 
-            # ---- combined gates G_p·G_s (eq. 12) and flat expert ids i*G + j; the primary gate is applied here once
-            gates_NK = (gp_NKp.reshape(-1, 1) * gs_JKs).reshape(n, kp * ks)
-            experts_NK = (groups_J[:, None] * b + local_JKs).reshape(n, kp * ks)
-            importance_E = gates_NK.new_zeros(a * b).index_add(0, experts_NK.reshape(-1), gates_NK.reshape(-1))
+    def _secondary_noise(self, m: int, noise_key_M: Optional[Tensor], num_tokens: int, device) -> Tensor:
+        if noise_key_M is not None:
+            return self.noise_sampler.rows(num_tokens * self.k_primary, self.experts_per_group, noise_key_M, device)
+        return sample_noise(self.noise_sampler, m, self.experts_per_group, device)
 
-            # ---- one collective for everything, then eq. 14 from the global sums
-            stats = self.sum_over_batch(torch.cat([importance_E, load_s_AG.reshape(-1), load_p_A, cnt_A]))
-            importance_E, load_s_AG, load_p_A, cnt_A = stats.split([a * b, a * b, a, a])
-            load_E = (load_p_A[:, None] * load_s_AG.reshape(a, b) / (cnt_A[:, None] + _EPS)).reshape(-1)
-            cv2_2 = cv_squared(torch.stack([importance_E, load_E]))
-            aux_loss = self.w_importance * cv2_2[0] + self.w_load * cv2_2[1]
-        return RouterOutput(gates_NK, experts_NK, aux_loss, importance_E, load_E)
+    def balance(self, route: GroupRoute, within: WithinGroups) -> tuple[Tensor, Tensor, Tensor]:
+        """(aux_loss, importance_E, load_E) from one sum over the data-parallel batch (eq. 13-14)."""
+        a, b = self.num_groups, self.experts_per_group
+        e, first, local = a * b, self.first_group * b, self.num_local_groups * b
+
+        def spread(local_aG: Tensor) -> Tensor:   # this rank's groups' entries in an all-experts vector
+            return nn.functional.pad(local_aG.reshape(-1), (first, e - first - local))
+
+        stats = self.sum_over_batch(torch.cat([spread(within.importance_aG), spread(within.load_aG.to(route.load_A.dtype)),
+                                               route.load_A, route.count_A.to(route.load_A.dtype)]))
+        importance_E, load_s_E, load_p_A, count_A = stats.split([e, e, a, a])
+        load_E = (load_p_A[:, None] * load_s_E.reshape(a, b) / (count_A[:, None] + _EPS)).reshape(-1)
+        cv2_2 = cv_squared(torch.stack([importance_E, load_E]))
+        return self.w_importance * cv2_2[0] + self.w_load * cv2_2[1], importance_E, load_E
+
+    def forward(self, x_ND: Tensor) -> RouterOutput:
+        """The whole gate on one rank (every group's secondary matrices here)."""
+        if self.num_local_groups != self.num_groups:
+            raise RuntimeError(f"this router holds the secondary gates of groups {self.first_group}.."
+                               f"{self.first_group + self.num_local_groups - 1} only; MoELayer routes with it")
+        n, kp, ks = x_ND.shape[0], self.k_primary, self.k_secondary
+        route = self.route_groups(x_ND)
+        order_J = torch.argsort(route.groups_J, stable=True)   # rows by group, what the grouped GEMM reads
+        keys_J = self.noise_keys(n, x_ND.device)
+        within = self.route_within_groups(x_ND, order_J // kp, count_per_bin(route.groups_J, self.num_groups),
+                                          route.groups_J.index_select(0, order_J),
+                                          route.gates_J.index_select(0, order_J),
+                                          None if keys_J is None else keys_J.index_select(0, order_J), n)
+
+        def token_major(sorted_JKs: Tensor) -> Tensor:
+            return sorted_JKs.new_empty(sorted_JKs.shape).index_copy(0, order_J, sorted_JKs).reshape(n, kp * ks)
+
+        aux_loss, importance_E, load_E = self.balance(route, within)
+        return RouterOutput(token_major(within.gates_MKs), token_major(within.experts_MKs), aux_loss, importance_E,
+                            load_E)
+
+
+def _check_shard(num_groups: int, ep_size: int, ep_rank: int) -> None:
+    if ep_size < 1 or num_groups % ep_size:
+        raise ValueError(f"hierarchical router: {num_groups} groups cannot be split over ep_size={ep_size} ranks "
+                         f"(each rank holds whole groups: num_groups must be divisible by ep_size)")
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"hierarchical router: ep_rank must be in [0, {ep_size}), got {ep_rank}")
