@@ -22,9 +22,20 @@ def test_the_two_largest_100b_models_need_64_and_128_k40s_with_the_factored_opti
     assert plan("news100b-moe-131072-h", k40s(128))["fits"]
     assert not plan("news100b-moe-131072-h", k40s(64))["fits"]
     assert smallest_fitting("news100b-moe-131072-h", k40s(1))["world"] == 128
-    # MoE-65536-h cannot fit on the 32 GPUs the smaller models used
+    # MoE-65536-h: on 64 K40s as the paper trained it (its secondary gates sharded with their groups' experts;
+    # replicated, their 0.25 GiB per GPU put it over 12 GiB); not on the 32 GPUs the smaller models used
+    assert smallest_fitting("news100b-moe-65536-h", k40s(1))["world"] == 64
     assert not plan("news100b-moe-65536-h", k40s(32))["fits"]
     assert smallest_fitting("news100b-moe-16384-h", k40s(1))["world"] == 32
+
+
+def test_hierarchical_secondary_gates_are_counted_with_the_experts():
+    """a·2·d·b secondary parameters split over the expert-parallel ranks, the rest of the gate replicated."""
+    one, many = plan("news100b-moe-65536-h", k40s(64, zero=0)), plan("news100b-moe-65536-h", k40s(128, zero=0))
+    secondary = 256 * 2 * 512 * 256
+    experts = 65536 * 2 * 512 * 1024
+    dense = one["params_per_gpu"] - (experts + secondary) // 64
+    assert many["params_per_gpu"] == dense + (experts + secondary) // 128
 
 
 def test_adam_instead_of_the_factored_optimizer_does_not_fit_the_largest():

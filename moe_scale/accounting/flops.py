@@ -102,6 +102,16 @@ def moe_gating(config: RunConfig) -> tuple[int, int]:
     return params, matrices * d * n
 
 
+def sharded_gating_params(config: RunConfig) -> int:
+    """Gating parameters that live with the experts, split over the expert-parallel ranks: the hierarchical
+    gate's secondary matrices (a·2·d·b); every other gate's are replicated."""
+    router = config.moe.router
+    if router.gate != "hierarchical":
+        return 0
+    matrices, d, n = 2, config.model.d_model, config.moe.experts.num_experts
+    return matrices * d * n
+
+
 def active_experts(config: RunConfig) -> int:
     router = config.moe.router
     return router.top_k * router.hierarchical.top_k_secondary if router.gate == "hierarchical" else router.top_k

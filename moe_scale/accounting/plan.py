@@ -2,15 +2,15 @@
 
 Layout (moe_scale's): experts spread over expert-parallel groups of ep = min(world, experts) ranks (each
 holds experts/ep of them; with fewer experts than ranks they are replicated over world/ep groups); every
-other parameter (embedding, LSTMs, gating, softmax) is replicated on every rank. ZeRO partitions over the
+other parameter (embedding, LSTMs, gating except the secondary gates below, softmax) is replicated on every rank. ZeRO partitions over the
 data-parallel group: dense state over all `world` ranks, expert state over the world/ep ranks that hold
 the same experts (DeepSpeed's expert-data-parallel group). Stage 1 partitions optimizer state, stage 2
 also gradients; stage 3 (parameters too) is refused by DeepSpeed's MoE, so it is refused here for MoE
 models.
 
-The hierarchical MoE's secondary gating matrices (a·2·d·b) are dense, replicated parameters in moe_scale
-(the paper placed each group's secondary gate with its experts); at MoE-65536-h that is 0.25 GiB per GPU,
-just what puts 64 K40s over 12 GiB here where the paper trained on 64.
+The hierarchical MoE's secondary gating matrices (a·2·d·b) live with their groups' experts, as the paper placed
+them: split over the expert-parallel ranks and partitioned like expert state (Adam's, also under `factored`).
+Replicated, they were 0.25 GiB per GPU at MoE-65536-h, which put 64 K40s over 12 GiB where the paper trained on 64.
 
 Bytes per parameter: fp32 weights and gradients (4 + 4); Adam keeps m and v (8). `factored` is App. D's
 expert optimizer: β1 = 0 (no m) and a factored second moment, a row and a column vector per expert
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
-from moe_scale.accounting.flops import SoftmaxCost, active_experts, lstm_layer_shape, lstm_lm_accounting, moe_gating
+from moe_scale.accounting.flops import (SoftmaxCost, active_experts, lstm_layer_shape, lstm_lm_accounting, moe_gating,
+                                        sharded_gating_params)
 from moe_scale.accounting.presets import get_preset, preset_config
 
 GIB = 2**30
@@ -110,9 +111,10 @@ def plan(preset_name: str, cluster: Cluster, batch_tokens: int | None = None) ->
     ep = expert_parallel_size(config, world) if is_moe else 1
     tokens = batch_tokens or preset.batch_words or config.train.batch_size * config.data.seq_len
     counts = lstm_lm_accounting(config, vocab, preset.softmax)
-    expert_total = counts.params.get("experts", 0)
+    gates_total = sharded_gating_params(config) if is_moe else 0   # secondary gates, with their experts
+    expert_total = counts.params.get("experts", 0) + gates_total
     dense = counts.total_params - expert_total
-    experts_here = expert_total // ep
+    experts_here, gates_here = expert_total // ep, gates_total // ep
     expert_dp = world // ep
 
     weight_b, grad_b = (2, 2) if cluster.precision == "bf16" else (4, 4)
@@ -125,7 +127,7 @@ def plan(preset_name: str, cluster: Cluster, batch_tokens: int | None = None) ->
     h, d = config.moe.experts.hidden, config.model.d_model
     local_experts = config.moe.experts.num_experts // ep if is_moe else 0
     if cluster.optimizer == "factored" and is_moe:
-        expert_opt = local_experts * 2 * (d + h) * 4 + experts_here * master_b
+        expert_opt = local_experts * 2 * (d + h) * 4 + gates_here * 8 + experts_here * master_b
     else:
         expert_opt = experts_here * (8 + master_b)
     memory = {

@@ -22,11 +22,12 @@ SETTINGS = ["--d-model", "32", "--expert-hidden", "32", "--num-experts", "4", "-
             "--noise-rng", "global", "--dropout", "0", "--max-steps", "4"]
 
 
-def _resharded_run_matches(tmp_path, cache, before: tuple[int, int], after: tuple[int, int], ds: str) -> None:
+def _resharded_run_matches(tmp_path, cache, before: tuple[int, int], after: tuple[int, int], ds: str,
+                           extra: tuple[str, ...] = ()) -> None:
     (procs, ep), (new_procs, new_ep) = before, after
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_train([*SETTINGS, "--ds-config", str(CONFIGS / f"{ds}.json"), "--ep-size", str(ep), "--out", str(straight)],
-              cwd=tmp_path, cache=cache, nprocs=procs)
+    run_train([*SETTINGS, *extra, "--ds-config", str(CONFIGS / f"{ds}.json"), "--ep-size", str(ep), "--out",
+               str(straight)], cwd=tmp_path, cache=cache, nprocs=procs)
     shutil.copytree(straight, resumed)
     (resumed / "checkpoints" / "complete").write_text(json.dumps({"tag": "step00000002", "step": 2}))
     run_train(["--resume", "--ep-size", str(new_ep), "--out", str(resumed)], cwd=tmp_path, cache=cache,
@@ -43,6 +44,26 @@ def _resharded_run_matches(tmp_path, cache, before: tuple[int, int], after: tupl
 @pytest.mark.parametrize("ds", ["zero2_ep", "cpu"])
 def test_two_processes_resume_as_one(tmp_path, embedded_cache, ds):
     _resharded_run_matches(tmp_path, embedded_cache, (2, 2), (1, 1), ds)
+
+
+def test_hierarchical_secondary_gates_live_and_move_with_their_groups(tmp_path, embedded_cache):
+    """Each group's secondary gate is sharded with its experts: DeepSpeed's per-expert files hold column j of group
+    i with expert i*G + j (and the dense file none of it), and a 2-rank run resumes as 1 process exactly."""
+    _resharded_run_matches(tmp_path, embedded_cache, (2, 2), (1, 1), "zero2_ep",
+                           ("--gate", "hierarchical", "--num-groups", "2", "--top-k", "1", "--top-k-secondary", "2"))
+    step = tmp_path / "straight" / "checkpoints" / "step00000002"
+    dense = torch.load(step / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert not [key for key in dense if "secondary" in key]
+    columns = {}
+    for path in sorted(step.glob("layer_*_expert_*_mp_rank_00_model_states.pt")):
+        for key, value in torch.load(path, weights_only=False).items():
+            if "secondary" in key:
+                columns.setdefault(key.rsplit(".", 1)[1], []).append((key, tuple(value.shape), value))
+    assert set(columns) == {"w_gate_secondary", "w_noise_secondary"}
+    for name, entries in columns.items():
+        assert [(key.split("deepspeed_experts.")[1], shape) for key, shape, _ in entries] == \
+            [(f"{e}.router.{name}", (32,)) for e in range(4)]
+        assert len({tuple(v.tolist()) for _, _, v in entries}) == 4   # trained: four different columns
 
 
 @pytest.mark.slow
