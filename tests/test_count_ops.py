@@ -56,6 +56,9 @@ def test_more_experts_than_one_grouped_call_takes_add_calls_not_loops(count_ops)
         assert c["grouped_gemm_calls"] == 6 * calls
         assert c["ops"] - base["ops"] <= 25 * calls, (experts, c["ops"], base["ops"])
         assert c["host_syncs_forward"] <= 1 and c["host_syncs_backward"] == 0
+    # the hierarchical gate's experts (8 groups of 8 here) split at group edges: still one read in the forward
+    c = count_ops.count_step("hierarchical", 64, 512, 2, 1, 0, 8, 16, split)
+    assert c["grouped_gemm_calls"] == 6 + 6 * 4 and c["host_syncs_forward"] == 1 and c["host_syncs_backward"] == 0
 
 
 def test_two_ranks_through_the_tool(tmp_path):

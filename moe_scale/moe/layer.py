@@ -26,6 +26,7 @@ from moe_scale.distributed.launch import ranks_per_node
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule, ExpertShard, ParallelGroups
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.experts import GroupedExperts
+from moe_scale.moe.experts.grouped_gemm import BlockCounts
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.config import MoEConfig
 from moe_scale.moe.router import HierarchicalRouter, NoisyTopKRouter, Router, build_router
@@ -155,7 +156,10 @@ class MoELayer(ExpertParallelModule):
         if self.record_routes:   # one process: arrived rows are this rank's tokens
             token_R = torch.arange(n, device=x_ND.device) if state.rows_are_tokens else state.unique_token_U
             self.routes = (token_R.index_select(0, row_Q), expert_Q.index_select(0, by_expert_Q) + first, gate_Q)
-        per_row_RD = self.experts(rows_RD, counts_L, row_Q, gate_Q)
+        # Per group the host knows its rows' Ks pairs from the exchange's one read: enough to split the experts'
+        # grouped GEMMs at group edges without reading counts_L.
+        host = BlockCounts(router.experts_per_group, [rows * ks for rows in state.tokens_per_expert])
+        per_row_RD = self.experts(rows_RD, (counts_L, host), row_Q, gate_Q)
         return dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype), aux_loss
 
     def _dropped_fraction(self, state) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from moe_scale.moe.cpu_backend import kernels as cpu_kernels
 from moe_scale.moe.experts import grouped_gemm
 from moe_scale.moe.experts import GroupedExperts, expert_ffn, grouped_matmul
-from moe_scale.moe.experts.grouped_gemm import GroupLayout, kernel_for, per_expert_outer, rows_times_expert
+from moe_scale.moe.experts.grouped_gemm import BlockCounts, GroupLayout, kernel_for, per_expert_outer, rows_times_expert
 from moe_scale.moe.kernel_policy import KernelPolicy, forced_policy
 
 NATIVE_BUILT = cpu_kernels.available(torch.empty(0))
@@ -63,6 +63,14 @@ def test_grouped_native_and_loop_kernels_give_the_same_products(counts):
             assert layout.kernel == "grouped" and (layout.chunks is not None) == (e > max_groups)
             torch.testing.assert_close(rows_times_expert(a, b, layout), loop)
             torch.testing.assert_close(per_expert_outer(a, g, layout), outer_loop)
+    if e % 2 == 0:   # only the rows per block of 2 experts on the host (the hierarchical gate's groups)
+        blocks = BlockCounts(2, [counts[i] + counts[i + 1] for i in range(0, e, 2)])
+        for max_groups in (2, 3, 4):
+            with _split_calls(max_groups):
+                layout = GroupLayout((torch.tensor(counts), blocks), a)
+                assert layout._host_counts is None or e <= max_groups   # split at block edges without a read
+                torch.testing.assert_close(rows_times_expert(a, b, layout), loop)
+                torch.testing.assert_close(per_expert_outer(a, g, layout), outer_loop)
     start = 0
     for expert, count in enumerate(counts):        # against slices, and exact zeros for an empty expert
         torch.testing.assert_close(loop[start:start + count], a[start:start + count] @ b[expert])

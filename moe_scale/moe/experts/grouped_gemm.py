@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
 from typing import Union
 
 import torch
@@ -34,8 +35,21 @@ from moe_scale.moe.cpu_backend import kernels as cpu_kernels
 from moe_scale.moe.kernel_policy import policy_for
 
 KERNELS = ("loop", "grouped", "triton", "native")
-# Rows per expert: on the device (what grouped GEMMs read), as a host list, or both (device, host).
-Counts = Union[torch.Tensor, list[int], tuple[torch.Tensor, list[int]]]
+
+
+@dataclass(frozen=True)
+class BlockCounts:
+    """Rows per block of `block` consecutive experts, on the host: where only those are known without reading the
+    device (the hierarchical gate's owner knows its groups' rows, not each expert's), they still place the
+    boundaries of calls that split at block edges."""
+
+    block: int
+    counts: list[int]
+
+
+# Rows per expert: on the device (what grouped GEMMs read), as a host list, or both (device, host per expert or
+# per block of experts).
+Counts = Union[torch.Tensor, list[int], tuple[torch.Tensor, Union[list[int], BlockCounts]]]
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # F.grouped_mm (torch >= 2.10) or, on CUDA, the private op it wraps (torch 2.8 and 2.9)
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -106,7 +120,7 @@ class GroupLayout:
 
     The counts on the host (the dispatcher reads them once for its all-to-all and passes both) are needed
     only to split more than `max_groups` experts into several calls, and by the loop kernel; without them
-    those two read the device's counts themselves."""
+    those two read the device's counts themselves (a split needs only `BlockCounts` where blocks fit a call)."""
 
     def __init__(self, counts: Counts, like: torch.Tensor, kernel: str | None = None):
         if kernel is not None and kernel not in KERNELS:
@@ -115,7 +129,10 @@ class GroupLayout:
             raise ValueError(f"kernel 'native' takes CPU float32 tensors and a built library; got "
                              f"{like.device.type} {like.dtype}")
         self.kernel = kernel or choose_kernel(like)
-        if isinstance(counts, tuple):
+        self._blocks: BlockCounts | None = None
+        if isinstance(counts, tuple) and isinstance(counts[1], BlockCounts):
+            (counts_L, self._blocks), self._host_counts = counts, None
+        elif isinstance(counts, tuple):
             counts_L, self._host_counts = counts
         elif isinstance(counts, torch.Tensor):
             counts_L, self._host_counts = counts, None
@@ -140,10 +157,18 @@ class GroupLayout:
     def _chunks(self, max_groups: int) -> list[tuple[int, int, int, int, torch.Tensor]]:
         """(first expert, end expert, first row, end row, chunk-relative offsets) per call of at most
         `max_groups` experts."""
-        counts, chunks, row = self.host_counts, [], 0
-        for first in range(0, self.num_groups, max_groups):
-            end = min(first + max_groups, self.num_groups)
-            rows = sum(counts[first:end])
+        blocks = self._blocks
+        if self._host_counts is None and blocks is not None and max_groups >= blocks.block:
+            # whole blocks per call: their host counts place every boundary, nothing is read from the device
+            step, counts = max_groups // blocks.block * blocks.block, blocks.counts
+            rows_of = lambda first, end: sum(counts[first // blocks.block:end // blocks.block])  # noqa: E731
+        else:
+            step, counts = max_groups, self.host_counts
+            rows_of = lambda first, end: sum(counts[first:end])  # noqa: E731
+        chunks, row = [], 0
+        for first in range(0, self.num_groups, step):
+            end = min(first + step, self.num_groups)
+            rows = rows_of(first, end)
             chunks.append((first, end, row, row + rows, self.offsets[first:end] - row))
             row += rows
         return chunks
