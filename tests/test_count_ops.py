@@ -102,3 +102,10 @@ def test_cases_too_big_for_this_machine_are_reported_as_skipped(count_ops, monke
                            "--ranks", "1"]) == 0
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert "ops" not in row and "host memory" in row["skipped"] and row["experts"] == 4096
+
+
+def test_the_hierarchical_gate_needs_no_tokens_by_experts_memory(count_ops):
+    """Its widest gate tensors are [N, A] and [N*Kp, G]: the 4,096 x 2 ranks x 32,768 case runs here."""
+    flat = count_ops.memory_needed("flat", 32768, 4096, 2)
+    hierarchical = count_ops.memory_needed("hierarchical", 32768, 4096, 2)
+    assert flat > 20 * 2**30 and hierarchical * 20 < flat

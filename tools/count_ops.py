@@ -137,9 +137,14 @@ def _rank_worker(rank: int, port: int, cases: list[tuple], d: int, h: int, resul
     torch.distributed.destroy_process_group()
 
 
-def memory_needed(tokens: int, local_experts: int, ranks: int) -> int:
-    """Bytes of host memory a case needs on this machine, all ranks together (the gate's [N, E] tensors)."""
-    return ranks * _GATE_TENSORS_AT_PEAK * tokens * local_experts * ranks * 4
+def memory_needed(gate: str, tokens: int, local_experts: int, ranks: int, k: int = 2) -> int:
+    """Bytes of host memory a case needs on this machine, all ranks together: the gate's [N, E] tensors (the
+    hierarchical gate's are [N, A] and [N*Kp, G])."""
+    width = local_experts * ranks
+    if gate == "hierarchical":
+        groups, per_group, kp, _ = hierarchical_shape(width, ranks, k)
+        width = groups + kp * per_group
+    return ranks * _GATE_TENSORS_AT_PEAK * tokens * width * 4
 
 
 def _available_memory() -> int:
@@ -177,7 +182,8 @@ def main(argv=None) -> int:
         """The cases that fit this machine's memory; the others are reported as skipped, saying why."""
         fit = []
         for case in cases:
-            need, have = memory_needed(case[2], case[1], ranks), _available_memory()
+            gate, experts, tokens, k = case
+            need, have = memory_needed(gate, tokens, experts, ranks, k), _available_memory()
             if need > 0.8 * have:
                 report(case, ranks, {"skipped": f"needs about {need / 2**30:.0f} GiB of host memory for the gate's "
                                                 f"[tokens x experts] tensors; {have / 2**30:.0f} GiB available"})
