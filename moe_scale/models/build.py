@@ -33,15 +33,17 @@ def forward_macs_per_token(config: RunConfig, vocab_size: int, seq_len: int) -> 
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
-    """{"total", "experts"}: every expert counted once over all expert-parallel ranks."""
-    local_expert = 0
-    total_expert = 0
+    """{"total", "experts"}: every expert (and what is sharded with the experts, e.g. the hierarchical gate's
+    secondary matrices) counted once over all expert-parallel ranks."""
+    local_sharded = total_sharded = total_expert = 0
     for layer in model.moe_layers():
-        n = sum(p.numel() for p in layer.experts.parameters())
-        local_expert += n
-        total_expert += n * layer.ep_size
-    dense = sum(p.numel() for p in model.parameters()) - local_expert
-    return {"total": dense + total_expert, "experts": total_expert}
+        for name, shard in layer.expert_shards().items():
+            n = shard.param.numel()
+            local_sharded += n
+            total_sharded += n * layer.ep_size
+            total_expert += n * layer.ep_size if name.startswith("experts.") else 0
+    dense = sum(p.numel() for p in model.parameters()) - local_sharded
+    return {"total": dense + total_sharded, "experts": total_expert}
 
 
 def describe_parameters(model: nn.Module) -> str:

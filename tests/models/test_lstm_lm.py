@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -61,3 +62,21 @@ def test_analytic_macs_match_the_parameter_shapes():
     assert macs["experts"] == 2 * (model.moe.experts.w_in[0].numel() + model.moe.experts.w_out[0].numel())
     assert macs["softmax"] == model.softmax.proj.weight.numel()
     assert training_flops_per_token(macs) == 6 * sum(macs.values())
+
+
+@pytest.mark.parametrize("gate", ["noisy_topk", "hierarchical"])
+def test_parameter_counts_are_the_same_for_every_expert_parallel_rank_and_size(gate):
+    """Every expert, and the hierarchical gate's secondary matrices sharded with them, counted once over the ranks."""
+    from moe_scale.models.build import build_model, parameter_counts
+
+    config = RunConfig.from_settings(d_model=16, layout="lstm-moe-lstm", gate=gate, num_experts=16, num_groups=4,
+                                     top_k=2, top_k_secondary=2, expert_hidden=8)
+    whole = build_model(config, 100)
+    counts = parameter_counts(whole)
+    assert counts == {"total": sum(p.numel() for p in whole.parameters()), "experts": 16 * 2 * 16 * 8}
+    for ep_size in (2, 4):
+        for ep_rank in range(ep_size):
+            part = build_model(config, 100, ep_size=ep_size, ep_rank=ep_rank)
+            assert parameter_counts(part) == counts
+            if gate == "hierarchical":
+                assert part.moe.router.w_gate_secondary.shape == (4 // ep_size, 16, 4)
