@@ -23,7 +23,9 @@ Exit status: 0 done; 1 a run failed; 2 a bad flag or a model that cannot be matc
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -212,6 +214,21 @@ def _test_ppl(run: Path, log: Path) -> float:
     return json.loads(cached.read_text())["ppl"]
 
 
+def _first_pass_ppl(run: Path, log: Path, tokens_per_word: float) -> float | None:
+    """Perplexity per word on text the model had not trained on yet: exp(mean training loss over the second half of
+    the first pass over the data, dropout on). None if the log does not say how long a pass is."""
+    found = re.findall(r"(\d+) steps per epoch", log.read_text(errors="replace"))
+    if not found:
+        return None
+    epoch = int(found[0])
+    losses = {}
+    for line in (run / "train_log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record and epoch // 2 < record["step"] <= epoch:
+            losses[record["step"]] = record["loss"]   # a resumed run logs some steps again: the last one counts
+    return math.exp(statistics.fmean(losses.values()) * tokens_per_word) if losses else None
+
+
 def _spread(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "values": values}
 
@@ -229,6 +246,7 @@ def sweep(args) -> dict:
             summary = json.loads((run / "summary.json").read_text())
             results[model.name]["seeds"][seed] = {
                 "run": str(run.relative_to(out)), "test_ppl": _test_ppl(run, log), "valid_ppl": summary["valid_ppl"],
+                "first_pass_ppl": _first_pass_ppl(run, log, summary["tokens_per_word"]),
                 "train_ppl": summary["train_ppl"], "tokens_per_s": summary["tokens_per_s"],
                 "tflops_per_device": summary["tflops_per_device"]}
     dense_speed = statistics.fmean(r["tokens_per_s"] for r in results[DENSE]["seeds"].values())
@@ -237,8 +255,9 @@ def sweep(args) -> dict:
         seeds = results[model.name]["seeds"]
         row = {"model": model.name, "experts": model.experts, "processes": model.procs, "ops_per_timestep": model.ops,
                "params_excluding_embedding_softmax": model.params, "flags": model.flags, "seeds": seeds}
-        for key in ("test_ppl", "train_ppl", "tokens_per_s", "tflops_per_device"):
-            row[key] = _spread([s[key] for s in seeds.values()])
+        for key in ("test_ppl", "first_pass_ppl", "train_ppl", "tokens_per_s", "tflops_per_device"):
+            values = [s[key] for s in seeds.values()]
+            row[key] = _spread(values) if None not in values else None
         row["speed_vs_dense"] = row["tokens_per_s"]["mean"] / dense_speed
         if model.experts:
             row["speed_target"] = 0.6 if model.procs > 1 else 0.8
@@ -261,16 +280,19 @@ def _pm(spread: dict, digits: int = 1) -> str:
 def markdown(report: dict) -> str:
     lines = [f"# Capacity sweep: {report['data']}, d_model {report['d_model']}, {report['tokens_per_run']:,} training "
              f"tokens per run, seeds {', '.join(map(str, report['seeds']))}", "",
-             "| model | experts | ops/timestep | params (no emb./softmax) | test ppl | train ppl | tokens/s | "
-             "TFLOPS/device | speed vs dense | runs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| model | experts | ops/timestep | params (no emb./softmax) | test ppl | first-pass ppl | train ppl | "
+             "tokens/s | TFLOPS/device | speed vs dense | runs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in report["rows"]:
         runs = " ".join(f"[s{s}]({v['run']})" for s, v in r["seeds"].items())
         target = "" if "speed_target" not in r else (" ✓" if r["meets_speed_target"] else f" (< {r['speed_target']})")
         lines.append(f"| {r['model']} | {r['experts'] or '-'} | {r['ops_per_timestep']:,} | "
-                     f"{r['params_excluding_embedding_softmax']:,} | {_pm(r['test_ppl'])} | {_pm(r['train_ppl'])} | "
+                     f"{r['params_excluding_embedding_softmax']:,} | {_pm(r['test_ppl'])} | "
+                     f"{_pm(r['first_pass_ppl']) if r['first_pass_ppl'] else '-'} | {_pm(r['train_ppl'])} | "
                      f"{_pm(r['tokens_per_s'], 0)} | {_pm(r['tflops_per_device'], 4)} | "
                      f"{r['speed_vs_dense']:.2f}{target} | {runs} |")
-    lines += ["", "± is half the spread over the seeds. Perplexity is per word; test = the held-out test split.",
+    lines += ["", "± is half the spread over the seeds. Perplexity is per word; test = the held-out test split after "
+              "training; first pass = the training loss on text not seen yet (the second half of the first epoch); "
+              "train = the training perplexity at the end.",
               "![perplexity](capacity_ppl.png) ![speed](capacity_speed.png)", ""]
     return "\n".join(lines)
 
@@ -282,26 +304,32 @@ def plots(report: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["rows"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label, marker in (("test_ppl", "test (held out)", "o"), ("train_ppl", "training", "s")):
+    dense = next(r for r in rows if r["model"] == DENSE)   # every sweep trains the baseline
+    panels = [("test_ppl", "test (held out)", "o", "C0"), ("first_pass_ppl", "first pass (text not seen yet)", "^", "C2"),
+              ("train_ppl", "training (end)", "s", "C1")]
+    panels = [panel for panel in panels if all(r[panel[0]] for r in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5))   # each on its own scale
+    for ax, (key, label, marker, color) in zip(axes, panels):
         x = [r["params_excluding_embedding_softmax"] for r in rows]
         y = [r[key]["mean"] for r in rows]
         err = [[r[key]["mean"] - r[key]["min"] for r in rows], [r[key]["max"] - r[key]["mean"] for r in rows]]
-        ax.errorbar(x, y, yerr=err, fmt=marker, capsize=3, label=label)
-        for r, xi, yi in zip(rows, x, y):
-            if key == "test_ppl":
-                ax.annotate(r["model"], (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters excluding embedding and softmax (log)")
-    ax.set_ylabel("perplexity per word")
-    ax.set_title(f"equal ops/timestep ({rows[0]['ops_per_timestep']:,}), {report['tokens_per_run']:,} tokens")
-    ax.legend()
+        ax.errorbar(x, y, yerr=err, fmt=marker, capsize=3, color=color)
+        for i, (r, xi, yi) in enumerate(zip(rows, x, y)):
+            ax.annotate(r["model"], (xi, yi), textcoords="offset points", xytext=(5, 6 if i % 2 else -11), fontsize=7)
+        ax.axhline(dense[key]["mean"], color="gray", linestyle="--", linewidth=0.8, label="dense (lstm-ffn-lstm)")
+        ax.legend(loc="best", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters excluding embedding and softmax (log)")
+        ax.set_ylabel("perplexity per word")
+        ax.set_title(label)
+    seeds = len(rows[0]["seeds"]) if rows and "seeds" in rows[0] else 0
+    fig.suptitle(f"equal ops/timestep ({rows[0]['ops_per_timestep']:,}), {report['tokens_per_run']:,} tokens per run"
+                 + (f", bars: min-max over {seeds} seeds" if seeds > 1 else ""))
     fig.tight_layout()
     fig.savefig(out / "capacity_ppl.png", dpi=100)
     plt.close(fig)
 
     moe = [r for r in rows if r["experts"]]
-    dense = next(r for r in rows if r["model"] == DENSE)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s"), (axes[1], "tflops_per_device", "TFLOPS/device")):
         ax.errorbar([r["experts"] for r in moe], [r[key]["mean"] for r in moe],

@@ -8,10 +8,11 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from torch import nn
 
 from moe_scale.config import TrainConfig
+from moe_scale.moe.deepspeed_adapter import expert_data_parallel_group
 from moe_scale.train.clipping import expert_aware_clip_
 from moe_scale.train.factored_optimizer import build_optimizer
 from moe_scale.train.ds_config import zero_stage
@@ -49,16 +50,52 @@ class TrainingEngine:
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=ds_config, dist_init_required=False)
         self.grad_norm = None   # last step's norm: a device tensor (or DeepSpeed's float), read at log points
-        if zero_stage(ds_config) == 0 and self.engine.dp_world_size == 1 and \
-                (not dist.is_initialized() or dist.get_world_size() == 1):
-            # one process, no ZeRO: nothing to reduce, and DeepSpeed's fallback all-reduce would flatten every
-            # gradient into a buffer and copy it back (two full copies of the gradients per step)
-            self.engine.enable_backward_allreduce = False
+        # Without ZeRO, DeepSpeed's backward all-reduce flattens every gradient into a buffer and copies it back
+        # (two full copies of the gradients per step, even where an expert's group has one rank): one process
+        # reduces nothing, several reduce in place (`reduce_gradients_in_place`), with the same sums and averages.
+        self.reduce_in_place = False
+        if zero_stage(ds_config) == 0 and self.engine.enable_backward_allreduce:
+            single = self.engine.dp_world_size == 1 and (not dist.is_initialized() or dist.get_world_size() == 1)
+            plain = (self.engine.gradient_average and self.engine.postscale_gradients()
+                     and self.engine.gradient_predivide_factor() == 1.0
+                     and self.engine.communication_data_type == torch.float32)
+            if single or plain:
+                self.engine.enable_backward_allreduce = False
+                self.reduce_in_place = not single
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
+        if self.reduce_in_place and self.engine.is_gradient_accumulation_boundary():
+            reduce_gradients_in_place(self.model, self.engine.data_parallel_group)
         if self.clip and self.engine.is_gradient_accumulation_boundary():
             self.grad_norm = expert_aware_clip_(self.model, self.clip)
         self.engine.step()
         if not self.clip:
             self.grad_norm = self.engine.get_global_grad_norm()
+
+
+def reduce_gradients_in_place(model: nn.Module, data_parallel_group) -> None:
+    """DeepSpeed's stage-0 gradient all-reduce without its copies: dense gradients summed over the data-parallel
+    group (one flat buffer: they are small), each expert gradient summed in place over its expert-data-parallel
+    group (skipped where that group has one rank), all divided by the data-parallel size as DeepSpeed does.
+    Every rank calls it; a parameter without a gradient takes part with zeros, as in DeepSpeed."""
+    world = dist.get_world_size(group=data_parallel_group)
+    dense, experts = [], {}
+    for param in model.parameters():
+        if not param.requires_grad or param.numel() == 0:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        (experts.setdefault(param.group_name, []) if is_moe_param(param) else dense).append(param.grad)
+    if dense:
+        flat = torch.cat([g.reshape(-1) for g in dense])
+        dist.all_reduce(flat, group=data_parallel_group)
+        flat.mul_(1.0 / world)
+        for grad, part in zip(dense, flat.split([g.numel() for g in dense])):
+            grad.copy_(part.view_as(grad))
+    for name in sorted(experts):
+        group = expert_data_parallel_group(name)
+        for grad in experts[name]:
+            if dist.get_world_size(group=group) > 1:
+                dist.all_reduce(grad, group=group)
+            grad.mul_(1.0 / world)
