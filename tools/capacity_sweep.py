@@ -332,9 +332,16 @@ def plots(report: dict, out: Path) -> None:
     moe = [r for r in rows if r["experts"]]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s"), (axes[1], "tflops_per_device", "TFLOPS/device")):
-        ax.errorbar([r["experts"] for r in moe], [r[key]["mean"] for r in moe],
-                    yerr=[[r[key]["mean"] - r[key]["min"] for r in moe], [r[key]["max"] - r[key]["mean"] for r in moe]],
-                    fmt="o-", capsize=3, label="MoE")
+        for label_, fmt, series in (("flat MoE", "o-", [r for r in moe if not r["model"].endswith("-h")]),
+                                    ("hierarchical MoE", "s-", [r for r in moe if r["model"].endswith("-h")])):
+            if series:
+                ax.errorbar([r["experts"] for r in series], [r[key]["mean"] for r in series],
+                            yerr=[[r[key]["mean"] - r[key]["min"] for r in series],
+                                  [r[key]["max"] - r[key]["mean"] for r in series]], fmt=fmt, capsize=3, label=label_)
+        for r in moe:
+            if r["processes"] > 1:
+                ax.annotate(f"{r['processes']} processes", (r["experts"], r[key]["mean"]), textcoords="offset points",
+                            xytext=(-30, 8), fontsize=7)
         ax.axhline(dense[key]["mean"], color="gray", linestyle="--", label="dense (lstm-ffn-lstm)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("experts")
