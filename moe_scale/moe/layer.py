@@ -41,7 +41,8 @@ class MoEStats:
     importance_E: torch.Tensor
     load_E: torch.Tensor
     metrics: dict[str, float | torch.Tensor]   # the router's own numbers (e.g. threshold agreement)
-    routed_E: torch.Tensor | None = None      # tokens this rank routed to each expert (hard counts)
+    routed_E: torch.Tensor | None = None      # hard counts per expert: this rank's tokens (hierarchical gate: the
+                                              # pairs this rank's experts received); summed over ranks: the batch's
 
 
 class MoELayer(ExpertParallelModule):
