@@ -12,9 +12,10 @@ matched is refused. The same text, tokens, schedule and seeds for all.
     python tools/capacity_sweep.py --out runs/capacity --models dense,moe-32 --seeds 1 --max-steps 50
 
 Writes OUT/capacity.json, OUT/capacity.md (one row per model: ops/timestep, parameters without embedding and
-softmax, held-out (test) and training perplexity per seed with their spread, tokens/s and TFLOPS/device, tokens/s
-against the dense baseline, a link to every run directory), OUT/capacity_ppl.png (perplexity against
-parameters, log x: Figure 2-left's form) and OUT/capacity_speed.png (tokens/s and TFLOPS/device against experts,
+softmax, held-out (test), first-pass (text not trained on yet: the second half of the first epoch) and training
+perplexity per seed with their spread, tokens/s and TFLOPS/device, tokens/s against the dense baseline, a link to
+every run directory), OUT/capacity_ppl.png (the three perplexities against parameters, log x: Figure 2-left's
+form) and OUT/capacity_speed.png (tokens/s and TFLOPS/device against experts,
 the dense baseline as a line). Runs live in OUT/runs/<model>-s<seed>/; a killed sweep, started again with the
 same flags, keeps the finished runs, resumes a run from its last checkpoint, and starts the rest.
 Exit status: 0 done; 1 a run failed; 2 a bad flag or a model that cannot be matched.
