@@ -116,5 +116,7 @@ def test_two_point_sweep_writes_its_report_and_a_killed_sweep_resumes(tmp_path, 
         seed = row["seeds"]["1"]
         assert (out / seed["run"] / "summary.json").is_file()
         assert seed["test_ppl"] > 1 and seed["tokens_per_s"] > 0
+        kept = [tag.name for tag in (out / seed["run"] / "checkpoints").glob("step*")]
+        assert kept == [json.loads((out / seed["run"] / "checkpoints" / "complete").read_text())["tag"]]
     assert rows["moe-32"]["params_excluding_embedding_softmax"] > rows["dense"]["params_excluding_embedding_softmax"]
     assert "[s1](runs/moe-32-s1)" in (out / "capacity.md").read_text()

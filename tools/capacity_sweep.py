@@ -230,6 +230,17 @@ def _first_pass_ppl(run: Path, log: Path, tokens_per_word: float) -> float | Non
     return math.exp(statistics.fmean(losses.values()) * tokens_per_word) if losses else None
 
 
+def _keep_last_checkpoint(run: Path) -> None:
+    """A scored point keeps only the checkpoint its run finished with (for eval, generate, export): the trainer
+    keeps two, and at thousands of experts each is gigabytes."""
+    complete = run / "checkpoints" / "complete"
+    if complete.is_file():
+        last = json.loads(complete.read_text())["tag"]
+        for tag in (run / "checkpoints").glob("step*"):
+            if tag.name != last:
+                shutil.rmtree(tag, ignore_errors=True)
+
+
 def _spread(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "values": values}
 
@@ -245,8 +256,10 @@ def sweep(args) -> dict:
             print(f"capacity_sweep: {model.name} seed {seed}", file=sys.stderr, flush=True)
             _train(model, seed, run, args, log)
             summary = json.loads((run / "summary.json").read_text())
+            test_ppl = _test_ppl(run, log)
+            _keep_last_checkpoint(run)
             results[model.name]["seeds"][seed] = {
-                "run": str(run.relative_to(out)), "test_ppl": _test_ppl(run, log), "valid_ppl": summary["valid_ppl"],
+                "run": str(run.relative_to(out)), "test_ppl": test_ppl, "valid_ppl": summary["valid_ppl"],
                 "first_pass_ppl": _first_pass_ppl(run, log, summary["tokens_per_word"]),
                 "train_ppl": summary["train_ppl"], "tokens_per_s": summary["tokens_per_s"],
                 "tflops_per_device": summary["tflops_per_device"]}
