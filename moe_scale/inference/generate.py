@@ -44,6 +44,7 @@ class RouteRecorder:
 
     def __init__(self, model: nn.Module):
         self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelModule)]
+        self._on_host: dict[str, tuple] = {}   # layer -> (its routes object, those tensors on the host)
         for _, layer in self.layers:
             layer.record_routes, layer.routes = True, None
 
@@ -53,7 +54,9 @@ class RouteRecorder:
         for name, layer in self.layers:
             if layer.routes is None:
                 continue
-            token_C, expert_C, gate_C = (t.detach().cpu() for t in layer.routes)
+            if name not in self._on_host or self._on_host[name][0] is not layer.routes:   # once per forward
+                self._on_host[name] = (layer.routes, tuple(t.detach().cpu() for t in layer.routes))
+            token_C, expert_C, gate_C = self._on_host[name][1]
             mine = (token_C == token).nonzero()[:, 0]
             pairs = sorted(zip(expert_C[mine].tolist(), gate_C[mine].float().tolist()), key=lambda p: -p[1])
             out[name] = pairs

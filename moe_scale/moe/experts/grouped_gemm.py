@@ -160,15 +160,14 @@ class GroupLayout:
         blocks = self._blocks
         if self._host_counts is None and blocks is not None and max_groups >= blocks.block:
             # whole blocks per call: their host counts place every boundary, nothing is read from the device
-            step, counts = max_groups // blocks.block * blocks.block, blocks.counts
-            rows_of = lambda first, end: sum(counts[first // blocks.block:end // blocks.block])  # noqa: E731
+            counts, unit = blocks.counts, blocks.block
         else:
-            step, counts = max_groups, self.host_counts
-            rows_of = lambda first, end: sum(counts[first:end])  # noqa: E731
+            counts, unit = self.host_counts, 1
+        step = max_groups // unit * unit
         chunks, row = [], 0
         for first in range(0, self.num_groups, step):
             end = min(first + step, self.num_groups)
-            rows = rows_of(first, end)
+            rows = sum(counts[first // unit:end // unit])
             chunks.append((first, end, row, row + rows, self.offsets[first:end] - row))
             row += rows
         return chunks

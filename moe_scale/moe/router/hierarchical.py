@@ -183,8 +183,9 @@ class HierarchicalRouter(Router):
         if (local, first) == (self.num_local_groups, self.first_group):
             return
         if self.num_local_groups != self.num_groups:
-            raise ValueError(f"this router already holds groups {self.first_group}..{self.first_group + self.num_local_groups - 1} "
-                             f"only; build it whole (ep_size=1) to shard it again")
+            last = self.first_group + self.num_local_groups - 1
+            raise ValueError(f"this router already holds groups {self.first_group}..{last} only; build it whole "
+                             f"(ep_size=1) to shard it again")
         with torch.no_grad():
             for param in self.sharded_parameters().values():
                 param.data = param.data[first:first + local].clone()
@@ -262,8 +263,8 @@ class HierarchicalRouter(Router):
         def spread(local_aG: Tensor) -> Tensor:   # this rank's groups' entries in an all-experts vector
             return nn.functional.pad(local_aG.reshape(-1), (first, e - first - local))
 
-        stats = self.sum_over_batch(torch.cat([spread(within.importance_aG), spread(within.load_aG.to(route.load_A.dtype)),
-                                               route.load_A, route.count_A.to(route.load_A.dtype)]))
+        stats = self.sum_over_batch(torch.cat([spread(within.importance_aG), spread(within.load_aG), route.load_A,
+                                               route.count_A]))
         importance_E, load_s_E, load_p_A, count_A = stats.split([e, e, a, a])
         load_E = (load_p_A[:, None] * load_s_E.reshape(a, b) / (count_A[:, None] + _EPS)).reshape(-1)
         cv2_2 = cv_squared(torch.stack([importance_E, load_E]))
