@@ -104,3 +104,21 @@ def pytest_collection_modifyitems(config, items):
             source = ""
         if any(call in source for call in _MULTIPROCESS_CALLS):
             item.add_marker(pytest.mark.multiprocess)
+
+
+def _deepspeed_shm_segments() -> set[Path]:
+    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_deepspeed_shm():
+    """DeepSpeed's CPU all-reduce never unlinks its 66 MB /dev/shm segment per rank: memory lost until reboot.
+    Every code path that initialises DeepSpeed on several ranks must call release_deepspeed_shm_name(); a test
+    whose processes leave a segment behind fails here (and its segments are removed)."""
+    before = _deepspeed_shm_segments()
+    yield
+    leaked = sorted(_deepspeed_shm_segments() - before)
+    for path in leaked:
+        path.unlink(missing_ok=True)
+    assert not leaked, (f"left DeepSpeed's all-reduce segments in /dev/shm: {[p.name for p in leaked]}; call "
+                        "moe_scale.distributed.launch.release_deepspeed_shm_name() after deepspeed.init_distributed")
