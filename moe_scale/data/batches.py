@@ -77,8 +77,17 @@ class LMWindows:
                 "or more data")
         self._perm: tuple[tuple[int, int], np.ndarray] | None = None  # ((seed, epoch), permutation)
 
+    @property
+    def epoch_share(self) -> float:
+        """The share of this rank's target tokens an epoch trains on: rows end at sentence boundaries, and a
+        step takes the same window of every row, so the tail of every row longer than the shortest is unused."""
+        available = sum(max(len(r) - 1, 0) for r in self.rows)
+        return self.rows_per_rank * self.num_windows * self.seq_len / available
+
     def describe(self) -> str:
-        return f"{self.num_windows} steps per epoch"
+        whose = "the training tokens" if self.world_size == 1 else "the tokens in this rank's rows"
+        return (f"{self.num_windows} steps per epoch ({self.epoch_share:.0%} of {whose}: the shortest of the "
+                f"{self.global_rows} rows ends an epoch)")
 
     def window_index(self, step: int, shuffle_seed: int | None = None) -> int:
         """Which window of every row step `step` uses."""

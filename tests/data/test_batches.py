@@ -118,3 +118,13 @@ def test_lm1b_shards_end_to_end(lm1b_shards, tmp_path, monkeypatch):
         assert 0 <= int(x.min()) and int(x.max()) < len(vocab)
     test = LMWindows(load_sentences(files["test"]), vocab, seq_len=32, global_rows=8, what="the test data")
     assert sum(1 for _ in test.all_windows()) == test.num_windows > 0
+
+
+def test_describe_says_how_much_of_the_text_an_epoch_covers():
+    """Rows of 11 and 21 tokens at T = 5: 2 windows each, 20 of the 30 target tokens."""
+    ds = Dataset.from_dict({"text": [" ".join(["a"] * 9), " ".join(["b"] * 19)]})
+    windows = LMWindows(ds, Vocab.build(ds["text"]), seq_len=5, global_rows=2)
+    assert [len(r) for r in windows.rows] == [11, 21] and windows.num_windows == 2
+    assert windows.epoch_share == pytest.approx(20 / 30)
+    assert windows.describe() == ("2 steps per epoch (67% of the training tokens: the shortest of the 2 rows ends "
+                                  "an epoch)")
