@@ -233,9 +233,10 @@ def _first_pass_ppl(run: Path, log: Path, tokens_per_word: float) -> float | Non
 def _keep_last_checkpoint(run: Path) -> None:
     """A scored point keeps only the checkpoint its run finished with (for eval, generate, export): the trainer
     keeps two, and at thousands of experts each is gigabytes."""
-    complete = run / "checkpoints" / "complete"
-    if complete.is_file():
-        last = json.loads(complete.read_text())["tag"]
+    from moe_scale.train.checkpoint import latest_complete_tag
+
+    last = latest_complete_tag(run)
+    if last is not None:
         for tag in (run / "checkpoints").glob("step*"):
             if tag.name != last:
                 shutil.rmtree(tag, ignore_errors=True)
