@@ -1,8 +1,10 @@
 """Language-model windows laid out so that the global batch does not depend on the world size.
 
 Legend: R global rows (= global batch size), B = R / world_size rows on this rank, T = seq_len,
-W = windows per row (num_windows). Row i holds the tokens of shard i of R contiguous sentence shards,
-each sentence as <S> w1 .. wn </S>; window w of a row is tokens [w*T, w*T + T] (T+1 tokens; consecutive
+W = windows per row (num_windows). Row i holds the i-th of R contiguous runs of sentences, each sentence as
+<S> w1 .. wn </S>; the runs are cut where the running count of words reaches i/R of the text's (not after equal
+numbers of lines: paragraphs vary, and the shortest row ends an epoch), so rows differ by less than one
+sentence. Window w of a row is tokens [w*T, w*T + T] (T+1 tokens; consecutive
 windows share one token), split into inputs = window[:-1] and targets = window[1:].
 
 A rank reads and tokenizes only its own B rows. Step s uses window (s mod W) of every row (after an
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from datasets import Dataset
 
@@ -39,6 +42,22 @@ def _tokens_per_word(rows: list[np.ndarray], words: int) -> float:
     return tokens / words if words else 1.0
 
 
+def row_bounds(sentences: Dataset, rows: int, batch_size: int = 1 << 16) -> np.ndarray:
+    """R+1 sentence indices: row i is sentences [b[i], b[i+1]), the sentences whose middle token falls in the
+    i-th R-th of the text, counting each sentence's words and its <S> and </S> (its tokens under the word
+    vocabulary). Arrow counts the words in pieces of `batch_size` sentences, nothing is tokenized, and every
+    rank computes the same bounds."""
+    n = len(sentences)
+    if n == 0:
+        return np.zeros(rows + 1, dtype=np.int64)
+    counts = [pc.list_value_length(pc.utf8_split_whitespace(t.column("text"))).to_numpy(zero_copy_only=False)
+              for t in sentences.with_format("arrow").iter(batch_size=batch_size)]
+    tokens = np.concatenate(counts).astype(np.int64) + 2
+    middle_x2 = 2 * np.cumsum(tokens) - tokens   # twice the position of each sentence's middle
+    starts = np.searchsorted(middle_x2 * rows, np.arange(rows, dtype=np.int64) * 2 * int(tokens.sum()), side="left")
+    return np.append(starts, n)
+
+
 class LMWindows:
     """Token windows for a causal LM: `batch(step)` gives this rank's (inputs_BT, targets_BT), int64."""
 
@@ -56,11 +75,12 @@ class LMWindows:
         self.seq_len, self.global_rows, self.rank, self.world_size = seq_len, global_rows, rank, world_size
         self.rows_per_rank = global_rows // world_size
         first = rank * self.rows_per_rank
-        n_sentences = len(sentences)
+        bounds = row_bounds(sentences, global_rows)
         self.rows: list[np.ndarray] = []  # B rows of int32 tokens
         words = 0
         for i in range(first, first + self.rows_per_rank):
-            texts = sentence_texts(sentences.shard(global_rows, i, contiguous=True)) if i < n_sentences else []
+            start, end = int(bounds[i]), int(bounds[i + 1])
+            texts = sentence_texts(sentences.select(range(start, end))) if end > start else []
             self.rows.append(_encode_row(texts, vocab))
             words += sum(len(t.split()) + 1 for t in texts)   # each </S> counts as a word
         # tokens per word of this rank's text (</S> both a token and a word; <S> neither): 1 for the word
@@ -80,7 +100,8 @@ class LMWindows:
     @property
     def epoch_share(self) -> float:
         """The share of this rank's target tokens an epoch trains on: rows end at sentence boundaries, and a
-        step takes the same window of every row, so the tail of every row longer than the shortest is unused."""
+        step takes the same window of every row, so the tail of every row past the shortest row's last whole
+        window is unused (under one sentence plus one window per row)."""
         available = sum(max(len(r) - 1, 0) for r in self.rows)
         return self.rows_per_rank * self.num_windows * self.seq_len / available
 

@@ -164,7 +164,8 @@ def test_kernel_choice_without_native(monkeypatch):
     f32, f64, bf16 = torch.empty(0), torch.empty(0, dtype=torch.float64), torch.empty(0, dtype=torch.bfloat16)
     assert GroupLayout([3, 1], bf16).kernel == "grouped"
     grouped_gemm._warn_loop.cache_clear()
-    with pytest.warns(UserWarning, match="one matmul per expert on cpu float64"):
+    with pytest.warns(UserWarning, match="one matmul per group on cpu float64; grouped GEMMs take float32, "
+                                         "bfloat16 and float16: train in one of those"):
         assert GroupLayout([33, 1], f64).kernel == "loop"
     with pytest.raises(ValueError, match="kernel must be one of"):
         GroupLayout([1], f32, kernel="fast")

@@ -84,16 +84,19 @@ def _triton_ops():
 
 def kernel_for(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None, has_grouped_mm: bool,
                has_triton: bool) -> tuple[str, str]:
-    """(kernel, why) for products on this device and dtype, the native CPU kernels aside."""
+    """(kernel, why) for products on this device and dtype, the native CPU kernels aside; `why` says why a loop
+    and what would avoid it."""
     if dtype not in _GROUPED_DTYPES:
-        return "loop", "grouped GEMMs take float32, bfloat16 and float16"
+        return "loop", "grouped GEMMs take float32, bfloat16 and float16: train in one of those"
     if device_type == "cpu":
-        return ("grouped", "") if has_grouped_mm else ("loop", "this torch has no F.grouped_mm")
+        return ("grouped", "") if has_grouped_mm else ("loop", "this torch has no F.grouped_mm: install torch "
+                                                               ">= 2.10")
     if has_grouped_mm and dtype == torch.bfloat16 and capability is not None and capability[0] in (9, 10):
         return "grouped", ""
     if has_triton:
         return "triton", ""
-    return "loop", "F.grouped_mm has no fast path for it here and Triton is not installed"
+    return "loop", ("F.grouped_mm has no fast path for it here and Triton is not installed: install triton, or "
+                    "train in bfloat16 on an H100-class GPU")
 
 
 def choose_kernel(like: torch.Tensor) -> str:
@@ -111,8 +114,8 @@ def choose_kernel(like: torch.Tensor) -> str:
 
 @functools.cache
 def _warn_loop(device: str, dtype: str, why: str) -> None:
-    warnings.warn(f"moe_scale: the experts run one matmul per expert on {device} {dtype} ({why}); "
-                  f"install triton or train in bfloat16 on an H100-class GPU for grouped GEMMs", stacklevel=3)
+    warnings.warn(f"moe_scale: grouped products (experts, hierarchical gates) run one matmul per group on {device} "
+                  f"{dtype}; {why}", stacklevel=3)
 
 
 class GroupLayout:
