@@ -185,8 +185,12 @@ def load_sentences(files: list[Path]) -> Dataset:
             if (offset := _first_bad_utf8(Path(f))) is not None:
                 raise not_utf8_error(Path(f), offset) from None
         raise
-    ds = ds.map(lambda b: {"text": [t.strip() for t in b["text"]]}, batched=True)
-    return ds.filter(lambda b: [bool(t) for t in b["text"]], batched=True)
+    return ds.map(_stripped_nonempty, batched=True)   # one table, no indices mapping (as `filter` would leave)
+
+
+def _stripped_nonempty(batch: dict) -> dict:
+    lines = (t.strip() for t in batch["text"])
+    return {"text": [t for t in lines if t]}
 
 
 def holdout_split(ds: Dataset, fraction: float) -> tuple[Dataset, Dataset, Dataset]:
