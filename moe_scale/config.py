@@ -379,6 +379,8 @@ class RunDirConfig:
                                        "run cannot be resumed or evaluated)")
     resume_from: str | None = _f(None, "with --resume: continue from this checkpoint (a tag such as step00000400 in "
                                        "--out/checkpoints) instead of the newest complete one")
+    keep_checkpoints: int = _f(2, "complete checkpoints kept in --out/checkpoints, the newest (each save deletes "
+                                  "older ones); 0: keep them all")
 
     def validate(self) -> None:
         _positive(log_interval=self.log_interval, eval_interval=self.eval_interval)
@@ -386,6 +388,8 @@ class RunDirConfig:
             raise UserError("--eval-max-batches must not be negative")
         if self.checkpoint_interval < 0:
             raise UserError(f"--checkpoint-interval must be 0 (never) or positive (got {self.checkpoint_interval})")
+        if self.keep_checkpoints < 0:
+            raise UserError(f"--keep-checkpoints must be 0 (keep all) or positive (got {self.keep_checkpoints})")
         if self.resume and self.overwrite:
             raise UserError("--resume and --overwrite contradict each other; pass one of them")
 

@@ -48,7 +48,7 @@ _DEST = "setting:"
 # run's own (its config.json): a resume that silently trained on other data or with another learning rate would
 # report numbers of a run that never happened.
 RESUMABLE_CHANGES = ("max_steps", "token_budget", "log_interval", "eval_interval", "eval_max_batches",
-                     "checkpoint_interval", "resume_from", "ep_size")
+                     "checkpoint_interval", "keep_checkpoints", "resume_from", "ep_size")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

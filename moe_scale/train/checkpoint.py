@@ -24,7 +24,6 @@ from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
 from moe_scale.train.reshard import has_portable, load_portable, save_portable
 
-KEEP_LAST = 2
 MANIFEST = "manifest.json"
 LAYOUT = "layout.json"
 # Settings that fix the weights' shapes and meaning: a checkpoint loads only into a model built with its values.
@@ -32,10 +31,11 @@ _SHAPE_SECTIONS = ("model", "moe", "attention", "softmax")
 _CHUNK = 1 << 22
 
 
-def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None) -> None:
+def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None, keep: int = 2) -> None:
     """DeepSpeed's files go to checkpoints/.partial-<tag>; once every rank has written, rank 0 adds a manifest
-    (each file's size and CRC-32), renames the directory to <tag> and points checkpoints/complete at it. A run
-    killed (or a disk full) before that leaves the previous complete checkpoint as it was."""
+    (each file's size and CRC-32), renames the directory to <tag> and points checkpoints/complete at it, then
+    deletes all but the newest `keep` checkpoints (0: none). A run killed (or a disk full) before that leaves the
+    previous complete checkpoint as it was."""
     directory = run / "checkpoints"
     tag = f"step{step:08d}"
     partial = directory / f".partial-{tag}"
@@ -64,7 +64,7 @@ def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None) -
         partial.replace(directory / tag)
         write_json_atomic(directory / "complete", {"tag": tag, "step": step, "manifest": f"{tag}/{MANIFEST}"})
         tags = sorted(p.name for p in directory.glob("step*") if p.is_dir())
-        for old in tags[:-KEEP_LAST]:
+        for old in tags[:-keep] if keep else []:
             shutil.rmtree(directory / old, ignore_errors=True)
     dist.barrier()
 

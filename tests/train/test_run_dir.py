@@ -161,6 +161,27 @@ def test_checkpoint_interval_zero_writes_no_checkpoint(tmp_path, embedded_cache)
     assert [r["step"] for r in step_log(run)] == [1, 2, 3]
 
 
+def test_keep_checkpoints_keeps_the_newest_n_and_zero_keeps_all(tmp_path, embedded_cache):
+    run = tmp_path / "run"
+    tags = lambda: sorted(p.name for p in (run / "checkpoints").glob("step*"))   # noqa: E731
+    run_train([*TINY, "--max-steps", "4", "--checkpoint-interval", "1", "--keep-checkpoints", "3", "--out", str(run)],
+              cwd=tmp_path, cache=embedded_cache)
+    assert tags() == ["step00000002", "step00000003", "step00000004"]
+    run_train([*TINY, "--max-steps", "6", "--checkpoint-interval", "1", "--keep-checkpoints", "0", "--resume",
+               "--out", str(run)], cwd=tmp_path, cache=embedded_cache)   # may change on resume
+    assert tags() == [f"step0000000{i}" for i in range(2, 7)]
+    run_train([*TINY, "--max-steps", "7", "--resume", "--keep-checkpoints", "1", "--out", str(run)], cwd=tmp_path,
+              cache=embedded_cache)
+    assert tags() == ["step00000007"]
+    run = tmp_path / "default"
+    run_train([*TINY, "--max-steps", "3", "--checkpoint-interval", "1", "--out", str(run)], cwd=tmp_path,
+              cache=embedded_cache)
+    assert tags() == ["step00000002", "step00000003"]   # the default: 2
+    proc = run_cli("train", *TINY, "--keep-checkpoints", "-1", "--out", str(tmp_path / "other"), cwd=tmp_path)
+    assert_one_line_error(proc, "--keep-checkpoints must be 0 (keep all) or positive (got -1)")
+    assert not (tmp_path / "other").exists()
+
+
 def test_a_runs_files_are_readable_by_whoever_may_read_the_directory(tmp_path, embedded_cache):
     """Run files are written to a temporary name (owner-only) and renamed: the finished files get the usual
     0666 less the umask, not the temporary file's 0600 (a shared cluster account's group must read them)."""
