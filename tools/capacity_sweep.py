@@ -167,6 +167,7 @@ def _train(model: Model, seed: int, run: Path, args, log) -> None:
     common = ["train", "--data", args.data, "--test-data", args.test_data, "--vocab-size", str(args.vocab_size), "--batch-size",
               str(args.batch_size), "--seq-len", str(args.seq_len), "--max-steps", str(args.max_steps),
               "--seed", str(seed), "--checkpoint-interval", str(args.checkpoint_interval),
+              "--keep-checkpoints", "1",   # the one eval, generate and export read (thousands of experts: GBs each)
               "--eval-interval", str(args.max_steps), "--log-interval", str(max(1, args.max_steps // 10)),
               "--out", str(run)]
     if resume:
@@ -230,18 +231,6 @@ def _first_pass_ppl(run: Path, log: Path, tokens_per_word: float) -> float | Non
     return math.exp(statistics.fmean(losses.values()) * tokens_per_word) if losses else None
 
 
-def _keep_last_checkpoint(run: Path) -> None:
-    """A scored point keeps only the checkpoint its run finished with (for eval, generate, export): the trainer
-    keeps two, and at thousands of experts each is gigabytes."""
-    from moe_scale.train.checkpoint import latest_complete_tag
-
-    last = latest_complete_tag(run)
-    if last is not None:
-        for tag in (run / "checkpoints").glob("step*"):
-            if tag.name != last:
-                shutil.rmtree(tag, ignore_errors=True)
-
-
 def _spread(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "values": values}
 
@@ -258,7 +247,6 @@ def sweep(args) -> dict:
             _train(model, seed, run, args, log)
             summary = json.loads((run / "summary.json").read_text())
             test_ppl = _test_ppl(run, log)
-            _keep_last_checkpoint(run)
             results[model.name]["seeds"][seed] = {
                 "run": str(run.relative_to(out)), "test_ppl": test_ppl, "valid_ppl": summary["valid_ppl"],
                 "first_pass_ppl": _first_pass_ppl(run, log, summary["tokens_per_word"]),
