@@ -31,7 +31,7 @@ _SHAPE_SECTIONS = ("model", "moe", "attention", "softmax")
 _CHUNK = 1 << 22
 
 
-def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None, keep: int = 2) -> None:
+def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None, *, keep: int) -> None:
     """DeepSpeed's files go to checkpoints/.partial-<tag>; once every rank has written, rank 0 adds a manifest
     (each file's size and CRC-32), renames the directory to <tag> and points checkpoints/complete at it, then
     deletes all but the newest `keep` checkpoints (0: none). A run killed (or a disk full) before that leaves the

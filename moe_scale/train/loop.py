@@ -211,7 +211,7 @@ def _train(config, env, data, model, trainer, noises, mae, run, start_step, ds_c
                                                                   in valid.items() if name not in _EVAL_TOTALS}})
             logger.line(f"step {done}/{t.max_steps}  valid ppl {valid['ppl']:.2f}")
         if checkpoint_now:
-            save_checkpoint(engine, run, done, env.rank, data.train, r.keep_checkpoints)
+            save_checkpoint(engine, run, done, env.rank, data.train, keep=r.keep_checkpoints)
         if stop:
             saved = f"checkpoint step{done:08d} written; resume with --resume" if checkpoint_now else \
                 "this run writes no checkpoints (--checkpoint-interval 0), so it cannot be resumed"

@@ -136,11 +136,11 @@ def test_a_failed_or_killed_save_leaves_the_previous_checkpoint_in_use(run, monk
     monkeypatch.setattr(ckpt, "_ep_size", lambda model: 1)
     marker = (run / "checkpoints" / "complete").read_text()
     with pytest.raises(UserError, match=f"No space left on device.*previous complete checkpoint {NEW} is intact"):
-        ckpt.save_checkpoint(_FullDisk(), run, step=9, rank=0)
+        ckpt.save_checkpoint(_FullDisk(), run, step=9, rank=0, keep=2)
     assert (run / "checkpoints" / "complete").read_text() == marker
     assert ckpt.choose_checkpoint(run, None, "--resume-from") == (NEW, 6)
     # the next save (after a resume) clears the killed one's leftovers and writes the checkpoint whole
-    ckpt.save_checkpoint(_Writes(), run, step=9, rank=0)
+    ckpt.save_checkpoint(_Writes(), run, step=9, rank=0, keep=2)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["complete", NEW, "step00000009"]
     assert ckpt.choose_checkpoint(run, None, "--resume-from") == ("step00000009", 9)
 
