@@ -17,7 +17,7 @@ import sys
 
 from moe_scale.commands import eval as eval_command
 from moe_scale.commands import export, flops, generate, plan, prune_heads, train
-from moe_scale.distributed.launch import select_accelerator
+from moe_scale.distributed.launch import select_accelerator, shutdown_distributed
 from moe_scale.errors import UserError
 from moe_scale.host_memory import apply_process_settings
 
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"moe-scale: error: {e}", file=sys.stderr)
         return 2
+    shutdown_distributed()   # only after success: a rank that failed alone must not wait in a barrier
     return 0
 
 

@@ -34,3 +34,45 @@ def test_single_process_defaults():
     fill_env_from_launcher(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("0", "1", "0", "127.0.0.1")
     assert 0 < int(env["MASTER_PORT"]) < 65536
+
+
+def _shutdown_rank(rank: int, world_size: int, port: int, results) -> None:
+    import torch
+
+    from moe_scale.distributed.launch import shutdown_distributed
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world_size)
+    shutdown_distributed()
+    results.put((rank, torch.distributed.is_initialized()))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_shutdown_destroys_a_multi_rank_group_and_keeps_a_single_one():
+    """Several ranks leave their process group before exit (gloo could abort a finished rank otherwise); one
+    process keeps it, so in-process callers can run another command."""
+    import multiprocessing as mp
+
+    from tests.multiproc import free_port
+
+    ctx = mp.get_context("spawn")
+    for world_size, still_up in ((2, False), (1, True)):
+        results, port = ctx.Queue(), free_port()
+        procs = [ctx.Process(target=_shutdown_rank, args=(r, world_size, port, results)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        seen = sorted(results.get(timeout=120) for _ in range(world_size))
+        for p in procs:
+            p.join(timeout=30)
+        assert seen == [(r, still_up) for r in range(world_size)]
+        assert [p.exitcode for p in procs] == [0] * world_size
+
+
+def test_main_shuts_down_only_after_success(monkeypatch, capsys):
+    import moe_scale.cli as cli
+
+    calls = []
+    monkeypatch.setattr(cli, "shutdown_distributed", lambda: calls.append(1))
+    assert cli.main(["flops", "--list"]) == 0 and calls == [1]
+    assert cli.main(["flops", "--preset", "no-such-preset"]) == 2 and calls == [1]

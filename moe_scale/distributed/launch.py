@@ -169,3 +169,15 @@ def init_distributed() -> DistEnv:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     return DistEnv(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device, backend)
+
+
+def shutdown_distributed() -> None:
+    """Leave torch.distributed together: a barrier, then destroy_process_group (collective; every rank calls it
+    after a command that succeeded). A process group left for the interpreter's exit to tear down can abort a
+    rank in gloo's threads ("terminate called without an active exception", status -6) after a finished run.
+    Only for several ranks: one process has no peers to race, and a command called in-process (tests,
+    notebooks) keeps its group and DeepSpeed's cached expert groups usable for the next call."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
