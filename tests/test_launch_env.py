@@ -69,7 +69,7 @@ def test_shutdown_destroys_a_multi_rank_group_and_keeps_a_single_one():
         assert [p.exitcode for p in procs] == [0] * world_size
 
 
-def test_main_shuts_down_only_after_success(monkeypatch, capsys):
+def test_main_shuts_down_only_after_success(monkeypatch):
     import moe_scale.cli as cli
 
     calls = []
