@@ -76,12 +76,12 @@ def _corpus(root: Path) -> Path:
     return root
 
 
-def _sweep(data: Path, out: Path, steps: int) -> list[str]:
+def _sweep(data: Path, out: Path, steps: int, *flags: str) -> list[str]:
     return [sys.executable, str(TOOL), "--out", str(out), "--data", str(data / "train.txt"), "--test-data",
             str(data / "test.txt"), "--models", "dense,moe-32",
             "--seeds", "1", "--d-model", "32", "--ffn-hidden", "256", "--vocab-size", "500", "--batch-size", "8",
-            "--seq-len", "16", "--max-steps", str(steps), "--checkpoint-interval", "20", "--extra",
-            "--eval-max-batches", "4"]
+            "--seq-len", "16", "--max-steps", str(steps), "--checkpoint-interval", "20", *flags,
+            "--extra", "--eval-max-batches", "4"]
 
 
 @pytest.mark.slow
@@ -99,8 +99,11 @@ def test_two_point_sweep_writes_its_report_and_a_killed_sweep_resumes(tmp_path, 
     assert (out / "runs" / "dense-s1" / "summary.json").is_file()
     assert not (out / "runs" / "moe-32-s1" / "summary.json").exists(), "the run ended before it could be killed"
     finished = (out / "runs" / "dense-s1" / "train_log.jsonl").read_bytes()
+    assert not (out / "runs" / "dense-s1" / "checkpoints").exists()   # scored, so its checkpoints went
 
-    again = subprocess.run(_sweep(data, out, 400), env=env, capture_output=True, text=True, timeout=900)
+    # started again (keeping checkpoints this time, which changes no result)
+    again = subprocess.run(_sweep(data, out, 400, "--keep-checkpoints"), env=env, capture_output=True, text=True,
+                           timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (out / "runs" / "dense-s1" / "train_log.jsonl").read_bytes() == finished   # kept, not run again
     steps = [json.loads(line)["step"] for line in (out / "runs" / "moe-32-s1" / "train_log.jsonl").read_text()
@@ -116,7 +119,8 @@ def test_two_point_sweep_writes_its_report_and_a_killed_sweep_resumes(tmp_path, 
         seed = row["seeds"]["1"]
         assert (out / seed["run"] / "summary.json").is_file()
         assert seed["test_ppl"] > 1 and seed["tokens_per_s"] > 0
-        kept = [tag.name for tag in (out / seed["run"] / "checkpoints").glob("step*")]
-        assert kept == [json.loads((out / seed["run"] / "checkpoints" / "complete").read_text())["tag"]]
+    kept = [tag.name for tag in (out / "runs" / "moe-32-s1" / "checkpoints").glob("step*")]
+    assert kept == [json.loads((out / "runs" / "moe-32-s1" / "checkpoints" / "complete").read_text())["tag"]]
+    assert not (out / "runs" / "dense-s1" / "checkpoints").exists()
     assert rows["moe-32"]["params_excluding_embedding_softmax"] > rows["dense"]["params_excluding_embedding_softmax"]
     assert "[s1](runs/moe-32-s1)" in (out / "capacity.md").read_text()

@@ -14,7 +14,8 @@ matched is refused. The same text, tokens, schedule and seeds for all.
 Writes OUT/capacity.json, OUT/capacity.md (one row per model: ops/timestep, parameters without embedding and
 softmax, held-out (test), first-pass (text not trained on yet: the second half of the first epoch) and training
 perplexity per seed with their spread, tokens/s and TFLOPS/device, tokens/s against the dense baseline, a link to
-every run directory), OUT/capacity_ppl.png (the three perplexities against parameters, log x: Figure 2-left's
+every run directory; a finished run's checkpoints are deleted once it is scored unless --keep-checkpoints),
+OUT/capacity_ppl.png (the three perplexities against parameters, log x: Figure 2-left's
 form) and OUT/capacity_speed.png (tokens/s and TFLOPS/device against experts,
 the dense baseline as a line). Runs live in OUT/runs/<model>-s<seed>/; a killed sweep, started again with the
 same flags, keeps the finished runs, resumes a run from its last checkpoint, and starts the rest.
@@ -131,6 +132,9 @@ def parse_args(argv: list[str]):
     p.add_argument("--seq-len", type=positive_int, default=32)
     p.add_argument("--max-steps", type=positive_int, default=600)
     p.add_argument("--checkpoint-interval", type=positive_int, default=200)
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep each finished point's last checkpoint (by default it is deleted once the point's test "
+                        "perplexity is written: at thousands of experts a checkpoint takes GBs)")
     p.add_argument("--match", type=positive_float, default=0.05, help="largest relative ops/timestep difference")
     p.add_argument("--extra", nargs="...", default=[], help="the rest goes to every `moe-scale train`")
     args = p.parse_args(argv)
@@ -216,6 +220,12 @@ def _test_ppl(run: Path, log: Path) -> float:
     return json.loads(cached.read_text())["ppl"]
 
 
+def drop_checkpoints(run: Path) -> None:
+    """A finished point's checkpoints, once its test perplexity is cached: nothing of the sweep reads them again."""
+    if (run / "summary.json").is_file() and (run / "capacity_test.json").is_file():
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
+
+
 def _first_pass_ppl(run: Path, log: Path, tokens_per_word: float) -> float | None:
     """Perplexity per word on text the model had not trained on yet: exp(mean training loss over the second half of
     the first pass over the data, dropout on). None if the log does not say how long a pass is."""
@@ -247,6 +257,8 @@ def sweep(args) -> dict:
             _train(model, seed, run, args, log)
             summary = json.loads((run / "summary.json").read_text())
             test_ppl = _test_ppl(run, log)
+            if not args.keep_checkpoints:
+                drop_checkpoints(run)
             results[model.name]["seeds"][seed] = {
                 "run": str(run.relative_to(out)), "test_ppl": test_ppl, "valid_ppl": summary["valid_ppl"],
                 "first_pass_ppl": _first_pass_ppl(run, log, summary["tokens_per_word"]),

@@ -47,18 +47,20 @@ def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None, *
         save_portable(engine, partial, rank)   # the same state by name, for a resume with another layout
         if hasattr(data_source, "state_dict"):
             _save_stream_state(partial / f"data_stream_rank{rank}.pt", data_source.state_dict())
-    except OSError as e:
-        previous = latest_complete_tag(run)
-        raise UserError(f"writing checkpoint {tag} failed ({e.strerror or e}); "
-                        + (f"the previous complete checkpoint {previous} is intact" if previous else
-                           "no earlier checkpoint exists") + "; free space and continue with --resume") from None
+    except (OSError, RuntimeError) as e:
+        if (failure := _write_failed(e, run, tag)) is None:
+            raise
+        raise failure from None
     dist.barrier()
     if rank == 0:
-        if (run / "config.json").is_file():   # what the weights were trained as, checked on every load
-            shutil.copyfile(run / "config.json", partial / "config.json")
-        write_json_atomic(partial / LAYOUT, {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                                             "ep_size": _ep_size(engine.module)})
-        write_json_atomic(partial / MANIFEST, _manifest(partial))
+        try:
+            if (run / "config.json").is_file():   # what the weights were trained as, checked on every load
+                shutil.copyfile(run / "config.json", partial / "config.json")
+            write_json_atomic(partial / LAYOUT, {"world_size": dist.get_world_size() if dist.is_initialized()
+                                                 else 1, "ep_size": _ep_size(engine.module)})
+            write_json_atomic(partial / MANIFEST, _manifest(partial))
+        except OSError as e:
+            raise _write_failed(e, run, tag) from None
         if (directory / tag).exists():
             shutil.rmtree(directory / tag)
         partial.replace(directory / tag)
@@ -67,6 +69,33 @@ def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None, *
         for old in tags[:-keep] if keep else []:
             shutil.rmtree(directory / old, ignore_errors=True)
     dist.barrier()
+
+
+# torch.save's zip writer reports a failed write (a full disk: ENOSPC) as a RuntimeError with one of these.
+_TORCH_WRITER_ERRORS = ("inline_container.cc", "iostream error", "PytorchStreamWriter", "file write failed")
+_NEARLY_FULL = 256 << 20
+
+
+def _write_failed(e: Exception, run: Path, tag: str) -> UserError | None:
+    """The one line for a checkpoint that could not be written (a full disk, from Python or from torch's writer);
+    None for any other error, which surfaces as it is."""
+    if isinstance(e, OSError):
+        reason = e.strerror or str(e)
+    elif any(marker in str(err) for err in (e, e.__context__) for marker in _TORCH_WRITER_ERRORS):
+        try:
+            free = shutil.disk_usage(run / "checkpoints").free
+        except OSError:
+            free = None
+        if free is not None and free < _NEARLY_FULL:
+            reason = f"No space left on device: {free >> 20} MiB free"
+        else:
+            reason = f"torch could not write the file: {' '.join(str(e).split())[:200]}"
+    else:
+        return None
+    previous = latest_complete_tag(run)
+    return UserError(f"writing checkpoint {tag} to {run / 'checkpoints'} failed ({reason}); "
+                     + (f"the previous complete checkpoint {previous} is intact" if previous else
+                        "no earlier checkpoint exists") + "; free space and continue with --resume")
 
 
 def _manifest(directory: Path) -> dict:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
@@ -143,6 +144,55 @@ def test_a_failed_or_killed_save_leaves_the_previous_checkpoint_in_use(run, monk
     ckpt.save_checkpoint(_Writes(), run, step=9, rank=0, keep=2)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["complete", NEW, "step00000009"]
     assert ckpt.choose_checkpoint(run, None, "--resume-from") == ("step00000009", 9)
+
+
+class _TorchWriterFails:
+    """An engine whose torch.save meets a full device (/dev/full), as torch's zip writer reports it."""
+
+    module = None
+
+    def save_checkpoint(self, directory, tag, **_):
+        (Path(directory) / tag).mkdir(parents=True)
+        torch.save({"w": torch.zeros(1 << 16)}, "/dev/full")
+
+
+class _Bug:
+    module = None
+
+    def save_checkpoint(self, directory, tag, **_):
+        raise RuntimeError("a bug, not the disk")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_disk_inside_torch_save_is_the_same_one_line(run, monkeypatch):
+    """torch's writer reports ENOSPC as RuntimeError ('unexpected pos'): with the disk nearly full that is the
+    full-disk line; with space left, torch's own words; any other RuntimeError surfaces as it was."""
+    monkeypatch.setattr(ckpt.dist, "barrier", lambda *a, **k: None)
+    usage = shutil.disk_usage(run)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage._replace(free=3 << 20))
+    with pytest.raises(UserError, match=f"writing checkpoint step00000009 to {run / 'checkpoints'} failed \\(No "
+                       f"space left on device: 3 MiB free\\); the previous complete checkpoint {NEW} is intact"):
+        ckpt.save_checkpoint(_TorchWriterFails(), run, step=9, rank=0, keep=2)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage._replace(free=50 << 30))
+    with pytest.raises(UserError, match="failed \\(torch could not write the file: .*unexpected pos"):
+        ckpt.save_checkpoint(_TorchWriterFails(), run, step=9, rank=0, keep=2)
+    with pytest.raises(RuntimeError, match="^a bug, not the disk$"):
+        ckpt.save_checkpoint(_Bug(), run, step=9, rank=0, keep=2)
+    assert ckpt.choose_checkpoint(run, None, "--resume-from") == (NEW, 6)
+
+
+def test_a_full_disk_while_rank_0_writes_the_manifest_is_the_same_one_line(run, monkeypatch):
+    monkeypatch.setattr(ckpt.dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(ckpt, "save_portable", lambda *a: None)
+    monkeypatch.setattr(ckpt, "_ep_size", lambda model: 1)
+
+    def full(path, value):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "write_json_atomic", full)
+    with pytest.raises(UserError, match=f"No space left on device\\); the previous complete checkpoint {NEW}"):
+        ckpt.save_checkpoint(_Writes(), run, step=9, rank=0, keep=2)
+    assert ckpt.choose_checkpoint(run, None, "--resume-from") == (NEW, 6)
 
 
 def _edit_config(run: Path, section: str, key: str, value) -> None:
