@@ -62,6 +62,9 @@ def row_bounds(sentences: Dataset, rows: int, batch_size: int = 1 << 16) -> np.n
 class LMWindows:
     """Token windows for a causal LM: `batch(step)` gives this rank's (inputs_BT, targets_BT), int64."""
 
+    # How rows are cut, recorded in every checkpoint: a resume from one cut otherwise reads another text order.
+    row_layout = "tokens"
+
     def __init__(self, sentences: Dataset, vocab: Vocab, seq_len: int, global_rows: int,
                  rank: int = 0, world_size: int = 1, min_over_ranks: Callable[[int], int] = lambda n: n,
                  what: str = "the training data"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import zlib
 from pathlib import Path
 
@@ -56,8 +57,11 @@ def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None, *
         try:
             if (run / "config.json").is_file():   # what the weights were trained as, checked on every load
                 shutil.copyfile(run / "config.json", partial / "config.json")
-            write_json_atomic(partial / LAYOUT, {"world_size": dist.get_world_size() if dist.is_initialized()
-                                                 else 1, "ep_size": _ep_size(engine.module)})
+            layout = {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                      "ep_size": _ep_size(engine.module)}
+            if hasattr(data_source, "row_layout"):
+                layout["rows"] = data_source.row_layout
+            write_json_atomic(partial / LAYOUT, layout)
             write_json_atomic(partial / MANIFEST, _manifest(partial))
         except OSError as e:
             raise _write_failed(e, run, tag) from None
@@ -252,6 +256,7 @@ def load_checkpoint(engine, run: Path, tag: str, data_source=None) -> int:
         load_weights(engine, run, tag, module_only=True)
         load_portable(engine, directory / tag)
         step = int(tag.removeprefix("step"))
+    _warn_if_rows_changed(directory / tag, data_source, step)
     if hasattr(data_source, "load_state_dict"):
         rank = dist.get_rank() if dist.is_initialized() else 0
         path = directory / tag / f"data_stream_rank{rank}.pt"
@@ -264,6 +269,22 @@ def load_checkpoint(engine, run: Path, tag: str, data_source=None) -> int:
                             "the checkpoint directory is inconsistent, start a new run")
         data_source.load_state_dict(state)
     return step
+
+
+def _warn_if_rows_changed(checkpoint: Path, data_source, step: int) -> None:
+    """A checkpoint written before rows were cut by tokens (they were cut by lines) resumes exactly, but the text
+    is read in another order from there on: said once, by rank 0."""
+    rows = getattr(data_source, "row_layout", None)
+    if rows is None or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    try:
+        saved = json.loads((checkpoint / LAYOUT).read_text()).get("rows", "lines")
+    except (OSError, ValueError, AttributeError):
+        saved = "lines"   # written before the layout was recorded
+    if saved != rows:
+        print(f"moe-scale: warning: checkpoint {checkpoint.name} was trained on rows cut by {saved}, this version "
+              f"cuts them by {rows}: the model and optimizer resume exactly, but from step {step} on the run reads "
+              f"the text in another order; start a new run for one order throughout", file=sys.stderr, flush=True)
 
 
 def checkpoint_to_resume(run: Path, tag: str | None, config) -> str:

@@ -195,6 +195,25 @@ def test_a_full_disk_while_rank_0_writes_the_manifest_is_the_same_one_line(run, 
     assert ckpt.choose_checkpoint(run, None, "--resume-from") == (NEW, 6)
 
 
+def test_a_checkpoint_from_before_rows_were_cut_by_tokens_resumes_with_a_warning(run, embedded_cache):
+    layout = json.loads((run / "checkpoints" / NEW / "layout.json").read_text())
+    assert layout["rows"] == "tokens"
+    same = run.parent / "same"
+    shutil.copytree(run, same)
+    proc = run_train(["--resume", "--max-steps", "7", "--out", str(same)], cwd=run.parent, cache=embedded_cache)
+    assert "warning" not in proc.stderr
+    del layout["rows"]   # as written before 2026-11-26, when rows were cut after equal numbers of lines
+    (run / "checkpoints" / NEW / "layout.json").write_text(json.dumps(layout))
+    manifest = json.loads((run / "checkpoints" / NEW / "manifest.json").read_text())
+    del manifest["layout.json"]
+    (run / "checkpoints" / NEW / "manifest.json").write_text(json.dumps(manifest))
+    proc = run_train(["--resume", "--max-steps", "7", "--out", str(run)], cwd=run.parent, cache=embedded_cache)
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and f"checkpoint {NEW} was trained on rows cut by lines" in warnings[0]
+    assert "from step 6 on the run reads the text in another order" in warnings[0]
+    assert [r["loss"] for r in step_log(run)] == [r["loss"] for r in step_log(same)]   # the same data here
+
+
 def _edit_config(run: Path, section: str, key: str, value) -> None:
     config = json.loads((run / "config.json").read_text())
     config[section][key] = value

@@ -38,7 +38,7 @@ def _resharded_run_matches(tmp_path, cache, before: tuple[int, int], after: tupl
     for x, y in zip(a[2:], b[2:]):
         assert abs(x["loss"] - y["loss"]) < 1e-5 and abs(x["grad_norm"] - y["grad_norm"]) < 1e-5, (x, y)
     layout = json.loads((resumed / "checkpoints" / "step00000004" / "layout.json").read_text())
-    assert layout == {"world_size": new_procs, "ep_size": new_ep}
+    assert layout == {"world_size": new_procs, "ep_size": new_ep, "rows": "tokens"}
 
 
 @pytest.mark.parametrize("ds", ["zero2_ep", "cpu"])
