@@ -42,18 +42,30 @@ def _tokens_per_word(rows: list[np.ndarray], words: int) -> float:
     return tokens / words if words else 1.0
 
 
+# Whitespace other than " " that str.split() (the word vocabulary's) splits on; RE2's \s lacks \v and Unicode's.
+_OTHER_SPACE = (r"[\t\n\x{0b}\f\r\x{1c}-\x{1f}\x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}"
+                r"\x{205f}\x{3000}]")
+
+
 def row_bounds(sentences: Dataset, rows: int, batch_size: int = 1 << 16) -> np.ndarray:
     """R+1 sentence indices: row i is sentences [b[i], b[i+1]), the sentences whose middle token falls in the
-    i-th R-th of the text, a sentence counting as its spaces + 3 tokens (its words, <S> and </S> when single
-    spaces separate the words, as in pre-tokenised corpora and in the lines `load_sentences` strips). Arrow counts
-    the spaces in pieces of `batch_size` sentences (tokenizing would cost ~20x more, on every rank), and every
-    rank computes the same bounds."""
+    i-th R-th of the text, a sentence counting as its words + 2 tokens (<S> and </S>; the word vocabulary's count;
+    `load_sentences` strips every line, so a sentence has one run of whitespace fewer than words). Arrow counts
+    the runs in pieces of `batch_size` sentences: single spaces (most corpora) by a substring count, a piece with
+    other whitespace by a regex (tokenizing would cost ~20x more, on every rank); every rank computes the same
+    bounds."""
     n = len(sentences)
     if n == 0:
         return np.zeros(rows + 1, dtype=np.int64)
-    spaces = [pc.count_substring(t.column("text"), " ").to_numpy(zero_copy_only=False)
-              for t in sentences.with_format("arrow").iter(batch_size=batch_size)]
-    tokens = np.concatenate(spaces).astype(np.int64) + 3
+    gaps = []
+    for piece in sentences.with_format("arrow").iter(batch_size=batch_size):
+        text = piece.column("text")
+        if pc.any(pc.match_substring_regex(text, f"  |{_OTHER_SPACE}")).as_py():
+            counts = pc.count_substring_regex(text, f"(?:{_OTHER_SPACE}| )+")
+        else:
+            counts = pc.count_substring(text, " ")
+        gaps.append(counts.to_numpy(zero_copy_only=False))
+    tokens = np.concatenate(gaps).astype(np.int64) + 3
     middle_x2 = 2 * np.cumsum(tokens) - tokens   # twice the position of each sentence's middle
     starts = np.searchsorted(middle_x2 * rows, np.arange(rows, dtype=np.int64) * 2 * int(tokens.sum()), side="left")
     return np.append(starts, n)

@@ -124,9 +124,8 @@ def test_lm1b_shards_end_to_end(lm1b_shards, tmp_path, monkeypatch):
 
 
 def _row_bounds_reference(texts, rows):
-    """A loop: each sentence goes to the row holding its middle token (tokens = spaces + 3: words + <S> + </S>
-    for single-spaced words)."""
-    lengths = [t.count(" ") + 3 for t in texts]
+    """A loop: each sentence goes to the row holding its middle token (tokens = words + <S> + </S>)."""
+    lengths = [len(t.split()) + 2 for t in texts]
     total, position, row_of = sum(lengths), 0, []
     for n in lengths:
         row_of.append(min(int((position + n / 2) * rows // total), rows - 1))
@@ -140,10 +139,15 @@ def test_row_bounds_balance_tokens_not_lines(rows):
     reference loop, cover every sentence once in order, and differ from total/R by less than one sentence."""
     rng = np.random.default_rng(rows)
     texts = [" ".join(["w"] * int(n)) for n in rng.choice([1, 3, 40, 400], size=300, p=[.4, .3, .2, .1])]
-    texts[5] = "tab\tand\u00a0no-break  spaces"   # counted as 2 + 3 = 5 tokens (the word vocabulary: 6)
     ds = Dataset.from_dict({"text": texts})
     bounds = row_bounds(ds, rows, batch_size=64)   # several Arrow pieces
     assert bounds.tolist() == _row_bounds_reference(texts, rows)
+    # the same text with its words separated by every kind of whitespace str.split() knows, and runs of it
+    spaces = [chr(c) for c in range(0x110000) if chr(c).isspace()]
+    rng_spaces = np.random.default_rng(0)
+    odd = [t.replace(" ", "".join(rng_spaces.choice(spaces, size=rng_spaces.integers(1, 4)))) for t in texts]
+    odd_ds = Dataset.from_dict({"text": odd[:64] + texts[64:]})   # one Arrow piece irregular, the rest single-spaced
+    assert row_bounds(odd_ds, rows, batch_size=64).tolist() == bounds.tolist()
     assert row_bounds(ds.select(range(299, -1, -1)), rows).tolist() == _row_bounds_reference(texts[::-1], rows)
     tokens = np.array([len(t.split()) + 2 for t in texts])
     per_row = np.array([tokens[bounds[i]:bounds[i + 1]].sum() for i in range(rows)])
