@@ -233,10 +233,25 @@ def load_weights(engine, run: Path, tag: str, module_only: bool = False) -> dict
                                                  load_optimizer_states=not module_only,
                                                  load_lr_scheduler_states=not module_only)
     except (RuntimeError, KeyError, ValueError, OSError) as e:
+        if _secondary_gates_replicated(run / "checkpoints" / tag):
+            raise UserError(f"checkpoint {tag} was written before the hierarchical gate's secondary matrices were "
+                            f"stored with their experts (moe_scale before 2026-11-26): eval and generate read it "
+                            f"with 1 process; training cannot resume from it, start a new run") from None
         what = " ".join(str(e).split())[:300] or type(e).__name__
         raise UserError(f"checkpoint {tag} does not fit this model ({what}); was {run / 'config.json'} or "
                         f"{run / 'vocab'} edited? restore them, or use another checkpoint") from None
     return client_state or {}
+
+
+def _secondary_gates_replicated(checkpoint: Path) -> bool:
+    """Whether a checkpoint holds the hierarchical gate's secondary matrices whole in its non-expert file, as
+    before they were sharded with their experts (read only after a load has failed)."""
+    try:
+        module = torch.load(checkpoint / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False,
+                            mmap=True)["module"]
+    except Exception:   # unreadable or not DeepSpeed's: the caller's message stands
+        return False
+    return any(key.endswith("_secondary") for key in module)
 
 
 def _instead(run: Path, flag: str, skip: str | None = None) -> str:

@@ -214,6 +214,32 @@ def test_a_checkpoint_from_before_rows_were_cut_by_tokens_resumes_with_a_warning
     assert [r["loss"] for r in step_log(run)] == [r["loss"] for r in step_log(same)]   # the same data here
 
 
+class _DoesNotFit:
+    module = None
+
+    def load_checkpoint(self, *a, **k):
+        raise RuntimeError("loaded state dict contains a parameter group that doesn't match the size of optimizer's "
+                           "group")
+
+
+def test_a_hierarchical_checkpoint_from_before_sharded_secondary_gates_is_named_as_such(tmp_path):
+    """Before 2026-11-26 the hierarchical gate's secondary matrices were whole in the non-expert file; such a
+    checkpoint no longer resumes (its optimizer groups differ), and the line says why instead of blaming an edit."""
+    old = tmp_path / "run" / "checkpoints" / "step00000004"
+    old.mkdir(parents=True)
+    torch.save({"module": {"moe.router.w_gate_primary": torch.zeros(32, 4),
+                           "moe.router.w_gate_secondary": torch.zeros(4, 32, 4)}}, old / "mp_rank_00_model_states.pt")
+    with pytest.raises(UserError, match="^checkpoint step00000004 was written before the hierarchical gate's "
+                       "secondary matrices were stored with their experts .*training cannot resume from it"):
+        ckpt.load_weights(_DoesNotFit(), tmp_path / "run", "step00000004")
+    torch.save({"module": {"moe.router.w_gate": torch.zeros(32, 4)}}, old / "mp_rank_00_model_states.pt")
+    with pytest.raises(UserError, match="^checkpoint step00000004 does not fit this model .*doesn't match"):
+        ckpt.load_weights(_DoesNotFit(), tmp_path / "run", "step00000004")
+    (old / "mp_rank_00_model_states.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="does not fit this model"):
+        ckpt.load_weights(_DoesNotFit(), tmp_path / "run", "step00000004")
+
+
 def _edit_config(run: Path, section: str, key: str, value) -> None:
     config = json.loads((run / "config.json").read_text())
     config[section][key] = value
