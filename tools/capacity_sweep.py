@@ -220,12 +220,6 @@ def _test_ppl(run: Path, log: Path) -> float:
     return json.loads(cached.read_text())["ppl"]
 
 
-def drop_checkpoints(run: Path) -> None:
-    """A finished point's checkpoints, once its test perplexity is cached: nothing of the sweep reads them again."""
-    if (run / "summary.json").is_file() and (run / "capacity_test.json").is_file():
-        shutil.rmtree(run / "checkpoints", ignore_errors=True)
-
-
 def _first_pass_ppl(run: Path, log: Path, tokens_per_word: float) -> float | None:
     """Perplexity per word on text the model had not trained on yet: exp(mean training loss over the second half of
     the first pass over the data, dropout on). None if the log does not say how long a pass is."""
@@ -257,8 +251,8 @@ def sweep(args) -> dict:
             _train(model, seed, run, args, log)
             summary = json.loads((run / "summary.json").read_text())
             test_ppl = _test_ppl(run, log)
-            if not args.keep_checkpoints:
-                drop_checkpoints(run)
+            if not args.keep_checkpoints:   # scored: nothing of the sweep reads them again (GBs each)
+                shutil.rmtree(run / "checkpoints", ignore_errors=True)
             results[model.name]["seeds"][seed] = {
                 "run": str(run.relative_to(out)), "test_ppl": test_ppl, "valid_ppl": summary["valid_ppl"],
                 "first_pass_ppl": _first_pass_ppl(run, log, summary["tokens_per_word"]),

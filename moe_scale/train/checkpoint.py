@@ -194,7 +194,7 @@ def _check_layout(run: Path, tag: str, world_size: int, ep_size: int, streamed: 
     """A resume with another number of processes or --ep-size needs the checkpoint's portable state."""
     checkpoint = run / "checkpoints" / tag
     saved = saved_layout(checkpoint)
-    if saved is None or saved == {"world_size": world_size, "ep_size": ep_size}:
+    if _same_layout(saved, world_size, ep_size):
         return
     was = f"{saved['world_size']} process{'es' if saved['world_size'] > 1 else ''} with --ep-size {saved['ep_size']}"
     if streamed:
@@ -206,7 +206,8 @@ def _check_layout(run: Path, tag: str, world_size: int, ep_size: int, streamed: 
 
 
 def saved_layout(checkpoint: Path) -> dict | None:
-    """{"world_size", "ep_size"} of the run that wrote a checkpoint (None: written before this was recorded)."""
+    """{"world_size", "ep_size", "rows"} of the run that wrote a checkpoint (None: written before this was
+    recorded; "rows": "lines" before rows were cut by tokens)."""
     try:
         saved = json.loads((checkpoint / LAYOUT).read_text())
     except FileNotFoundError:
@@ -216,7 +217,12 @@ def saved_layout(checkpoint: Path) -> dict | None:
     if not isinstance(saved, dict) or not isinstance(saved.get("world_size"), int):
         raise UserError(f"{checkpoint / LAYOUT} is not the JSON moe_scale writes; restore it or use another "
                         f"checkpoint")
-    return {"world_size": saved["world_size"], "ep_size": saved.get("ep_size", 1)}
+    return {"world_size": saved["world_size"], "ep_size": saved.get("ep_size", 1),
+            "rows": saved.get("rows", "lines")}
+
+
+def _same_layout(saved: dict | None, world_size: int, ep_size: int) -> bool:
+    return saved is None or (saved["world_size"], saved["ep_size"]) == (world_size, ep_size)
 
 
 def _ep_size(model) -> int:
@@ -265,13 +271,13 @@ def load_checkpoint(engine, run: Path, tag: str, data_source=None) -> int:
     directory = run / "checkpoints"
     saved = saved_layout(directory / tag)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if saved is None or saved == {"world_size": world, "ep_size": _ep_size(engine.module)}:
+    if _same_layout(saved, world, _ep_size(engine.module)):
         step = int(load_weights(engine, run, tag)["step"])
     else:   # another layout: weights by global expert from DeepSpeed's files, then the portable state
         load_weights(engine, run, tag, module_only=True)
         load_portable(engine, directory / tag)
         step = int(tag.removeprefix("step"))
-    _warn_if_rows_changed(directory / tag, data_source, step)
+    _warn_if_rows_changed(tag, saved["rows"] if saved else "lines", data_source, step)
     if hasattr(data_source, "load_state_dict"):
         rank = dist.get_rank() if dist.is_initialized() else 0
         path = directory / tag / f"data_stream_rank{rank}.pt"
@@ -286,20 +292,15 @@ def load_checkpoint(engine, run: Path, tag: str, data_source=None) -> int:
     return step
 
 
-def _warn_if_rows_changed(checkpoint: Path, data_source, step: int) -> None:
+def _warn_if_rows_changed(tag: str, saved: str, data_source, step: int) -> None:
     """A checkpoint written before rows were cut by tokens (they were cut by lines) resumes exactly, but the text
     is read in another order from there on: said once, by rank 0."""
     rows = getattr(data_source, "row_layout", None)
-    if rows is None or (dist.is_initialized() and dist.get_rank() != 0):
+    if rows is None or saved == rows or (dist.is_initialized() and dist.get_rank() != 0):
         return
-    try:
-        saved = json.loads((checkpoint / LAYOUT).read_text()).get("rows", "lines")
-    except (OSError, ValueError, AttributeError):
-        saved = "lines"   # written before the layout was recorded
-    if saved != rows:
-        print(f"moe-scale: warning: checkpoint {checkpoint.name} was trained on rows cut by {saved}, this version "
-              f"cuts them by {rows}: the model and optimizer resume exactly, but from step {step} on the run reads "
-              f"the text in another order; start a new run for one order throughout", file=sys.stderr, flush=True)
+    print(f"moe-scale: warning: checkpoint {tag} was trained on rows cut by {saved}, this version cuts them by "
+          f"{rows}: the model and optimizer resume exactly, but from step {step} on the run reads the text in "
+          f"another order; start a new run for one order throughout", file=sys.stderr, flush=True)
 
 
 def checkpoint_to_resume(run: Path, tag: str | None, config) -> str:
