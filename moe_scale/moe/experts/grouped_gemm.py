@@ -24,6 +24,7 @@ need); D and H must be multiples of 8 for bfloat16 on the GPU.
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 from dataclasses import dataclass
 from typing import Union
@@ -73,13 +74,14 @@ def _register_flop_formula() -> None:
 
 @functools.cache
 def _triton_ops():
-    """DeepSpeed's Triton grouped GEMM (forward products and weight gradients), or None without Triton."""
+    """The module of DeepSpeed's Triton grouped GEMM (its forward-product and weight-gradient kernels), or None
+    without Triton. (The package's attribute of the same name is the autograd wrapper, not the module.)"""
     try:
-        from deepspeed.ops.triton_ops import group_gemm_triton as ops
+        ops = importlib.import_module("deepspeed.ops.triton_ops.group_gemm_triton")
         from deepspeed.ops.triton_ops._triton import is_triton_available
     except ImportError:
         return None
-    return ops if is_triton_available() else None
+    return ops if is_triton_available() and hasattr(ops, "_group_gemm") and hasattr(ops, "_grouped_dw") else None
 
 
 def kernel_for(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None, has_grouped_mm: bool,

@@ -1,0 +1,26 @@
+"""The Triton grouped-GEMM kernel (A100s; float32 and float16 on any GPU) checked on CPU:
+tests/moe/triton_interpreted.py runs DeepSpeed's kernels in Triton's interpreter, in a child process, against
+torch's F.grouped_mm (the products, and the MoE layer's forward and every gradient, flat and hierarchical gates)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = Path(__file__).with_name("triton_interpreted.py")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton)")
+@pytest.mark.parametrize("config", [0, 5], ids=["tiles-32x128", "tiles-128x256"])
+def test_triton_kernel_matches_grouped_mm_in_the_interpreter(config):
+    """Tile sizes from either end of DeepSpeed's autotune list: rows of several experts in one tile, and not."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CONFIG": str(config), "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "products and layers match F.grouped_mm" in proc.stderr
