@@ -17,7 +17,8 @@ CHECK = Path(__file__).with_name("triton_interpreted.py")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton)")
 @pytest.mark.parametrize("config", [0, 5], ids=["tiles-32x128", "tiles-128x256"])
 def test_triton_kernel_matches_grouped_mm_in_the_interpreter(config):
-    """Tile sizes from either end of DeepSpeed's autotune list: rows of several experts in one tile, and not."""
+    """Tile sizes from either end of DeepSpeed's autotune list: an expert's rows over several tiles (32 rows),
+    and within one (128 rows)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CONFIG": str(config), "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, timeout=300, env=env,

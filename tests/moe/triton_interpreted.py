@@ -90,8 +90,17 @@ def check_layers() -> None:
     gen = torch.Generator().manual_seed(1)
     x, probe = torch.randn(96, 32, generator=gen), torch.randn(96, 32, generator=gen)
     ops, calls = grouped_gemm._triton_ops(), []
-    for name in ("_group_gemm", "_grouped_dw"):   # count the Triton kernels' calls: the layers must take them
-        setattr(ops, name, (lambda f, name: lambda *a: calls.append(name) or f(*a))(getattr(ops, name), name))
+
+    def counted(name):   # the Triton kernels' calls are counted: the layers must take them
+        kernel = getattr(ops, name)
+
+        def call(*args):
+            calls.append(name)
+            return kernel(*args)
+        return call
+
+    for name in ("_group_gemm", "_grouped_dw"):
+        setattr(ops, name, counted(name))
     for make in (flat, hierarchical):
         calls.clear()
         (y_t, grads_t), (y_g, grads_g) = (layer_run(make, k, x, probe) for k in ("triton", "grouped"))
