@@ -106,6 +106,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.multiprocess)
 
 
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    """A test that fails half-way leaves no command running (tests/forked.py's children are killed)."""
+    yield
+    from tests import forked
+
+    forked.kill_all()
+
+
 def _deepspeed_shm_segments() -> set[Path]:
     return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
 

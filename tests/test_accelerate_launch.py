@@ -12,7 +12,7 @@ import pytest
 
 from moe_scale.distributed.accelerate_env import ds_config_from_accelerate
 from moe_scale.errors import UserError
-from tests.train.run_helpers import TINY, _env, free_port, run_train, step_log
+from tests.cli_runs import TINY, _env, free_port, run_train, step_log
 
 ROOT = Path(__file__).parents[1]
 ZERO2 = str(ROOT / "ds_configs" / "zero2_ep.json")

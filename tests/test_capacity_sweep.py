@@ -19,7 +19,7 @@ from moe_scale.accounting.flops import lstm_layer_shape
 from moe_scale.models.meta_build import build_lstm_lm_on_meta, parameters_per_child
 from moe_scale.config import RunConfig
 from tests.conftest import wikitext_sentences
-from tests.train.run_helpers import _env
+from tests.cli_runs import _env
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "capacity_sweep.py"
 

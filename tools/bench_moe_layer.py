@@ -77,6 +77,7 @@ from moe_scale.host_memory import apply_process_settings
 from torch import nn
 
 from moe_scale.distributed.launch import release_deepspeed_shm_name
+from moe_scale.distributed.ports import free_port
 
 IMPLS = ("dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "naive_loop", "dense")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -414,7 +415,7 @@ def measure_working_memory(args) -> dict[tuple[str, int, int], dict]:
                        "--tokens", str(args.tokens), "--d", str(args.d), "--h", str(args.h),
                        "--capacity-factor", str(args.capacity_factor), "--seed", str(args.seed),
                        "--gate-logit-std", str(args.gate_logit_std)]
-                env = {**os.environ, _MMAP_ENV: "65536", "MASTER_PORT": str(_free_port())}
+                env = {**os.environ, _MMAP_ENV: "65536", "MASTER_PORT": str(free_port())}
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if proc.returncode:
                     raise SystemExit(f"bench_moe_layer.py: error: the memory child for {impl} E={e} k={k} failed "
@@ -423,13 +424,6 @@ def measure_working_memory(args) -> dict[tuple[str, int, int], dict]:
                 results[(impl, e, k)] = row
     return results
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- the sweep
@@ -646,7 +640,7 @@ def multi_rank(args) -> None:
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
     for proc in procs:
         proc.start()

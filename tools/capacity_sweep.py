@@ -37,6 +37,8 @@ from pathlib import Path
 
 from tool_args import OneLineParser, positive_float, positive_int, positive_int_list
 
+from moe_scale.distributed.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 DENSE = "dense"
 MIN_EXPERT_HIDDEN = 8
@@ -182,7 +184,7 @@ def _train(model: Model, seed: int, run: Path, args, log) -> None:
         cmd = [sys.executable, "-m", "moe_scale", *common]
     else:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(model.procs), "--master_port",
-               str(_free_port()), "--module", "moe_scale", *common]
+               str(free_port()), "--module", "moe_scale", *common]
     with open(log, "a") as f:
         proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=_env())
     if proc.returncode != 0 or not (run / "summary.json").is_file():
@@ -195,13 +197,6 @@ def _env() -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _test_ppl(run: Path, log: Path) -> float:

@@ -29,7 +29,6 @@ import argparse
 import math
 import os
 import queue
-import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +41,8 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from json_lines import emit  # noqa: E402
 from tool_args import OneLineParser, check_out_file, positive_int, positive_int_list  # noqa: E402
+
+from moe_scale.distributed.ports import free_port  # noqa: E402
 
 GATES = ("flat", "hierarchical")
 # The gate's [tokens, experts] tensors alive at once at the peak of a step, measured: about 12 (float32).
@@ -156,11 +157,6 @@ def _available_memory() -> int:
     return psutil.virtual_memory().available
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _merge(per_rank: list[dict]) -> dict:
     """The larger count of the ranks for every number."""
@@ -203,7 +199,7 @@ def main(argv=None) -> int:
         results = context.Queue()
         procs = [context.Process(target=_rank_worker, args=(rank, port, two_rank_cases, args.d_model, args.hidden,
                                                              results))
-                 for port in [_free_port()] for rank in range(2)]
+                 for port in [free_port()] for rank in range(2)]
         for proc in procs:
             proc.start()
         got: dict[tuple, list[dict]] = {}

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from tool_args import OneLineParser, positive_int
+
+from moe_scale.distributed.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--d-model", "32", "--expert-hidden", "32", "--seq-len", "16", "--top-k", "2", "--vocab-size", "2000",
@@ -89,7 +90,7 @@ def launch(args, procs: int, out: Path) -> dict:
     name = f"{args.mode}-n{world}"
     run_dir, log = out / "runs" / name, out / "logs" / f"{name}.log"
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(procs), "--master_port",
-           str(_free_port()), *args.deepspeed_args.split(), "--module", "moe_scale", "train", *SMALL,
+           str(free_port()), *args.deepspeed_args.split(), "--module", "moe_scale", "train", *SMALL,
            "--num-experts", str(experts), "--batch-size", str(batch), "--ep-size", str(world),
            "--max-steps", str(args.max_steps), "--out", str(run_dir), "--overwrite", *args.extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -179,11 +180,6 @@ def plots(mode: str, rows: list[dict], out: Path) -> None:
     fig.savefig(out / f"scaling_{mode}_efficiency.png", dpi=100)
     plt.close(fig)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

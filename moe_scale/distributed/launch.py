@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from moe_scale.distributed.ports import free_port
+
 
 @dataclass
 class DistEnv:
@@ -76,7 +78,7 @@ def fill_env_from_launcher(env: dict[str, str] | None = None) -> None:
     else:
         env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"
         env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", str(_free_port()))
+        env.setdefault("MASTER_PORT", str(free_port()))
     env.setdefault("LOCAL_RANK", "0")
 
 
@@ -99,14 +101,9 @@ def mpi_discovery(env: dict[str, str], comm=None) -> bool:
     env["RANK"], env["WORLD_SIZE"] = str(rank), str(size)
     env["LOCAL_RANK"] = str(hosts[:rank].count(hosts[rank]))
     env.setdefault("MASTER_ADDR", hosts[0])
-    env.setdefault("MASTER_PORT", str(comm.bcast(_free_port() if rank == 0 else None, root=0)))
+    env.setdefault("MASTER_PORT", str(comm.bcast(free_port() if rank == 0 else None, root=0)))
     return True
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ranks_per_node(node_size: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.train.test_cli_errors import assert_one_line_error, run_cli
+from tests.cli_runs import assert_one_line_error, run_cli
 
 FAST = ["--max-steps", "1", "--batch-size", "4", "--seq-len", "8", "--model", "transformer"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.run_helpers import run_eval, run_train, step_log
+from tests.cli_runs import run_eval, run_train, step_log
 
 MOA = ["--model", "transformer", "--attention", "moa", "--ffn", "moe", "--gate", "softmax_topk",
        "--d-model", "32", "--num-layers", "2", "--moa-num-experts", "4", "--moa-top-k", "2", "--head-dim", "8",

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import wikitext_sentences
-from tests.train.run_helpers import TINY, _env, run_train
+from tests.cli_runs import TINY, _env, run_train
 
 MODELS = {
     "lstm-moe": [],

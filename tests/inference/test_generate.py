@@ -15,7 +15,7 @@ from moe_scale.data import Vocab
 from moe_scale.inference.generate import RouteRecorder, generate
 from moe_scale.inference.sampling import SamplingConfig
 from tests.models.test_decode import MODELS, V, _model
-from tests.train.run_helpers import TINY, _env, run_train
+from tests.cli_runs import TINY, _env, run_train
 
 PROMPT = [5, 9, 3]
 

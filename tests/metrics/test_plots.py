@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moe_scale.metrics.plots import MAX_ROWS, heatmap_rows, write_expert_stats_plot
-from tests.train.run_helpers import TINY, run_eval, run_train
+from tests.cli_runs import TINY, run_eval, run_train
 
 PNG = b"\x89PNG"
 

@@ -16,7 +16,7 @@ from moe_scale.config import RunConfig
 from moe_scale.data import Vocab
 from moe_scale.models.build import build_model
 from moe_scale.models.transformer_lm import TransformerLM
-from tests.train.run_helpers import run_train, step_log
+from tests.cli_runs import run_train, step_log
 
 V, T = 30, 10
 

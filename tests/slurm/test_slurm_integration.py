@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.run_helpers import free_port
+from tests.cli_runs import free_port
 
 pytestmark = pytest.mark.slow   # minutes on 2 cores; -m 'not slow' skips them
 

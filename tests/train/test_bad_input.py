@@ -16,8 +16,7 @@ from typing import Callable
 import pytest
 
 from moe_scale.train.run_lock import LOCK_NAME, _process_start
-from tests.train.run_helpers import TINY, run_train
-from tests.train.test_cli_errors import FAST, assert_one_line_error, run_cli
+from tests.cli_runs import FAST, TINY, assert_one_line_error, run_cli, run_train
 
 NEW, OLD = "step00000004", "step00000002"
 LINES = "the cat sat on the mat .\n" * 400
@@ -264,11 +263,10 @@ def _snapshot(root: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("make_args, fragments", [pytest.param(m, f, id=i) for i, m, f in CASES])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, trained, trained_transformer, embedded_cache,
-                                                         monkeypatch, make_args, fragments):
-    monkeypatch.setenv("MOE_SCALE_CACHE", str(embedded_cache))
+                                                         make_args, fragments):
     args = make_args(Work(tmp_path, trained, trained_transformer))
     before = _snapshot(tmp_path)
-    proc = run_cli(*args, cwd=tmp_path)
+    proc = run_cli(*args, cwd=tmp_path, cache=embedded_cache)
     assert_one_line_error(proc, *fragments)
     assert _snapshot(tmp_path) == before
 

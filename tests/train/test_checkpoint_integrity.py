@@ -17,8 +17,8 @@ import torch
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 from moe_scale.train import checkpoint as ckpt
-from tests.train.run_helpers import TINY, _env, run_eval, run_train, step_log
-from tests.train.test_cli_errors import assert_one_line_error
+from tests.cli_runs import TINY, _env, run_eval, run_train, step_log
+from tests.cli_runs import assert_one_line_error
 
 SETTINGS = [*TINY, "--num-experts", "4", "--checkpoint-interval", "3", "--eval-interval", "100"]
 OLD, NEW = "step00000003", "step00000006"

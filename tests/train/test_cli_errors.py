@@ -1,30 +1,8 @@
-"""Helpers for bad-input tests (one clear line on stderr, exit status 2, no traceback); the table of cases is
-test_bad_input.py."""
+"""The hierarchical all-to-all's node layout: --node-size or the launcher's ranks per node, checked before training."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-FAST = ["--max-steps", "1", "--batch-size", "4", "--seq-len", "8", "--eval-max-batches", "1"]
-
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moe_scale.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("moe-scale: error:")]
-    assert len(errors) == 1, proc.stderr
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-    return errors[0]
 
 
 def test_hierarchical_node_layout_is_checked(monkeypatch):

@@ -20,8 +20,8 @@ from moe_scale.models.lstm_lm import LSTMMoELM
 from moe_scale.models.softmax import IGNORE
 from moe_scale.train.evaluate import evaluate
 from moe_scale.train.expert_tokens import ExpertTokenStats
-from tests.train.run_helpers import TINY, run_eval, run_train
-from tests.train.test_cli_errors import assert_one_line_error, run_cli
+from tests.cli_runs import TINY, run_eval, run_train
+from tests.cli_runs import assert_one_line_error, run_cli
 
 SENTENCES = ["a b c", "b b", "d a c a zzz", "c"]   # zzz is out of vocabulary
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from moe_scale.train import checkpoint as ckpt
-from tests.train.run_helpers import TINY, _env, free_port, run_train, step_log
-from tests.train.test_cli_errors import assert_one_line_error
+from tests.cli_runs import TINY, _env, free_port, run_train, step_log
+from tests.cli_runs import assert_one_line_error
 
 STEPS = 6
 SETTINGS = [*TINY, "--log-interval", "1", "--checkpoint-interval", "2", "--eval-interval", "1000",

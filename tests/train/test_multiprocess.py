@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.run_helpers import TINY, run_eval, run_train, step_log
+from tests.cli_runs import TINY, run_eval, run_train, step_log
 
 pytestmark = pytest.mark.slow   # minutes on 2 cores; -m 'not slow' skips them
 

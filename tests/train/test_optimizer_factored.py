@@ -119,7 +119,7 @@ def test_factored_refuses_zero_and_half_precision_configs():
 
 
 def test_factored_optimizer_adaptive_softmax_and_recompute_train_and_evaluate(tmp_path, embedded_cache):
-    from tests.train.run_helpers import TINY, run_eval, run_train, step_log
+    from tests.cli_runs import TINY, run_eval, run_train, step_log
     run = tmp_path / "run"
     run_train([*TINY, "--optimizer", "factored", "--softmax", "adaptive", "--adaptive-cutoffs", "100,1000",
                "--expert-recompute", "--max-steps", "6", "--eval-interval", "6", "--eval-max-batches", "0",
@@ -155,7 +155,7 @@ def test_chunked_factored_step_equals_one_chunk(monkeypatch):
 
 
 def test_cli_refuses_factored_with_zero2_before_writing_anything(tmp_path):
-    from tests.train.test_cli_errors import assert_one_line_error, run_cli
+    from tests.cli_runs import assert_one_line_error, run_cli
     config = Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json"
     proc = run_cli("train", "--optimizer", "factored", "--ds-config", str(config), "--out", str(tmp_path / "run"),
                    "--max-steps", "1", cwd=tmp_path)

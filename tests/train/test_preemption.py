@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.run_helpers import TINY, _env, free_port, run_train, step_log
-from tests.train.test_cli_errors import assert_one_line_error
+from tests.cli_runs import TINY, _env, free_port, run_train, step_log
+from tests.cli_runs import assert_one_line_error
 
 SETTINGS = [*TINY, "--dropout", "0.1", "--log-interval", "1", "--checkpoint-interval", "1000", "--eval-interval",
             "1000"]

@@ -14,7 +14,7 @@ import torch
 
 from moe_scale.errors import UserError
 from moe_scale.train.reshard import _ExpertFiles
-from tests.train.run_helpers import run_train, step_log
+from tests.cli_runs import run_train, step_log
 
 CONFIGS = Path(__file__).parents[2] / "ds_configs"
 SETTINGS = ["--d-model", "32", "--expert-hidden", "32", "--num-experts", "4", "--seq-len", "16", "--batch-size", "8",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.train.run_helpers import TINY, run_train, step_log
+from tests.cli_runs import TINY, run_train, step_log
 
 SETTINGS = [*TINY, "--num-experts", "4", "--dropout", "0.1", "--lr", "0.01", "--checkpoint-interval", "3",
             "--eval-interval", "100"]

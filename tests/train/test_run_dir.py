@@ -16,8 +16,8 @@ import pytest
 from moe_scale.errors import UserError
 from moe_scale.train.run_dir import MARKER, check_run_dir, claim_run_dir, holds_run
 from moe_scale.train.run_lock import LOCK_NAME, RunLock, live_owner
-from tests.train.run_helpers import TINY, _env, run_train, step_log
-from tests.train.test_cli_errors import assert_one_line_error, run_cli
+from tests.cli_runs import TINY, _env, run_train, step_log
+from tests.cli_runs import assert_one_line_error, run_cli
 
 
 def _fake_run(run: Path, checkpoint: bool = True) -> None:

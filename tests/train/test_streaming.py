@@ -14,7 +14,7 @@ from moe_scale.data.stream import StreamBatches
 from moe_scale.data.vocab import Vocab
 from moe_scale.data.vocab_cache import count_words
 from moe_scale.errors import UserError
-from tests.train.run_helpers import TINY, run_train, step_log
+from tests.cli_runs import TINY, run_train, step_log
 
 
 def _files(root):
@@ -131,7 +131,7 @@ def test_streaming_needs_a_validation_split(tmp_path):
 
 
 def test_token_budget_needs_stream(tmp_path):
-    from tests.train.test_cli_errors import assert_one_line_error, run_cli
+    from tests.cli_runs import assert_one_line_error, run_cli
     proc = run_cli("train", "--token-budget", "1000", "--out", str(tmp_path / "run"), cwd=tmp_path)
     assert_one_line_error(proc, "--token-budget does nothing here: it needs --stream")
 

@@ -17,7 +17,7 @@ from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.data.vocab import Vocab
 from tests.conftest import wikitext_sentences
 from tests.inference.test_export import _cli
-from tests.train.run_helpers import TINY, run_eval, run_train
+from tests.cli_runs import TINY, run_eval, run_train
 
 _GLUE = [(r" @(.)@ ", r"\1"), (r" ([,.;:!?)])", r"\1"), (r"\( ", "("), (r" ('s|'re|n't)\b", r"\1")]
 

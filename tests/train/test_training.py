@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.train.run_helpers import TINY, run_eval, run_train, step_log
+from tests.cli_runs import TINY, run_eval, run_train, step_log
 
 SUMMARY_KEYS = {"train_ppl", "valid_ppl", "tokens_per_s", "tflops_per_device", "cv_importance", "cv_load",
                 "max_over_mean_load", "steps", "world_size"}
