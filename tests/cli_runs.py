@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -70,6 +71,17 @@ def run_cli(*args: str, cwd: Path, cache: Path | None = None, env: dict[str, str
 def run_train(args: list[str], cwd: Path, cache: Path | None = None, nprocs: int = 1) -> subprocess.CompletedProcess:
     """`moe-scale train ARGS`, which must succeed."""
     proc = run_cli("train", *args, cwd=cwd, cache=cache, nprocs=nprocs)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def launch_train(args: list[str], cwd: Path, cache: Path | None = None, nprocs: int = 2,
+                 launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N --module moe_scale train ARGS` with DeepSpeed's own launcher, in real processes: for
+    the tests whose point is the launcher (the README's command); it must succeed."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs), "--master_port",
+           str(free_port()), *launcher, "--module", "moe_scale", "train", *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=cli_env(cache), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 

@@ -1,6 +1,7 @@
 """Run `moe-scale train` and kill it with SIGKILL at one point of one checkpoint write (a test helper).
 
-    python fault_inject.py STEP POINT N train ARGS...
+    main([STEP, POINT, N, "train", ARGS...])      # in a process of its own: tests.cli_runs.run_cli(entry=main)
+    python tests/train/fault_inject.py STEP POINT N train ARGS...
 
 During the save of the checkpoint after step STEP the process kills itself:
   save     inside the N-th torch.save (DeepSpeed's files, then the portable state), after writing half the file
@@ -24,8 +25,8 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
-    step, point, nth = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+def main(argv: list[str]) -> int:
+    step, point, nth = int(argv[0]), argv[1], int(argv[2])
     import torch
 
     import moe_scale.files as files
@@ -95,8 +96,8 @@ def main() -> None:
 
     from moe_scale.cli import main as cli_main
 
-    sys.exit(cli_main(sys.argv[4:]))
+    return cli_main(argv[3:])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

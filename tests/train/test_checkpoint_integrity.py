@@ -7,8 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +15,7 @@ import torch
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 from moe_scale.train import checkpoint as ckpt
-from tests.cli_runs import TINY, _env, run_eval, run_train, step_log
-from tests.cli_runs import assert_one_line_error
+from tests.cli_runs import TINY, assert_one_line_error, run_cli, run_eval, run_train, step_log
 
 SETTINGS = [*TINY, "--num-experts", "4", "--checkpoint-interval", "3", "--eval-interval", "100"]
 OLD, NEW = "step00000003", "step00000006"
@@ -37,11 +34,6 @@ def run(six_steps, tmp_path) -> Path:
     copy = tmp_path / "run"
     shutil.copytree(six_steps, copy)
     return copy
-
-
-def cli(*args: str, cwd: Path, cache: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moe_scale", *args], cwd=cwd, env=_env(cache), capture_output=True,
-                          text=True, timeout=600)
 
 
 def biggest_file(checkpoint: Path) -> Path:
@@ -82,12 +74,12 @@ def test_resume_eval_and_prune_refuse_a_damaged_checkpoint_and_take_an_older_one
     victim = biggest_file(run / "checkpoints" / NEW)
     victim.write_bytes(victim.read_bytes()[:100])
     log_before = (run / "train_log.jsonl").read_text()
-    proc = cli("train", "--resume", "--max-steps", "9", "--out", str(run), cwd=run.parent, cache=embedded_cache)
+    proc = run_cli("train", "--resume", "--max-steps", "9", "--out", str(run), cwd=run.parent, cache=embedded_cache)
     assert_one_line_error(proc, f"checkpoint {NEW}", victim.name, "cut short", f"--resume-from {OLD}")
     assert (run / "train_log.jsonl").read_text() == log_before   # refused before anything was written
-    proc = cli("eval", "--run", str(run), cwd=run.parent, cache=embedded_cache)
+    proc = run_cli("eval", "--run", str(run), cwd=run.parent, cache=embedded_cache)
     assert_one_line_error(proc, victim.name, f"--checkpoint {OLD}")
-    proc = cli("prune-heads", "--run", str(run), cwd=run.parent, cache=embedded_cache)
+    proc = run_cli("prune-heads", "--run", str(run), cwd=run.parent, cache=embedded_cache)
     assert_one_line_error(proc, victim.name, f"--checkpoint {OLD}")
 
     assert run_eval(["--run", str(run), "--checkpoint", OLD], cwd=run.parent, cache=embedded_cache)["checkpoint"] == OLD
@@ -251,7 +243,7 @@ def test_a_config_edited_after_the_checkpoint_is_refused_naming_the_setting(run,
         json.loads((run / "config.json").read_text())   # each checkpoint keeps the config it was trained with
     _edit_config(run, "model", "d_model", 48)
     for args in (["train", "--resume", "--out", str(run)], ["eval", "--run", str(run)]):
-        proc = cli(*args, cwd=run.parent, cache=embedded_cache)
+        proc = run_cli(*args, cwd=run.parent, cache=embedded_cache)
         assert_one_line_error(proc, f"checkpoint {NEW} was trained with --d-model 32", "says 48",
                               str(run / "checkpoints" / NEW / "config.json"))
 
@@ -263,7 +255,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_even_without_its_c
         del manifest["config.json"]
         (run / "checkpoints" / tag / "manifest.json").write_text(json.dumps(manifest))
     _edit_config(run, "model", "d_model", 48)
-    proc = cli("eval", "--run", str(run), cwd=run.parent, cache=embedded_cache)
+    proc = run_cli("eval", "--run", str(run), cwd=run.parent, cache=embedded_cache)
     assert_one_line_error(proc, f"checkpoint {NEW} does not fit this model", "size mismatch", "config.json")
 
 

@@ -5,24 +5,21 @@ step logged once. The kill points of a checkpoint write are injected by tests/tr
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from moe_scale.train import checkpoint as ckpt
-from tests.cli_runs import TINY, _env, free_port, run_train, step_log
-from tests.cli_runs import assert_one_line_error
+from tests.cli_runs import TINY, assert_one_line_error, run_cli, run_train, start_cli, step_log
+from tests.forked import wait_all
+from tests.train import fault_inject
 
 STEPS = 6
 SETTINGS = [*TINY, "--log-interval", "1", "--checkpoint-interval", "2", "--eval-interval", "1000",
             "--max-steps", str(STEPS)]
-HELPER = Path(__file__).with_name("fault_inject.py")
 TWO_RANKS = ["--ep-size", "2", "--ds-config", str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json")]
 
 
@@ -34,31 +31,19 @@ def straight(tmp_path_factory, embedded_cache) -> list[dict]:
     return step_log(run)
 
 
-def _command(nprocs: int) -> list[str]:
-    if nprocs == 1:
-        return [sys.executable, "-m", "moe_scale", "train"]
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs), "--master_port",
-            str(free_port()), "--module", "moe_scale", "train"]
-
-
-def _train(args: list[str], cwd: Path, cache: Path, nprocs: int = 1) -> subprocess.CompletedProcess:
-    return subprocess.run([*_command(nprocs), *args], cwd=cwd, env=_env(cache), capture_output=True, text=True,
-                          timeout=600)
-
-
 def _resume_and_compare(run: Path, straight: list[dict], cache: Path, nprocs: int = 1, extra=()) -> None:
     """After the kill: the marker's checkpoint verifies; resume (or start again) and match the straight run."""
     tag = ckpt.latest_complete_tag(run)
     if tag is None:
-        proc = _train(["--resume", "--out", str(run)], cwd=run.parent, cache=cache)
+        proc = run_cli("train", "--resume", "--out", str(run), cwd=run.parent, cache=cache)
         assert_one_line_error(proc, "before its first complete checkpoint", "--overwrite")
-        proc = _train([*SETTINGS, *extra, "--overwrite", "--out", str(run)], cwd=run.parent, cache=cache,
-                      nprocs=nprocs)
+        proc = run_cli("train", *SETTINGS, *extra, "--overwrite", "--out", str(run), cwd=run.parent, cache=cache,
+                       nprocs=nprocs)
     else:
         assert ckpt.problem_with(run / "checkpoints" / tag) is None, tag
-        proc = _train(["--resume", "--out", str(run)], cwd=run.parent, cache=cache, nprocs=nprocs)
+        proc = run_cli("train", "--resume", "--out", str(run), cwd=run.parent, cache=cache, nprocs=nprocs)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    if nprocs == 1:   # the killed process's lock names a dead process (with 2, the launcher stops rank 0 cleanly)
+    if nprocs == 1:   # the killed process's lock names a dead process (with 2, rank 0 fails on its own and unlocks)
         assert "taking over the stale lock" in proc.stderr
     log = step_log(run)
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))
@@ -71,25 +56,16 @@ def _kill_at_a_random_step(run: Path, cache: Path, seed: int, nprocs: int = 1, e
     """Start the run, wait until a random step is logged and a random fraction of a second more, SIGKILL a rank."""
     rng = random.Random(seed)
     kill_after, delay = rng.randint(1, STEPS - 1), rng.uniform(0.0, 0.5)
-    proc = subprocess.Popen([*_command(nprocs), *SETTINGS, *extra, "--out", str(run)], cwd=run.parent,
-                            env=_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = start_cli("train", *SETTINGS, *extra, "--out", str(run), cwd=run.parent, cache=cache, nprocs=nprocs)
     log, deadline = run / "train_log.jsonl", time.time() + 300
-    while proc.poll() is None and time.time() < deadline:
+    while all(rank.poll() is None for rank in ranks) and time.time() < deadline:
         if log.exists() and len(log.read_text().splitlines()) >= kill_after:
             break
         time.sleep(0.02)
     time.sleep(delay)
-    if nprocs == 1:
-        victim = proc.pid
-    else:   # the runner starts deepspeed's launch, which starts the ranks: kill the last rank only
-        launch = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        ranks = subprocess.run(["pgrep", "-f", "-P", launch[0], "--", "-m moe_scale --local_rank"],
-                               capture_output=True, text=True).stdout.split()
-        assert len(ranks) == nprocs, ranks
-        victim = int(ranks[-1])
-    os.kill(victim, signal.SIGKILL)
-    proc.wait(timeout=120)
-    if proc.returncode == 0:
+    ranks[-1].kill()   # with 2 ranks, the last one only
+    wait_all(ranks, timeout=120)
+    if ranks[-1].returncode == 0:
         pytest.fail(f"the run finished before the kill (after step {kill_after} + {delay:.2f} s)")
 
 
@@ -110,9 +86,8 @@ def test_kill_9_of_one_rank_of_two_then_resume(tmp_path, embedded_cache):
 
 def _killed_during_save(tmp_path: Path, cache: Path, step: int, point: str, nth: int) -> Path:
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(HELPER), str(step), point, str(nth), "train", *SETTINGS,
-                           "--out", str(run)], cwd=tmp_path, env=_env(cache), capture_output=True, text=True,
-                          timeout=600)
+    proc = run_cli(str(step), point, str(nth), "train", *SETTINGS, "--out", str(run), cwd=tmp_path, cache=cache,
+                   entry=fault_inject.main)
     assert proc.returncode == -signal.SIGKILL, f"not killed at {point} #{nth} of step {step}: {proc.stderr[-3000:]}"
     return run
 

@@ -7,28 +7,26 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.cli_runs import TINY, _env, free_port, run_train, step_log
-from tests.cli_runs import assert_one_line_error
+from tests.cli_runs import TINY, assert_one_line_error, run_cli, run_train, start_cli, step_log
+from tests.forked import Child, wait_all
 
 SETTINGS = [*TINY, "--dropout", "0.1", "--log-interval", "1", "--checkpoint-interval", "1000", "--eval-interval",
             "1000"]
 
 
-def _wait_for_steps(run: Path, steps: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+def _wait_for_steps(run: Path, steps: int, ranks: list[Child], timeout: float = 300) -> None:
     deadline = time.time() + timeout
     log = run / "train_log.jsonl"
-    while time.time() < deadline and proc.poll() is None:
+    while time.time() < deadline and all(rank.poll() is None for rank in ranks):
         if log.exists() and len(log.read_text().splitlines()) >= steps:
             return
         time.sleep(0.1)
-    raise AssertionError(f"the run did not log {steps} steps (exit {proc.poll()})")
+    raise AssertionError(f"the run did not log {steps} steps (exit {[rank.poll() for rank in ranks]})")
 
 
 def _stopped_step(run: Path) -> int:
@@ -48,12 +46,12 @@ def _assert_resume_repeats_the_straight_run(tmp_path, cache, run: Path, stopped:
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT", "SIGUSR1"])
 def test_a_signal_checkpoints_and_exits_0_then_resume_continues_exactly(tmp_path, embedded_cache, signal_name):
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "moe_scale", "train", *SETTINGS, "--max-steps", "100000",
-                             "--out", str(run)], cwd=tmp_path, env=_env(embedded_cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    _wait_for_steps(run, 4, proc)
+    [proc] = start_cli("train", *SETTINGS, "--max-steps", "100000", "--out", str(run), cwd=tmp_path,
+                       cache=embedded_cache)
+    _wait_for_steps(run, 4, [proc])
     proc.send_signal(getattr(signal, signal_name))
-    out, err = proc.communicate(timeout=300)
+    proc.wait(timeout=300)
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, err[-3000:]
     stopped = _stopped_step(run)
     assert f"stopped by {signal_name} after step {stopped}: checkpoint step{stopped:08d} written; resume with " \
@@ -67,35 +65,22 @@ def test_a_signal_checkpoints_and_exits_0_then_resume_continues_exactly(tmp_path
 def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, embedded_cache):
     run = tmp_path / "run"
     ranks = ["--ep-size", "2", "--ds-config", str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json")]
-    launcher = subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-                                 "--master_port", str(free_port()), "--module", "moe_scale", "train", *SETTINGS,
-                                 *ranks, "--max-steps", "100000", "--out", str(run)], cwd=tmp_path,
-                                env=_env(embedded_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_steps(run, 4, launcher)
-    workers = subprocess.run(["pgrep", "-f", "-P", str(_launch_pid(launcher.pid)), "--", "-m moe_scale --local_rank"],
-                             capture_output=True, text=True).stdout.split()
-    assert len(workers) == 2, workers
-    os.kill(int(workers[1]), signal.SIGUSR1)   # rank 1 only
-    out, err = launcher.communicate(timeout=300)
-    assert launcher.returncode == 0, err[-3000:]
+    workers = start_cli("train", *SETTINGS, *ranks, "--max-steps", "100000", "--out", str(run), cwd=tmp_path,
+                        cache=embedded_cache, nprocs=2)
+    _wait_for_steps(run, 4, workers)
+    workers[1].send_signal(signal.SIGUSR1)   # rank 1 only
+    wait_all(workers, timeout=300)
+    assert [w.returncode for w in workers] == [0, 0], workers[1].stderr[-3000:]
+    out = workers[0].stdout
     stopped = _stopped_step(run)
     assert f"stopped by SIGUSR1 after step {stopped}" in out
     _assert_resume_repeats_the_straight_run(tmp_path, embedded_cache, run, stopped, 2, ranks)
 
 
-def _launch_pid(runner_pid: int) -> int:
-    """deepspeed's runner starts deepspeed.launcher.launch, which starts the ranks."""
-    children = subprocess.run(["pgrep", "-P", str(runner_pid)], capture_output=True, text=True).stdout.split()
-    assert children, "no launcher process"
-    return int(children[0])
-
-
 def test_divergence_stops_before_a_checkpoint_of_it(tmp_path, embedded_cache):
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "moe_scale", "train", *TINY, "--lr", "1e6", "--warmup-steps", "0",
-                           "--max-steps", "60", "--log-interval", "5", "--checkpoint-interval", "5",
-                           "--out", str(run)], cwd=tmp_path, env=_env(embedded_cache), capture_output=True,
-                          text=True, timeout=600)
+    proc = run_cli("train", *TINY, "--lr", "1e6", "--warmup-steps", "0", "--max-steps", "60", "--log-interval", "5",
+                   "--checkpoint-interval", "5", "--out", str(run), cwd=tmp_path, cache=embedded_cache)
     line = assert_one_line_error(proc, "training diverged at step", "stopped before writing a checkpoint of it")
     bad_step = int(line.split("diverged at step ")[1].split(":")[0])
     saved = sorted(int(p.name[4:]) for p in (run / "checkpoints").glob("step*"))

@@ -16,8 +16,7 @@ import pytest
 from moe_scale.errors import UserError
 from moe_scale.train.run_dir import MARKER, check_run_dir, claim_run_dir, holds_run
 from moe_scale.train.run_lock import LOCK_NAME, RunLock, live_owner
-from tests.cli_runs import TINY, _env, run_train, step_log
-from tests.cli_runs import assert_one_line_error, run_cli
+from tests.cli_runs import TINY, assert_one_line_error, run_cli, run_train, start_cli, step_log
 
 
 def _fake_run(run: Path, checkpoint: bool = True) -> None:
@@ -130,9 +129,8 @@ def test_release_leaves_someone_elses_lock(tmp_path):
 
 def test_a_second_run_on_a_live_directory_is_refused(tmp_path, embedded_cache):
     run = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, "-m", "moe_scale", "train", *TINY, "--max-steps", "100000",
-                              "--out", str(run)], cwd=tmp_path, env=_env(embedded_cache),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    [first] = start_cli("train", *TINY, "--max-steps", "100000", "--out", str(run), cwd=tmp_path,
+                        cache=embedded_cache)
     try:
         deadline = time.time() + 300
         while not (run / LOCK_NAME).exists() and first.poll() is None and time.time() < deadline:
