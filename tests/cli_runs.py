@@ -63,16 +63,18 @@ def finish(ranks: list[forked.Child], timeout: float = 600) -> subprocess.Comple
 
 
 def run_cli(*args: str, cwd: Path, cache: Path | None = None, env: dict[str, str] | None = None, nprocs: int = 1,
-            timeout: float = 600, entry: Callable[[list[str]], int] = cli_main) -> subprocess.CompletedProcess:
-    """`moe-scale ARGS` to its end: exit status, stdout, stderr."""
-    return finish(start_cli(*args, cwd=cwd, cache=cache, env=env, nprocs=nprocs, entry=entry), timeout)
+            timeout: float = 600, entry: Callable[[list[str]], int] = cli_main,
+            check: bool = False) -> subprocess.CompletedProcess:
+    """`moe-scale ARGS` to its end: exit status, stdout, stderr (`check`: it must succeed)."""
+    proc = finish(start_cli(*args, cwd=cwd, cache=cache, env=env, nprocs=nprocs, entry=entry), timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
 
 
 def run_train(args: list[str], cwd: Path, cache: Path | None = None, nprocs: int = 1) -> subprocess.CompletedProcess:
     """`moe-scale train ARGS`, which must succeed."""
-    proc = run_cli("train", *args, cwd=cwd, cache=cache, nprocs=nprocs)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+    return run_cli("train", *args, cwd=cwd, cache=cache, nprocs=nprocs, check=True)
 
 
 def launch_train(args: list[str], cwd: Path, cache: Path | None = None, nprocs: int = 2,

@@ -2,15 +2,15 @@
 
     results = run_ranks(worker, world_size=2, args=(case,))     # worker(rank, world_size, case) -> picklable
 
-`worker` must be a module-level function (the ranks are spawned processes and import it by name). Each rank
+`worker` must be a module-level function (the ranks are separate processes and import it by name). Each rank
 returns a value (tensors are fine: results travel as `torch.save` bytes, so nothing depends on shared memory
 outliving a worker); `run_ranks` returns them in rank order. A rank that raises makes the test fail with
 that rank's traceback; ranks that hang (a collective that never matches) are killed after `timeout` seconds
 and the test fails with "timed out" instead of hanging the session.
 
-Starting a rank costs seconds (importing torch and deepspeed), so the ranks of one world size are kept in a
-pool and reused by later calls; a failure or a timeout throws the pool away, and the next call starts a
-fresh one. Consequences for workers: seed every random draw explicitly (the global RNG carries over from
+Ranks are forked from the warm server of tests/forked.py (torch and DeepSpeed imported already), and the ranks
+of one world size are kept in a pool and reused by later calls (one gloo and DeepSpeed initialisation per rank);
+a failure or a timeout throws the pool away, and the next call starts a fresh one. Consequences for workers: seed every random draw explicitly (the global RNG carries over from
 earlier tasks), create process groups collectively (`torch.distributed.new_group` on every rank), and never
 init or destroy the default process group yourself.
 
@@ -27,9 +27,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import atexit
 import io
-import multiprocessing as mp
 import queue
-import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -38,15 +36,11 @@ import pytest
 import torch
 
 from moe_scale.distributed.launch import release_deepspeed_shm_name
+from moe_scale.distributed.ports import free_port
+from tests import forked
 
 COLLECTIVE_TIMEOUT_S = 60
 STARTUP_ALLOWANCE_S = 90
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _to_bytes(value: Any) -> bytes:
@@ -59,7 +53,7 @@ def _from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _rank_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+def _rank_main(rank: int, world_size: int, port: int, tasks, results) -> None:
     """A pooled rank: join the gloo group, then run tasks until told to stop (None)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size), DS_ACCELERATOR="cpu",
@@ -89,7 +83,7 @@ def _rank_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results: 
 
 class RankPool:
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = forked.context()   # forked from the warm server: no imports to wait for
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]

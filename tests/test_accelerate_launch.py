@@ -1,5 +1,6 @@
 """`accelerate launch` as the third launcher: its DeepSpeed plugin's JSON becomes --ds-config (conflicts are one
-line), and 2 CPU processes started with the shipped accelerate config train exactly as the deepspeed launcher's."""
+line), and 2 CPU processes started with the shipped accelerate config train exactly as the deepspeed launcher's
+(the README's command), as do the ranks the tests start themselves (tests/cli_runs.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 from moe_scale.distributed.accelerate_env import ds_config_from_accelerate
 from moe_scale.errors import UserError
-from tests.cli_runs import TINY, _env, free_port, run_train, step_log
+from moe_scale.distributed.ports import free_port
+from tests.cli_runs import TINY, cli_env, launch_train, run_train, step_log
 
 ROOT = Path(__file__).parents[1]
 ZERO2 = str(ROOT / "ds_configs" / "zero2_ep.json")
@@ -46,15 +48,17 @@ def test_accelerate_launch_trains_as_the_deepspeed_launcher(tmp_path, embedded_c
         pytest.skip("the accelerate command is not on PATH")
     settings = [*TINY, "--max-steps", "4", "--log-interval", "1", "--ep-size", "2", "--noise-rng", "global"]
     reference = tmp_path / "deepspeed"
-    run_train([*settings, "--ds-config", ZERO2, "--out", str(reference)], cwd=tmp_path, cache=embedded_cache,
-              nprocs=2)
+    launch_train([*settings, "--ds-config", ZERO2, "--out", str(reference)], cwd=tmp_path, cache=embedded_cache)
     run = tmp_path / "accelerate"
     proc = subprocess.run(["accelerate", "launch", "--config_file", str(ROOT / "ds_configs" /
                                                                           "accelerate_deepspeed.yaml"),
                            "--main_process_port", str(free_port()), "-m", "moe_scale", "train", *settings,
-                           "--out", str(run)], cwd=ROOT, env=_env(embedded_cache), capture_output=True, text=True,
+                           "--out", str(run)], cwd=ROOT, env=cli_env(embedded_cache), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads((run / "config.json").read_text())["parallel"]["ds_config"] == "ds_configs/zero2_ep.json"
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
     assert [r["loss"] for r in step_log(run)] == [r["loss"] for r in step_log(reference)]
+    forked = tmp_path / "forked"   # the ranks every other multi-process test starts
+    run_train([*settings, "--ds-config", ZERO2, "--out", str(forked)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
+    assert [r["loss"] for r in step_log(forked)] == [r["loss"] for r in step_log(reference)]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc import free_port
+from moe_scale.distributed.ports import free_port
 
 BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench_moe_layer.py"
 TINY = ["--tokens", "64", "--d", "16", "--h", "32", "--repeats", "1", "--min-time", "0", "--warmup", "1",

@@ -19,7 +19,7 @@ from moe_scale.accounting.flops import lstm_layer_shape
 from moe_scale.models.meta_build import build_lstm_lm_on_meta, parameters_per_child
 from moe_scale.config import RunConfig
 from tests.conftest import wikitext_sentences
-from tests.cli_runs import _env
+from tests.cli_runs import cli_env
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "capacity_sweep.py"
 
@@ -63,7 +63,7 @@ def test_refuses_a_model_it_cannot_match(tmp_path, wikitext_dir):
     proc = subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path / "o"), "--data",
                            str(wikitext_dir / "valid.txt"), "--test-data", str(wikitext_dir / "test.txt"),
                            "--d-model", "64", "--ffn-hidden", "256", "--models", "moe-256"],
-                          capture_output=True, text=True, env=_env(None), timeout=300)
+                          capture_output=True, text=True, env=cli_env(), timeout=300)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "moe-256: its gate leaves" in proc.stderr and "--ffn-hidden" in proc.stderr
     assert not (tmp_path / "o").exists()
@@ -87,7 +87,7 @@ def _sweep(data: Path, out: Path, steps: int, *flags: str) -> list[str]:
 @pytest.mark.slow
 def test_two_point_sweep_writes_its_report_and_a_killed_sweep_resumes(tmp_path, embedded_cache):
     data, out = _corpus(tmp_path / "text"), tmp_path / "sweep"
-    env = {**_env(embedded_cache), "OMP_NUM_THREADS": "1"}
+    env = cli_env(embedded_cache)
     proc = subprocess.Popen(_sweep(data, out, 400), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     marker = out / "runs" / "moe-32-s1" / "checkpoints" / "complete"

@@ -54,7 +54,7 @@ def test_shutdown_destroys_a_multi_rank_group_and_keeps_a_single_one():
     process keeps it, so in-process callers can run another command."""
     import multiprocessing as mp
 
-    from tests.multiproc import free_port
+    from moe_scale.distributed.ports import free_port
 
     ctx = mp.get_context("spawn")
     for world_size, still_up in ((2, False), (1, True)):

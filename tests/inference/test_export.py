@@ -6,28 +6,19 @@ transformer with MoA attention and an MoE FFN."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import wikitext_sentences
-from tests.cli_runs import TINY, _env, run_train
+from tests.cli_runs import TINY, run_cli, run_train
 
 MODELS = {
     "lstm-moe": [],
     "transformer-moa-moe": ["--model", "transformer", "--attention", "moa", "--moa-num-experts", "4",
                             "--moa-top-k", "2", "--ffn", "moe", "--num-layers", "2"],
 }
-
-
-def _cli(*args: str, cwd: Path, cache: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "moe_scale", *args], cwd=cwd, env=_env(cache), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -39,7 +30,8 @@ def test_exported_model_loads_in_transformers_and_matches(tmp_path, embedded_cac
     run, out = tmp_path / "run", tmp_path / "hf"
     run_train([*TINY, *MODELS[name], "--data", str(corpus), "--vocab-size", "400", "--max-steps", "6",
                "--out", str(run)], cwd=tmp_path, cache=embedded_cache)
-    _cli("export", "--run", str(run), "--format", "hf", "--out", str(out), cwd=tmp_path, cache=embedded_cache)
+    run_cli("export", "--run", str(run), "--format", "hf", "--out", str(out), cwd=tmp_path, cache=embedded_cache,
+            check=True)
     assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
                                                "modeling_moe_scale.py", "configuration_moe_scale.py"}
     model = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)
@@ -65,8 +57,8 @@ def test_exported_model_loads_in_transformers_and_matches(tmp_path, embedded_cac
     words = [w if w != "<UNK>" else "<unk>" for w in tokenizer.convert_ids_to_tokens(generated.tolist())]
     if words and words[-1] == "</S>":
         words = words[:-1]
-    shown = _cli("generate", "--run", str(run), "--prompt", prompt, "--greedy", "--max-new-tokens", "6",
-                 cwd=tmp_path, cache=embedded_cache).stdout.split()
+    shown = run_cli("generate", "--run", str(run), "--prompt", prompt, "--greedy", "--max-new-tokens", "6",
+                 cwd=tmp_path, cache=embedded_cache, check=True).stdout.split()
     assert [w for w in shown[3:] if w != "..."] == words
     assert shown[:3] == [w if vocab.id(w) != vocab.UNK_ID else "<unk>" for w in prompt.split()]
     assert len(words) == 6 or generated[len(words)] == vocab.EOS_ID   # six words, or the sentence ended

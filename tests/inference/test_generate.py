@@ -5,7 +5,6 @@ and a transformer with MoA and an MoE FFN trained on 2 processes with --ep-size 
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from moe_scale.data import Vocab
 from moe_scale.inference.generate import RouteRecorder, generate
 from moe_scale.inference.sampling import SamplingConfig
 from tests.models.test_decode import MODELS, V, _model
-from tests.cli_runs import TINY, _env, run_train
+from tests.cli_runs import TINY, run_cli, run_train
 
 PROMPT = [5, 9, 3]
 
@@ -49,10 +48,7 @@ def test_cached_greedy_generation_equals_rerunning_the_sequence(name):
 
 
 def _generate(run: Path, *args: str, cache: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "moe_scale", "generate", "--run", str(run), *args], cwd=run.parent,
-                          env=_env(cache), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return run_cli("generate", "--run", str(run), *args, cwd=run.parent, cache=cache, check=True)
 
 
 def test_generate_from_an_lstm_run(tmp_path, embedded_cache):
@@ -83,8 +79,7 @@ def test_generate_from_a_two_process_expert_parallel_transformer(tmp_path, embed
 
     # exported with the experts of both expert-parallel ranks, transformers generates the same words
     from transformers import AutoModelForCausalLM
-    subprocess.run([sys.executable, "-m", "moe_scale", "export", "--run", str(run), "--out", str(tmp_path / "hf")],
-                   cwd=tmp_path, env=_env(embedded_cache), check=True, capture_output=True)
+    run_cli("export", "--run", str(run), "--out", str(tmp_path / "hf"), cwd=tmp_path, cache=embedded_cache, check=True)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
     ids = model.generate(torch.tensor([[Vocab.BOS_ID]]), do_sample=False, max_new_tokens=5)[0, 1:].tolist()
     vocab = Vocab.load(run / "vocab")

@@ -5,9 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ from moe_scale.config import RunConfig
 from moe_scale.data import Vocab
 from moe_scale.models.build import build_model
 from moe_scale.models.transformer_lm import TransformerLM
-from tests.cli_runs import run_train, step_log
+from tests.cli_runs import run_cli, run_train, step_log
 
 V, T = 30, 10
 
@@ -66,11 +63,8 @@ def test_mae_bcd_train_and_prune_heads_through_the_cli(tmp_path, embedded_cache)
     assert not torch.equal(trained["blocks.0.attn.gate.out.weight"], initial["blocks.0.attn.gate.out.weight"])
     assert not torch.equal(trained["blocks.0.attn.mha.q_proj.weight"], initial["blocks.0.attn.mha.q_proj.weight"])
 
-    proc = subprocess.run([sys.executable, "-m", "moe_scale", "prune-heads", "--run", str(run), "--steps", "4",
-                           "--fraction-per-step", "0.25", "--max-batches", "3"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "MOE_SCALE_CACHE": str(embedded_cache), "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli("prune-heads", "--run", str(run), "--steps", "4", "--fraction-per-step", "0.25", "--max-batches",
+                   "3", cwd=tmp_path, cache=embedded_cache, check=True)
     report = json.loads((run / "pruning" / "pruning.json").read_text())
     assert [r["heads_left"] for r in report["steps"]] == [8, 6, 4, 2]
     params = [r["params"] for r in report["steps"]]

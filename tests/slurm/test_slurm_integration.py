@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_runs import free_port
+from moe_scale.distributed.ports import free_port
 
 pytestmark = pytest.mark.slow   # minutes on 2 cores; -m 'not slow' skips them
 

@@ -16,8 +16,7 @@ import torch
 from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.data.vocab import Vocab
 from tests.conftest import wikitext_sentences
-from tests.inference.test_export import _cli
-from tests.cli_runs import TINY, run_eval, run_train
+from tests.cli_runs import TINY, run_cli, run_eval, run_train
 
 _GLUE = [(r" @(.)@ ", r"\1"), (r" ([,.;:!?)])", r"\1"), (r"\( ", "("), (r" ('s|'re|n't)\b", r"\1")]
 
@@ -84,11 +83,12 @@ def test_bpe_run_end_to_end(tmp_path, raw_text, embedded_cache):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     prompt = raw(wikitext_sentences("test")[3]).split()[:4]
-    ours = _cli("generate", "--run", str(run), "--prompt", " ".join(prompt), "--greedy", "--max-new-tokens", "8",
-                cwd=tmp_path, cache=embedded_cache).stdout.strip()
+    ours = run_cli("generate", "--run", str(run), "--prompt", " ".join(prompt), "--greedy", "--max-new-tokens", "8",
+                cwd=tmp_path, cache=embedded_cache, check=True).stdout.strip()
     assert ours.startswith(" ".join(prompt))
     out = tmp_path / "hf"
-    _cli("export", "--run", str(run), "--format", "hf", "--out", str(out), cwd=tmp_path, cache=embedded_cache)
+    run_cli("export", "--run", str(run), "--format", "hf", "--out", str(out), cwd=tmp_path, cache=embedded_cache,
+            check=True)
     model = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
     ids = tokenizer(" ".join(prompt), return_tensors="pt").input_ids
