@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_runs import run_cli
+
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "scaling_sweep.py"
 TINY = ["--extra", "--d-model", "16", "--expert-hidden", "16", "--seq-len", "8"]
 
@@ -49,10 +51,8 @@ def test_perf_scalars_reach_tensorboard(tmp_path):
     """The runs' event files carry perf/tflops_per_device, perf/mfu and perf/all_to_all_share."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    proc = subprocess.run([sys.executable, "-m", "moe_scale", "train", "--preset", "lm1b-moe-32-mini", "--max-steps",
-                           "6", "--log-interval", "3", "--out", str(tmp_path / "run")], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_cli("train", "--preset", "lm1b-moe-32-mini", "--max-steps", "6", "--log-interval", "3", "--out",
+            str(tmp_path / "run"), cwd=tmp_path, check=True)
     events = EventAccumulator(str(tmp_path / "run" / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
