@@ -49,6 +49,7 @@ def start_cli(*args: str, cwd: Path, cache: Path | None = None, env: dict[str, s
     env = cli_env(cache) if env is None else env
     if nprocs == 1:
         return [forked.start(entry, list(args), cwd, env)]
+    forked.note_ranks(nprocs)
     port = free_port()
     return [forked.start(entry, list(args), cwd, rank_env(env, rank, nprocs, port)) for rank in range(nprocs)]
 
@@ -81,6 +82,7 @@ def launch_train(args: list[str], cwd: Path, cache: Path | None = None, nprocs: 
                  launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus N --module moe_scale train ARGS` with DeepSpeed's own launcher, in real processes: for
     the tests whose point is the launcher (the README's command); it must succeed."""
+    forked.note_ranks(nprocs)
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs), "--master_port",
            str(free_port()), *launcher, "--module", "moe_scale", "train", *args]
     proc = subprocess.run(cmd, cwd=cwd, env=cli_env(cache), capture_output=True, text=True, timeout=600)

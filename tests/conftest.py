@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import gzip
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
 WIKITEXT = Path(__file__).resolve().parent / "fixtures" / "wikitext-2"
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def wikitext_text(split: str) -> str:
@@ -40,6 +43,27 @@ def wikitext_dir(tmp_path) -> Path:
     for split in ("valid", "test"):
         (directory / f"{split}.txt").write_text(wikitext_text(split), encoding="utf-8")
     return directory
+
+
+@pytest.fixture(scope="session")
+def load_tool():
+    """load_tool("count_ops") -> tools/count_ops.py as a module, imported once per session as
+    `python tools/count_ops.py` sees it: tools/ on sys.path (for tool_args, json_lines) and the module in
+    sys.modules under its own name (dataclasses look their module up there)."""
+    loaded = {}
+
+    def load(name: str):
+        if name not in loaded:
+            if str(TOOLS) not in sys.path:
+                sys.path.insert(0, str(TOOLS))
+            spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded[name]
+
+    return load
 
 
 @pytest.fixture
@@ -88,31 +112,19 @@ def lm1b_benchmark(tmp_path) -> Path:
     return root
 
 
-_MULTIPROCESS_CALLS = ("run_ranks(", "nprocs=", "--ranks\", \"2\"", "\"--ranks\", \"2\"", "srun", "mpirun")
-
-
-def pytest_collection_modifyitems(config, items):
-    """`multiprocess` on every test that starts ranks (through tests/multiproc.py, the deepspeed launcher,
-    srun or mpirun), found in its source, so `-m "not multiprocess"` runs the single-process suite."""
-    import inspect
-
-    for item in items:
-        function = getattr(item, "function", None)
-        try:
-            source = inspect.getsource(function) if function else ""
-        except (OSError, TypeError):
-            source = ""
-        if any(call in source for call in _MULTIPROCESS_CALLS):
-            item.add_marker(pytest.mark.multiprocess)
-
-
 @pytest.fixture(autouse=True)
-def no_leftover_processes():
-    """A test that fails half-way leaves no command running (tests/forked.py's children are killed)."""
-    yield
+def processes_end_and_match_the_marker(request):
+    """A test that fails half-way leaves no command running (tests/forked.py's children are killed), and a test
+    that started several ranks (tests/cli_runs.py, tests/multiproc.py) is marked `multiprocess`, so that
+    `-m "not multiprocess"` really runs one process at a time."""
     from tests import forked
 
+    forked.most_ranks_since_asked()
+    yield
     forked.kill_all()
+    ranks = forked.most_ranks_since_asked()
+    if ranks > 1 and request.node.get_closest_marker("multiprocess") is None:
+        pytest.fail(f"{request.node.nodeid} started {ranks} ranks: mark it @pytest.mark.multiprocess")
 
 
 def _deepspeed_shm_segments() -> set[Path]:

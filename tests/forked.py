@@ -136,6 +136,20 @@ def wait_all(children: list[Child], timeout: float) -> None:
 
 
 _LIVE: set[Child] = set()
+_most_ranks = 1
+
+
+def note_ranks(count: int) -> None:
+    """Record that `count` processes were started to run together (a world of that many ranks)."""
+    global _most_ranks
+    _most_ranks = max(_most_ranks, count)
+
+
+def most_ranks_since_asked() -> int:
+    """The largest world started since the last call (1: none of several processes)."""
+    global _most_ranks
+    count, _most_ranks = _most_ranks, 1
+    return count
 
 
 def kill_all() -> None:

@@ -130,6 +130,7 @@ _POOLS: dict[int, RankPool] = {}
 def run_ranks(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 60.0,
               deepspeed: bool = False) -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return their results in rank order."""
+    forked.note_ranks(world_size)
     pool = _POOLS.get(world_size)
     if pool is None:  # a fresh pool first imports torch (and may JIT-build DeepSpeed's CPU comm op): allow more
         pool = _POOLS[world_size] = RankPool(world_size)

@@ -4,7 +4,6 @@ asserted: speed is the tool's job, not the tests'.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,20 +21,13 @@ TINY = ["--tokens", "64", "--d", "16", "--h", "32", "--repeats", "1", "--min-tim
 IMPLS = {"dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "naive_loop", "dense"}
 
 
-def _import_bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH.parent))   # as `python tools/bench_moe_layer.py` has it
-    spec = importlib.util.spec_from_file_location("bench_moe_layer", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def _run(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True, text=True, timeout=timeout,
                           env=env)
 
 
+@pytest.mark.slow
 def test_single_process_sweep(tmp_path):
     out_file = tmp_path / "bench.jsonl"
     proc = _run("--experts", "8", "--k", "1,2", *TINY, "--no-memory", "--out", str(out_file))
@@ -60,6 +52,7 @@ def test_single_process_sweep(tmp_path):
     assert by[("naive_loop", 2)]["roofline_s"] == by[("dropless", 2)]["roofline_s"]
 
 
+@pytest.mark.slow
 def test_working_memory_is_measured_in_a_child_per_implementation():
     """One fresh child process per implementation and k (the sweep above skips them; one k is enough here)."""
     proc = _run("--experts", "8", "--k", "2", *TINY)
@@ -72,13 +65,13 @@ def test_working_memory_is_measured_in_a_child_per_implementation():
             assert r["working_vs_dense"] >= 0
 
 
-def test_roofline_counts_the_flops_and_the_weights_of_the_experts_used(monkeypatch):
+def test_roofline_counts_the_flops_and_the_weights_of_the_experts_used(load_tool):
     """bound = max(6 x forward multiply-adds / peak, (2 x used + E) x one expert's bytes / bandwidth): the
     forward reads the used experts' weights, the backward reads them again, and every expert's gradient is
     written. By hand at E=64, k=2, 2048 tokens, d=256, h=512: 6 * (2048*2*2*256*512 + 2*2048*256*64) =
     6845104128 FLOPs; one expert is 2*256*512 floats = 1048576 bytes; with 40 experts used,
     (2*40 + 64) * 1048576 = 150994944 bytes. The dense FFN reads all of its weights: 3 x them."""
-    bench = _import_bench(monkeypatch)
+    bench = load_tool("bench_moe_layer")
     args = bench.parse_args(["--experts", "64", "--k", "2"])
     times = {"dropless": 0.1, "dense": 0.1}
     compute_bound = bench._row("dropless", 64, 2, args, times, 3, {}, peak_flops=1e11, peak_bandwidth=1e12, used=40)
@@ -104,11 +97,11 @@ def test_roofline_counts_the_flops_and_the_weights_of_the_experts_used(monkeypat
     assert then["roofline_fraction_then"] == pytest.approx(2 * memory_bound["roofline_fraction"], rel=1e-3)
 
 
-def test_serial_bound_runs_the_router_products_before_the_experts(monkeypatch):
+def test_serial_bound_runs_the_router_products_before_the_experts(load_tool):
     """serial bound = router FLOPs / peak + max(expert FLOPs / peak, bytes / bandwidth). By hand at E=64, k=2,
     2048 tokens, d=256, h=512, 40 experts used: the router's 6 * 2 * 2048*256*64 = 402653184 FLOPs, the
     experts' 6 * 2048*2*2*256*512 = 6442450944, the bytes 150994944 (as above)."""
-    bench = _import_bench(monkeypatch)
+    bench = load_tool("bench_moe_layer")
     args = bench.parse_args(["--experts", "64", "--k", "2"])
     times = {"dropless": 0.5, "deepspeed_dropless": 0.5, "dense": 0.5}
     router_s, experts_s, bytes_s = 402653184 / 1e10, 6442450944 / 1e10, 150994944 / 1e8
@@ -160,6 +153,7 @@ def test_experts_used_are_the_experts_the_router_sent_tokens_to(impl, tmp_path):
     assert 1 <= routed <= 16 and used == routed and dense_used is None
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_report_the_all_to_all_share():
     proc = _run("--ranks", "2", "--experts", "8", "--k", "2", "--gate-logit-std", "2", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -176,8 +170,8 @@ def test_two_ranks_report_the_all_to_all_share():
                                    ["--gate-logit-std", "nan"], ["--capacity-factor", "nan"], ["--min-time", "-1"],
                                    ["--warmup", "0"], ["--dtype", "float8"]]
                          + ([["--device", "cuda"]] if not torch.cuda.is_available() else []))
-def test_bad_flags_exit_2_with_one_line(flags, capsys, monkeypatch):
-    bench = _import_bench(monkeypatch)
+def test_bad_flags_exit_2_with_one_line(flags, capsys, load_tool):
+    bench = load_tool("bench_moe_layer")
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(flags)
     assert exc.value.code == 2
@@ -185,11 +179,11 @@ def test_bad_flags_exit_2_with_one_line(flags, capsys, monkeypatch):
     assert len(err.strip().splitlines()) == 1 and "error" in err
 
 
-def test_gate_logit_std_spreads_our_routers_logits(monkeypatch):
+def test_gate_logit_std_spreads_our_routers_logits(load_tool):
     """--gate-logit-std S: the clean and the noise logits of the benchmarked layer have std about S (the
     default leaves the paper's zero-initialised gates)."""
     import torch
-    bench = _import_bench(monkeypatch)
+    bench = load_tool("bench_moe_layer")
     x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
     for std in (0.0, 3.0):
         args = bench.parse_args(["--d", "64", "--h", "32", "--gate-logit-std", str(std)])
@@ -199,12 +193,12 @@ def test_gate_logit_std_spreads_our_routers_logits(monkeypatch):
 
 
 @pytest.mark.parametrize("impl", ["dropless", "capacity", "naive_loop", "dense"])
-def test_step_gives_the_gradients_of_the_probe_loss(impl, monkeypatch):
+def test_step_gives_the_gradients_of_the_probe_loss(impl, load_tool):
     """The timed step feeds the output gradient in directly; the gradients are those of the loss
     (y * probe).sum() + aux, the layer's own and the input's: with an auxiliary loss (ours) and without (dense).
     (DeepSpeed's layer would start torch.distributed in this process, holding the port later tests launch on.)"""
     import torch
-    bench = _import_bench(monkeypatch)
+    bench = load_tool("bench_moe_layer")
     args = bench.parse_args(["--tokens", "64", "--d", "16", "--h", "32", "--gate-logit-std", "1"])
     x, probe = bench.make_inputs(args)
     layer = bench.build(impl, 8, 2, args)
@@ -224,10 +218,10 @@ def test_step_gives_the_gradients_of_the_probe_loss(impl, monkeypatch):
 
 
 @pytest.mark.parametrize("repeats, min_time, timed", [(3, 0.0, 3), (3, 1.0, 8), (12, 1.0, 12), (3, 0.9, 8)])
-def test_timed_steps_run_the_warmup_then_enough_steps(repeats, min_time, timed, monkeypatch):
+def test_timed_steps_run_the_warmup_then_enough_steps(repeats, min_time, timed, load_tool):
     """--warmup untimed steps, then at least --repeats timed ones and on until they add up to --min-time (a fake
     step of 0.125 s)."""
-    bench = _import_bench(monkeypatch)
+    bench = load_tool("bench_moe_layer")
     args = bench.parse_args(["--warmup", "2", "--repeats", str(repeats), "--min-time", str(min_time)])
     calls = []
 
@@ -239,19 +233,19 @@ def test_timed_steps_run_the_warmup_then_enough_steps(repeats, min_time, timed, 
     assert len(times) == timed and len(calls) == 2 + timed
 
 
-def test_timed_steps_stop_only_when_every_rank_agrees(monkeypatch):
+def test_timed_steps_stop_only_when_every_rank_agrees(load_tool):
     """Ranks step together: a rank whose own steps are done goes on while another still wants more."""
-    bench = _import_bench(monkeypatch)
+    bench = load_tool("bench_moe_layer")
     args = bench.parse_args(["--warmup", "1", "--repeats", "2", "--min-time", "0"])
     other_rank_wants = iter([True, True, False])   # asked once this rank has its 2 steps
     times = bench.timed_steps(lambda: 0.1, args, lambda more: more or next(other_rank_wants))
     assert len(times) == 4
 
 
-def test_naive_loop_sums_each_tokens_gated_expert_outputs(monkeypatch):
+def test_naive_loop_sums_each_tokens_gated_expert_outputs(load_tool):
     """The naive reference layer computes the MoE output: y[t] = sum over t's k experts e of gate * FFN_e(x[t])."""
     import torch
-    bench = _import_bench(monkeypatch)
+    bench = load_tool("bench_moe_layer")
     args = bench.parse_args(["--tokens", "64", "--d", "16", "--h", "32", "--gate-logit-std", "1"])
     x, _ = bench.make_inputs(args)
     layer = bench.build("naive_loop", 8, 2, args)

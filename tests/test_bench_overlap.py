@@ -4,7 +4,6 @@ timings themselves are not asserted: speed is the tool's job, not the tests'."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,11 +22,8 @@ def _run(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True, text=True, timeout=120, env=env)
 
 
-def test_router_backward_products_are_the_gate_matrices_gradients(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH.parent))
-    spec = importlib.util.spec_from_file_location("bench_overlap", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_router_backward_products_are_the_gate_matrices_gradients(load_tool):
+    bench = load_tool("bench_overlap")
     router = bench.RouterBackward(32, 8, 12, torch.Generator().manual_seed(0))
     w_gate, w_noise = (w.clone().requires_grad_(True) for w in router.w_DE)
     x = router.x_ND.clone().requires_grad_(True)
@@ -58,7 +54,16 @@ def test_tiny_run(tmp_path):
     (["--out", "/nonexistent-dir/overlap.jsonl"], "does not exist"),
     (["--out", "/"], "is a directory"),
 ])
-def test_bad_flags_give_one_line(flags, message):
-    proc = _run(*flags)
+def test_bad_flags_give_one_line(flags, message, load_tool, capsys):
+    """In-process (parse_args exits 2 before any work); the process itself below."""
+    with pytest.raises(SystemExit) as exc:
+        load_tool("bench_overlap").parse_args(flags)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_a_bad_flag_ends_the_process_with_status_2_and_one_line():
+    proc = _run("--threads", "1")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--threads must be at least 2" in proc.stderr

@@ -4,7 +4,6 @@ that resumes (the finished point kept, the interrupted one continued from its ch
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -25,17 +24,8 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "capacity_sweep.py"
 
 
 @pytest.fixture(scope="module")
-def sweep_module():
-    sys.path.insert(0, str(TOOL.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("capacity_sweep", TOOL)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["capacity_sweep"] = module   # its dataclasses look their module up by name
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("capacity_sweep", None)
-        sys.path.remove(str(TOOL.parent))
+def sweep_module(load_tool):
+    return load_tool("capacity_sweep")
 
 
 @pytest.mark.parametrize("d, ffn", [(128, 1024), (64, 512)])

@@ -3,7 +3,6 @@ number of experts or tokens, the forward reads the device once and the backward 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -20,13 +19,8 @@ MAX_OPS = 400
 
 
 @pytest.fixture(scope="module")
-def count_ops(request):
-    sys.path.insert(0, str(TOOL.parent))
-    request.addfinalizer(lambda: sys.path.remove(str(TOOL.parent)))
-    spec = importlib.util.spec_from_file_location("count_ops", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def count_ops(load_tool):
+    return load_tool("count_ops")
 
 
 @pytest.mark.parametrize("gate", ["flat", "hierarchical"])
@@ -61,6 +55,7 @@ def test_more_experts_than_one_grouped_call_takes_add_calls_not_loops(count_ops)
     assert c["grouped_gemm_calls"] == 6 + 6 * 4 and c["host_syncs_forward"] == 1 and c["host_syncs_backward"] == 0
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_through_the_tool(tmp_path):
     out = tmp_path / "ops.jsonl"
     proc = subprocess.run([sys.executable, str(TOOL), "--experts", "8", "--tokens", "256", "--k", "2", "--gates",

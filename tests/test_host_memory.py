@@ -54,6 +54,7 @@ def _faults_per_step(env_update: dict, script: str = _FAULTS_PER_STEP) -> float:
 _RETURNED = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "MALLOC_TRIM_THRESHOLD_": str(128 * 1024)}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="the policy is glibc's mallopt")
 def test_steps_after_warm_up_reuse_freed_memory_instead_of_fresh_pages():
     kept = min(_faults_per_step({}) for _ in range(2))   # the policy's occasional heap growth, not twice
@@ -82,6 +83,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 8)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="the policy is glibc's mallopt")
 def test_blocks_of_32_mib_and_more_are_reused_too():
     kept = _faults_per_step({}, _FAULTS_PER_ROUTER_STEP)

@@ -1,5 +1,7 @@
 """Launcher environments map onto torch.distributed's env:// variables."""
 
+import pytest
+
 from moe_scale.distributed.launch import _first_slurm_host, fill_env_from_launcher
 
 
@@ -49,6 +51,7 @@ def _shutdown_rank(rank: int, world_size: int, port: int, results) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_shutdown_destroys_a_multi_rank_group_and_keeps_a_single_one():
     """Several ranks leave their process group before exit (gloo could abort a finished rank otherwise); one
     process keeps it, so in-process callers can run another command."""

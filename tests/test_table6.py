@@ -20,6 +20,7 @@ def _run(*flags: str, timeout: int = 80) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(TOOL), *flags], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_table6_two_rows_tiny(tmp_path, wikitext_dir):
     out = tmp_path / "t6"
     proc = _run("--out", str(out), "--only", "0,3", "--max-steps", "3", "--num-experts", "64",

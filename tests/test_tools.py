@@ -3,7 +3,6 @@ errors."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -70,12 +69,9 @@ def test_bench_experts_bad_flag_exits_2_with_one_line():
 @pytest.mark.parametrize("flags", [["--d", "-3"], ["--experts", "8,-1"], ["--experts", "4,,5"], ["--repeats", "x"],
                                    ["--max-naive-experts", "-1"], ["--bogus"], ["--out", "/nonexistent/dir/x.jsonl"],
                                    ["--kernels", "fast"], ["--kernels", "loop,loop"]])
-def test_bench_experts_bad_flags_in_process(flags, capsys, monkeypatch):
+def test_bench_experts_bad_flags_in_process(flags, capsys, load_tool):
     """The same check without a process per case: parse_args exits 2 with one line, before any work."""
-    monkeypatch.syspath_prepend(str(BENCH.parent))   # as `python tools/bench_experts.py` has it
-    spec = importlib.util.spec_from_file_location("bench_experts", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_tool("bench_experts")
     with pytest.raises(SystemExit) as exc:
         bench.parse_args([*flags, *TINY])
     assert exc.value.code == 2

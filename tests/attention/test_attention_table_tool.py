@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from moe_scale.accounting.attention_flops import mha_macs
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "attention_table.py"
@@ -19,6 +21,7 @@ def _run(*flags: str, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_one_row_end_to_end(tmp_path, wikitext_dir):
     proc = _run("--out", str(tmp_path / "t"), "--only", "mha", "--max-steps", "2", "--eval-max-batches", "2",
                 "--wikitext", str(wikitext_dir), cwd=tmp_path)   # the shipped fixture: a clone has no ../shared

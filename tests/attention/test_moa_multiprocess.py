@@ -17,6 +17,7 @@ MOA = ["--model", "transformer", "--attention", "moa", "--ffn", "moe", "--gate",
        "--warmup-steps", "0", "--max-steps", "4", "--eval-interval", "4", "--checkpoint-interval", "4"]
 
 
+@pytest.mark.multiprocess
 def test_moa_two_processes_expert_parallel_equal_one_process(tmp_path, embedded_cache):
     ds = str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json")
     one, two = tmp_path / "one", tmp_path / "two"

@@ -342,6 +342,7 @@ def _worker(rank, world, scope, zero, seed):
                 thresholds=router.thresholds.detach().clone(), grad=router.w_gate.grad.clone())
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("zero", [False, True])
 def test_global_scope_on_two_ranks_equals_one_process(zero):
     world, seed = 2, 20
@@ -378,6 +379,7 @@ def test_global_scope_on_two_ranks_equals_one_process(zero):
     torch.testing.assert_close(total_grad, 2 * ref_router.w_gate.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_local_scope_on_two_ranks():
     world, seed = 2, 21
     results = run_ranks(_worker, world_size=world, args=("local", False, seed))

@@ -304,6 +304,7 @@ def per_rank_reference(name, mode, world):
 CASES = ["random", "rank1_receives_nothing", "some_experts_empty", "no_cross_traffic", "all_to_one_expert"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world,exchange,node_size", [(2, "flat", 0), (2, "hierarchical", 1),
                                                       (4, "flat", 0), (4, "hierarchical", 2)])
 @pytest.mark.parametrize("mode", ["dropless", "capacity"])

@@ -337,6 +337,7 @@ def test_eq14_is_formed_from_global_sums_in_process():
     torch.testing.assert_close(out.aux_loss.detach(), full["aux"])
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_equal_one_process_on_concatenated_batch():
     full = _route(0, 1, _global_batch(), all_reduce=False)
     ranks = run_ranks(_rank_worker, world_size=2)

@@ -208,6 +208,7 @@ def _wrong_rank_worker(rank, world):
     return True
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["eval", "train_noisy"])
 def test_two_expert_parallel_ranks_equal_one_process(mode):
     results = run_ranks(_two_rank_worker, world_size=2, args=(mode,), deepspeed=True, timeout=60)
@@ -236,6 +237,7 @@ def test_two_expert_parallel_ranks_equal_one_process(mode):
             torch.testing.assert_close(got, want, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_refuse_a_mismatched_expert_parallel_rank():
     assert run_ranks(_wrong_rank_worker, world_size=2, deepspeed=True, timeout=60) == [True, True]
 
@@ -271,6 +273,7 @@ def _four_rank_worker(rank, world, gate, all_to_all):
             "exchange": type(layer.dispatcher.exchange).__name__}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("gate,all_to_all", [("noisy_topk", "flat"), ("hierarchical", "hierarchical")])
 def test_four_expert_parallel_ranks_equal_one_process(gate, all_to_all):
     results = run_ranks(_four_rank_worker, world_size=4, args=(gate, all_to_all), deepspeed=True, timeout=90)

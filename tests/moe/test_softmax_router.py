@@ -254,6 +254,7 @@ def _two_rank_worker(rank, world, renormalize):
                 metrics=out.metrics, grad=router.w_gate.grad, gates=out.gates_NK.detach(), experts=out.experts_NK)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("renormalize", ["none", "detached"])
 def test_two_ranks_equal_one_process_on_the_concatenated_batch(renormalize):
     r0, r1 = run_ranks(_two_rank_worker, world_size=2, args=(renormalize,))

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECK = Path(__file__).with_name("triton_interpreted.py")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton)")
 @pytest.mark.parametrize("config", [0, 5], ids=["tiles-32x128", "tiles-128x256"])
 def test_triton_kernel_matches_grouped_mm_in_the_interpreter(config):

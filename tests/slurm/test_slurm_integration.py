@@ -18,7 +18,7 @@ import pytest
 
 from moe_scale.distributed.ports import free_port
 
-pytestmark = pytest.mark.slow   # minutes on 2 cores; -m 'not slow' skips them
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 REPO = Path(__file__).resolve().parents[2]
 BINARIES = ("slurmctld", "slurmd", "sbatch", "sinfo", "munged")

@@ -3,7 +3,6 @@ efficiency formula; flag errors."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -17,14 +16,8 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "scaling_sweep.py"
 TINY = ["--extra", "--d-model", "16", "--expert-hidden", "16", "--seq-len", "8"]
 
 
-def _load_tool():
-    sys.path.insert(0, str(TOOL.parent))
-    spec = importlib.util.spec_from_file_location("scaling_sweep", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_weak_sweep_on_1_and_2_processes(tmp_path):
     proc = subprocess.run([sys.executable, str(TOOL), "weak", "--procs", "1,2", "--max-steps", "6",
                            "--experts-per-rank", "4", "--seqs-per-rank", "4", "--out", str(tmp_path), *TINY],
@@ -63,8 +56,8 @@ def test_perf_scalars_reach_tensorboard(tmp_path):
     assert mfu == pytest.approx(summary["mfu"], rel=1e-5) and 0 < mfu < 1
 
 
-def test_strong_efficiency_formula():
-    tool = _load_tool()
+def test_strong_efficiency_formula(load_tool):
+    tool = load_tool("scaling_sweep")
     rows = [{"ranks": 1, "step_seconds": 1.0, "tflops_per_device": 1.0},
             {"ranks": 2, "step_seconds": 0.8, "tflops_per_device": 0.6},
             {"ranks": 4, "step_seconds": 0.5, "tflops_per_device": 0.5}]

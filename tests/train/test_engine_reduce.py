@@ -27,6 +27,7 @@ def _worker(rank, world, ep_size):
     return {name: param.grad.unique().tolist() for name, param in model.named_parameters()}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("ep_size", [1, 2])
 def test_sums_and_averages_as_deepspeed_does(ep_size):
     """Dense: the mean over the 2 ranks. Experts: summed over their expert-data-parallel group (both ranks when

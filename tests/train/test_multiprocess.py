@@ -13,7 +13,7 @@ import pytest
 
 from tests.cli_runs import TINY, run_eval, run_train, step_log
 
-pytestmark = pytest.mark.slow   # minutes on 2 cores; -m 'not slow' skips them
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 def _clip_config(tmp_path, name: str, clip: float):

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench_memory.py"
 
 
+@pytest.mark.slow
 def test_bench_memory_reports_each_configuration(tmp_path):
     out = tmp_path / "mem.jsonl"
     proc = subprocess.run([sys.executable, str(BENCH), "--experts", "8", "--d", "64", "--h", "128", "--batch", "2",

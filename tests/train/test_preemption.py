@@ -61,6 +61,7 @@ def test_a_signal_checkpoints_and_exits_0_then_resume_continues_exactly(tmp_path
         _assert_resume_repeats_the_straight_run(tmp_path, embedded_cache, run, stopped, 1)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, embedded_cache):
     run = tmp_path / "run"

@@ -41,11 +41,13 @@ def _resharded_run_matches(tmp_path, cache, before: tuple[int, int], after: tupl
     assert layout == {"world_size": new_procs, "ep_size": new_ep, "rows": "tokens"}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("ds", ["zero2_ep", "cpu"])
 def test_two_processes_resume_as_one(tmp_path, embedded_cache, ds):
     _resharded_run_matches(tmp_path, embedded_cache, (2, 2), (1, 1), ds)
 
 
+@pytest.mark.multiprocess
 def test_hierarchical_secondary_gates_live_and_move_with_their_groups(tmp_path, embedded_cache):
     """Each group's secondary gate is sharded with its experts: DeepSpeed's per-expert files hold column j of group
     i with expert i*G + j (and the dense file none of it), and a 2-rank run resumes as 1 process exactly."""
@@ -66,6 +68,7 @@ def test_hierarchical_secondary_gates_live_and_move_with_their_groups(tmp_path, 
         assert len({tuple(v.tolist()) for _, _, v in entries}) == 4   # trained: four different columns
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("before, after", [((1, 1), (2, 2)), ((2, 2), (2, 1)), ((2, 2), (4, 4))])
 def test_other_layout_changes(tmp_path, embedded_cache, before, after):
