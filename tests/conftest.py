@@ -1,39 +1,16 @@
-"""Shared fixtures: real-text lm1b-style shards built from WikiText-2, shipped in tests/fixtures/wikitext-2
-(CC BY-SA 3.0; see its README.md), so the suite needs nothing beside the clone."""
+"""Shared fixtures: real-text corpora built from WikiText-2 (tests/wikitext.py), the tools' modules, and the
+checks every test passes through (no command left running, no /dev/shm segment leaked, multiprocess marks)."""
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-WIKITEXT = Path(__file__).resolve().parent / "fixtures" / "wikitext-2"
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-
-
-def wikitext_text(split: str) -> str:
-    """WikiText-2's `valid` or `test` split as shipped with the tests."""
-    with gzip.open(WIKITEXT / f"{split}.txt.gz", "rt", encoding="utf-8") as f:
-        return f.read()
-
-
-def wikitext_sentences(split: str) -> list[str]:
-    """WikiText-2 paragraphs split into sentences at ' . ' (each keeps its '.'); headings and blanks dropped."""
-    out = []
-    for line in wikitext_text(split).splitlines():
-        line = line.strip()
-        if not line or (line.startswith("=") and line.endswith("=")):
-            continue
-        parts = line.split(" . ")
-        for j, part in enumerate(parts):
-            s = part.strip() + (" ." if j < len(parts) - 1 else "")
-            if s.strip(" ."):
-                out.append(s.strip())
-    return out
-
+from tests.paths import TOOLS
+from tests.wikitext import wikitext_sentences, wikitext_text
 
 @pytest.fixture
 def wikitext_dir(tmp_path) -> Path:

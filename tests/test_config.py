@@ -13,8 +13,9 @@ from moe_scale.commands.train import config_from_args as _config_from_args
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 from moe_scale.train.ds_config import DEFAULT_DS_CONFIG, complete_ds_config, load_ds_config, validate_ds_config
+from tests.paths import DS_CONFIGS
 
-DS_CONFIGS = sorted((Path(__file__).parents[1] / "ds_configs").glob("*.json"))
+SHIPPED_DS_CONFIGS = sorted(DS_CONFIGS.glob("*.json"))
 
 
 def parse(*argv: str) -> RunConfig:
@@ -98,11 +99,11 @@ def test_invalid_flags(argv, fragment):
 
 
 def test_cpu_json_is_the_built_in_default():
-    assert json.loads((Path(__file__).parents[1] / "ds_configs" / "cpu.json").read_text()) == DEFAULT_DS_CONFIG
+    assert json.loads((DS_CONFIGS / "cpu.json").read_text()) == DEFAULT_DS_CONFIG
     assert load_ds_config(None) == DEFAULT_DS_CONFIG
 
 
-@pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", SHIPPED_DS_CONFIGS, ids=lambda p: p.name)
 def test_shipped_ds_configs_validate(path):
     assert load_ds_config(str(path))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_runs import run_eval, run_train, step_log
+from tests.paths import DS_CONFIGS
 
 MOA = ["--model", "transformer", "--attention", "moa", "--ffn", "moe", "--gate", "softmax_topk",
        "--d-model", "32", "--num-layers", "2", "--moa-num-experts", "4", "--moa-top-k", "2", "--head-dim", "8",
@@ -19,7 +20,7 @@ MOA = ["--model", "transformer", "--attention", "moa", "--ffn", "moe", "--gate",
 
 @pytest.mark.multiprocess
 def test_moa_two_processes_expert_parallel_equal_one_process(tmp_path, embedded_cache):
-    ds = str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json")
+    ds = str(DS_CONFIGS / "zero2_ep.json")
     one, two = tmp_path / "one", tmp_path / "two"
     run_train([*MOA, "--ds-config", ds, "--out", str(one)], cwd=tmp_path, cache=embedded_cache)
     run_train([*MOA, "--ds-config", ds, "--ep-size", "2", "--out", str(two)], cwd=tmp_path, cache=embedded_cache,

@@ -9,7 +9,7 @@ from moe_scale.data.batches import LMWindows, row_bounds
 from moe_scale.data.text import load_sentences, split_files
 from moe_scale.data.vocab import Vocab
 from moe_scale.errors import UserError
-from tests.conftest import wikitext_text
+from tests.wikitext import wikitext_text
 
 
 def _dataset(n=60, seed=0):

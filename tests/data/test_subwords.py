@@ -18,7 +18,7 @@ from moe_scale.errors import UserError
 from moe_scale.models.lstm_lm import LSTMMoELM
 from moe_scale.models.softmax import IGNORE
 from moe_scale.train.evaluate import evaluate
-from tests.conftest import wikitext_sentences
+from tests.wikitext import wikitext_sentences
 from tests.multiproc import run_ranks
 
 UNSEEN = ["Zürich 's naïve café — ½ of 🙂 emoji !", "x", "THE   spaced    words", "tab\tseparated words"]

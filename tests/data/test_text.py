@@ -4,7 +4,7 @@ import pytest
 
 from moe_scale.data.text import holdout_split, load_sentences, load_splits, resolve_text_files, split_files
 from moe_scale.errors import UserError
-from tests.conftest import wikitext_sentences
+from tests.wikitext import wikitext_sentences
 
 
 @pytest.fixture(autouse=True)

@@ -17,10 +17,10 @@ import torch
 from moe_scale.moe.experts.grouped_gemm import choose_kernel
 from moe_scale.moe.router.hierarchical import HierarchicalRouter
 from moe_scale.moe.layer import MoELayer
+from tests.paths import REPO
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-ROOT = Path(__file__).resolve().parents[2]
 D, H, E, K, N = 64, 128, 32, 2, 512
 
 
@@ -137,7 +137,7 @@ def _train(tmp_path: Path, *flags: str) -> list[dict]:
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "moe_scale", "train", "--max-steps", "20", "--log-interval", "5",
                            "--eval-interval", "20", "--eval-max-batches", "2", "--ds-config",
-                           str(ROOT / "ds_configs" / "gpu_bf16_zero2.json"), "--out", str(run), *flags],
+                           str(REPO / "ds_configs" / "gpu_bf16_zero2.json"), "--out", str(run), *flags],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((run / "summary.json").read_text())
@@ -159,7 +159,7 @@ def test_twenty_steps_of_a_transformer_moe_on_one_gpu(tmp_path):
 
 def test_layer_benchmark_on_cuda(tmp_path):
     out = tmp_path / "bench.jsonl"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_moe_layer.py"), "--device", "cuda", "--dtype",
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "bench_moe_layer.py"), "--device", "cuda", "--dtype",
                            "bfloat16", "--experts", "8,64", "--k", "2", "--tokens", "2048", "--d", "256", "--h", "512",
                            "--impls", "dropless,deepspeed_dropless,dense", "--out", str(out)],
                           capture_output=True, text=True, timeout=900)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import wikitext_sentences
+from tests.wikitext import wikitext_sentences
 from tests.cli_runs import TINY, run_cli, run_train
 
 MODELS = {

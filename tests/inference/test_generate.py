@@ -15,6 +15,7 @@ from moe_scale.inference.generate import RouteRecorder, generate
 from moe_scale.inference.sampling import SamplingConfig
 from tests.models.test_decode import MODELS, V, _model
 from tests.cli_runs import TINY, run_cli, run_train
+from tests.paths import DS_CONFIGS
 
 PROMPT = [5, 9, 3]
 
@@ -68,7 +69,7 @@ def test_generate_from_a_two_process_expert_parallel_transformer(tmp_path, embed
     run = tmp_path / "run"
     run_train([*TINY, "--model", "transformer", "--attention", "moa", "--moa-num-experts", "4", "--moa-top-k", "2",
                "--ffn", "moe", "--num-layers", "2", "--max-steps", "4", "--ep-size", "2", "--ds-config",
-               str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json"), "--out", str(run)],
+               str(DS_CONFIGS / "zero2_ep.json"), "--out", str(run)],
               cwd=tmp_path, cache=embedded_cache, nprocs=2)
     out = _generate(run, "--show-experts", "--max-new-tokens", "4", "--top-k", "20", cache=embedded_cache).stdout
     lines = out.splitlines()

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.cli_runs import run_cli
+from tests.paths import TOOLS
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "scaling_sweep.py"
+TOOL = TOOLS / "scaling_sweep.py"
 TINY = ["--extra", "--d-model", "16", "--expert-hidden", "16", "--seq-len", "8"]
 
 

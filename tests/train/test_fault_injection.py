@@ -16,11 +16,12 @@ from moe_scale.train import checkpoint as ckpt
 from tests.cli_runs import TINY, assert_one_line_error, run_cli, run_train, start_cli, step_log
 from tests.forked import wait_all
 from tests.train import fault_inject
+from tests.paths import DS_CONFIGS
 
 STEPS = 6
 SETTINGS = [*TINY, "--log-interval", "1", "--checkpoint-interval", "2", "--eval-interval", "1000",
             "--max-steps", str(STEPS)]
-TWO_RANKS = ["--ep-size", "2", "--ds-config", str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json")]
+TWO_RANKS = ["--ep-size", "2", "--ds-config", str(DS_CONFIGS / "zero2_ep.json")]
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from tests.cli_runs import TINY, run_eval, run_train, step_log
+from tests.paths import DS_CONFIGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 def _clip_config(tmp_path, name: str, clip: float):
-    source = json.loads((Path(__file__).parents[2] / "ds_configs" / f"{name}.json").read_text())
+    source = json.loads((DS_CONFIGS / f"{name}.json").read_text())
     source["gradient_clipping"] = clip
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(source))
@@ -57,7 +58,7 @@ def test_two_processes_expert_parallel_equal_one_process(tmp_path, embedded_cach
 def test_every_gate_two_processes_equal_one_process(tmp_path, embedded_cache, gate_flags):
     common = [*TINY, *gate_flags, "--noise-rng", "global", "--dropout", "0", "--lr", "0.01", "--warmup-steps", "0",
               "--max-steps", "4", "--eval-interval", "4", "--checkpoint-interval", "4",
-              "--ds-config", str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json")]
+              "--ds-config", str(DS_CONFIGS / "zero2_ep.json")]
     one, two = tmp_path / "one", tmp_path / "two"
     run_train([*common, "--out", str(one)], cwd=tmp_path, cache=embedded_cache)
     run_train([*common, "--ep-size", "2", "--out", str(two)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
@@ -72,7 +73,7 @@ def test_every_gate_two_processes_equal_one_process(tmp_path, embedded_cache, ga
 def test_four_processes_ep4_hierarchical_and_ep2_by_dp2_equal_one_process(tmp_path, embedded_cache):
     """ep_size 4 with the two-hop all-to-all (2 'nodes' of 2 ranks, ZeRO-2), and ep_size 2 x data-parallel 2
     (ZeRO-1), against one process on the same global batch."""
-    configs = Path(__file__).parents[2] / "ds_configs"
+    configs = DS_CONFIGS
     common = [*TINY, "--noise-rng", "global", "--dropout", "0", "--lr", "0.01", "--warmup-steps", "0",
               "--max-steps", "3", "--eval-interval", "3", "--checkpoint-interval", "3"]
     runs = {"one": ([], 1),
@@ -96,7 +97,7 @@ def test_capacity_mode_is_independent_of_expert_parallelism(tmp_path, embedded_c
     common = [*TINY, "--dispatch", "capacity", "--capacity-factor", "0.5", "--noise-rng", "global",
               "--dropout", "0", "--lr", "0.01", "--warmup-steps", "0", "--max-steps", "3", "--log-interval", "1",
               "--eval-interval", "3", "--checkpoint-interval", "3",
-              "--ds-config", str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json")]
+              "--ds-config", str(DS_CONFIGS / "zero2_ep.json")]
     dp, ep = tmp_path / "dp", tmp_path / "ep"
     shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     run_train([*common, "--out", str(dp)], cwd=tmp_path, cache=embedded_cache, nprocs=2)

@@ -16,6 +16,7 @@ from moe_scale.config import TrainConfig
 from moe_scale.errors import UserError
 from moe_scale.train.factored_optimizer import (FactoredExpertAdam, build_optimizer, check_optimizer_fits,
                                                 optimizer_state_numel)
+from tests.paths import DS_CONFIGS
 
 BETA2, EPS, LR = 0.999, 1e-8, 0.01
 
@@ -156,7 +157,7 @@ def test_chunked_factored_step_equals_one_chunk(monkeypatch):
 
 def test_cli_refuses_factored_with_zero2_before_writing_anything(tmp_path):
     from tests.cli_runs import assert_one_line_error, run_cli
-    config = Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json"
+    config = DS_CONFIGS / "zero2_ep.json"
     proc = run_cli("train", "--optimizer", "factored", "--ds-config", str(config), "--out", str(tmp_path / "run"),
                    "--max-steps", "1", cwd=tmp_path)
     assert_one_line_error(proc, "ZeRO stage 2", "--optimizer factored")

@@ -14,6 +14,7 @@ import pytest
 
 from tests.cli_runs import TINY, assert_one_line_error, run_cli, run_train, start_cli, step_log
 from tests.forked import Child, wait_all
+from tests.paths import DS_CONFIGS
 
 SETTINGS = [*TINY, "--dropout", "0.1", "--log-interval", "1", "--checkpoint-interval", "1000", "--eval-interval",
             "1000"]
@@ -65,7 +66,7 @@ def test_a_signal_checkpoints_and_exits_0_then_resume_continues_exactly(tmp_path
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, embedded_cache):
     run = tmp_path / "run"
-    ranks = ["--ep-size", "2", "--ds-config", str(Path(__file__).parents[2] / "ds_configs" / "zero2_ep.json")]
+    ranks = ["--ep-size", "2", "--ds-config", str(DS_CONFIGS / "zero2_ep.json")]
     workers = start_cli("train", *SETTINGS, *ranks, "--max-steps", "100000", "--out", str(run), cwd=tmp_path,
                         cache=embedded_cache, nprocs=2)
     _wait_for_steps(run, 4, workers)

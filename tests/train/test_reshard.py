@@ -15,8 +15,9 @@ import torch
 from moe_scale.errors import UserError
 from moe_scale.train.reshard import _ExpertFiles
 from tests.cli_runs import run_train, step_log
+from tests.paths import DS_CONFIGS
 
-CONFIGS = Path(__file__).parents[2] / "ds_configs"
+CONFIGS = DS_CONFIGS
 SETTINGS = ["--d-model", "32", "--expert-hidden", "32", "--num-experts", "4", "--seq-len", "16", "--batch-size", "8",
             "--eval-max-batches", "2", "--eval-interval", "100", "--log-interval", "1", "--checkpoint-interval", "2",
             "--noise-rng", "global", "--dropout", "0", "--max-steps", "4"]

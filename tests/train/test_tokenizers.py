@@ -15,7 +15,7 @@ import torch
 
 from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.data.vocab import Vocab
-from tests.conftest import wikitext_sentences
+from tests.wikitext import wikitext_sentences
 from tests.cli_runs import TINY, run_cli, run_eval, run_train
 
 _GLUE = [(r" @(.)@ ", r"\1"), (r" ([,.;:!?)])", r"\1"), (r"\( ", "("), (r" ('s|'re|n't)\b", r"\1")]

@@ -10,6 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.cli_runs import TINY, run_eval, run_train, step_log
+from tests.paths import DS_CONFIGS
 
 SUMMARY_KEYS = {"train_ppl", "valid_ppl", "tokens_per_s", "tflops_per_device", "cv_importance", "cv_load",
                 "max_over_mean_load", "steps", "world_size"}
@@ -106,7 +107,7 @@ def test_bf16_config_trains(tmp_path, embedded_cache):
     """The GPU bf16/ZeRO-2 JSON also runs on CPU: bf16 model, fp32 router statistics and master weights."""
     run, reference = tmp_path / "bf16", tmp_path / "fp32"
     common = [*TINY, "--max-steps", "3", "--eval-interval", "3", "--lr", "0.01", "--warmup-steps", "0"]
-    config = str(Path(__file__).parents[2] / "ds_configs" / "gpu_bf16_zero2.json")
+    config = str(DS_CONFIGS / "gpu_bf16_zero2.json")
     run_train([*common, "--ds-config", config, "--out", str(run)], cwd=tmp_path, cache=embedded_cache)
     run_train([*common, "--out", str(reference)], cwd=tmp_path, cache=embedded_cache)
     low, full = step_log(run), step_log(reference)

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
 CHECK = Path(__file__).with_name("triton_interpreted.py")
 
 
@@ -21,8 +21,8 @@ def test_triton_kernel_matches_grouped_mm_in_the_interpreter(config):
     """Tile sizes from either end of DeepSpeed's autotune list: an expert's rows over several tiles (32 rows),
     and within one (128 rows)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CONFIG": str(config), "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=ROOT)
+                          cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "products and layers match F.grouped_mm" in proc.stderr

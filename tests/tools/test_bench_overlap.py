@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.paths import TOOLS
 
-BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench_overlap.py"
+BENCH = TOOLS / "bench_overlap.py"
 TINY = ["--tokens", "64", "--d", "16", "--h", "32", "--repeats", "2", "--threads", "2"]
 
 

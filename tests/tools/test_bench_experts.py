@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.paths import TOOLS
 
-BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench_experts.py"
+BENCH = TOOLS / "bench_experts.py"
 TINY = ["--tokens", "64", "--d", "16", "--h", "32", "--repeats", "1"]
 
 

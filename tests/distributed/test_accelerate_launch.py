@@ -15,9 +15,9 @@ from moe_scale.distributed.accelerate_env import ds_config_from_accelerate
 from moe_scale.errors import UserError
 from moe_scale.distributed.ports import free_port
 from tests.cli_runs import TINY, cli_env, launch_train, run_train, step_log
+from tests.paths import REPO
 
-ROOT = Path(__file__).parents[1]
-ZERO2 = str(ROOT / "ds_configs" / "zero2_ep.json")
+ZERO2 = str(REPO / "ds_configs" / "zero2_ep.json")
 PLUGIN = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO2}
 
 
@@ -50,10 +50,10 @@ def test_accelerate_launch_trains_as_the_deepspeed_launcher(tmp_path, embedded_c
     reference = tmp_path / "deepspeed"
     launch_train([*settings, "--ds-config", ZERO2, "--out", str(reference)], cwd=tmp_path, cache=embedded_cache)
     run = tmp_path / "accelerate"
-    proc = subprocess.run(["accelerate", "launch", "--config_file", str(ROOT / "ds_configs" /
+    proc = subprocess.run(["accelerate", "launch", "--config_file", str(REPO / "ds_configs" /
                                                                           "accelerate_deepspeed.yaml"),
                            "--main_process_port", str(free_port()), "-m", "moe_scale", "train", *settings,
-                           "--out", str(run)], cwd=ROOT, env=cli_env(embedded_cache), capture_output=True, text=True,
+                           "--out", str(run)], cwd=REPO, env=cli_env(embedded_cache), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads((run / "config.json").read_text())["parallel"]["ds_config"] == "ds_configs/zero2_ep.json"

@@ -13,8 +13,9 @@ import torch
 
 from moe_scale.metrics.op_count import OpCounter, blocks_host
 from moe_scale.moe.kernel_policy import KernelPolicy
+from tests.paths import TOOLS
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "count_ops.py"
+TOOL = TOOLS / "count_ops.py"
 MAX_OPS = 400
 
 

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.paths import TOOLS
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "table6.py"
+TOOL = TOOLS / "table6.py"
 TINY = ["--extra", "--d-model", "16", "--expert-hidden", "16", "--seq-len", "8", "--batch-size", "8",
         "--eval-max-batches", "2", "--vocab-size", "500"]
 NUM = r"(-?\d+\.\d+)"

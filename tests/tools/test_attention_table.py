@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from moe_scale.accounting.attention_flops import mha_macs
+from tests.paths import TOOLS
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "attention_table.py"
+TOOL = TOOLS / "attention_table.py"
 
 
 def _run(*flags: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.paths import TOOLS
 
-BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench_memory.py"
+BENCH = TOOLS / "bench_memory.py"
 
 
 @pytest.mark.slow

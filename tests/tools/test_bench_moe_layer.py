@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from moe_scale.distributed.ports import free_port
+from tests.paths import TOOLS
 
-BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench_moe_layer.py"
+BENCH = TOOLS / "bench_moe_layer.py"
 TINY = ["--tokens", "64", "--d", "16", "--h", "32", "--repeats", "1", "--min-time", "0", "--warmup", "1",
         "--threads", "1"]
 IMPLS = {"dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "naive_loop", "dense"}

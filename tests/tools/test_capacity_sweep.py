@@ -17,10 +17,11 @@ import pytest
 from moe_scale.accounting.flops import lstm_layer_shape
 from moe_scale.models.meta_build import build_lstm_lm_on_meta, parameters_per_child
 from moe_scale.config import RunConfig
-from tests.conftest import wikitext_sentences
+from tests.wikitext import wikitext_sentences
 from tests.cli_runs import cli_env
+from tests.paths import TOOLS
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "capacity_sweep.py"
+TOOL = TOOLS / "capacity_sweep.py"
 
 
 @pytest.fixture(scope="module")

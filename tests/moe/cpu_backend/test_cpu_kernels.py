@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from moe_scale.moe.cpu_backend import kernels as cpu_kernels
+from tests.paths import REPO
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.empty(0)),
                                 reason="native kernels not built (see the warning); torch's GEMMs are used")
@@ -217,7 +218,7 @@ def test_every_kernel_source_ships_in_the_package():
     import tomllib
     from pathlib import Path
 
-    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["moe_scale.moe.cpu_backend"]
     for source in cpu_kernels._SOURCES:
         assert any(fnmatch.fnmatch(source.name, pattern) for pattern in patterns), source.name

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from moe_scale.distributed.ports import free_port
+from tests.paths import REPO, DS_CONFIGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-REPO = Path(__file__).resolve().parents[2]
 BINARIES = ("slurmctld", "slurmd", "sbatch", "sinfo", "munged")
 SBIN = ("/usr/sbin", "/usr/bin", "/sbin")
 
@@ -154,7 +154,7 @@ def _sbatch_and_check(env: dict, work: Path, template: str, sbatch_flags: list[s
 def test_cpu_template_trains_under_real_slurm(local_slurm, tmp_path):
     """The srun path: two SLURM tasks, ranks from SLURM_PROCID / SLURM_NTASKS."""
     _sbatch_and_check(local_slurm, tmp_path, "train_lstm_moe_cpu.sbatch", ["--ntasks-per-node=2"],
-                      {"DS_CONFIG": str(REPO / "ds_configs" / "zero2_ep.json")})
+                      {"DS_CONFIG": str(DS_CONFIGS / "zero2_ep.json")})
 
 
 def test_deepspeed_template_trains_under_real_slurm(local_slurm, tmp_path):
@@ -162,7 +162,7 @@ def test_deepspeed_template_trains_under_real_slurm(local_slurm, tmp_path):
     --node_rank, two CPU processes per node."""
     text = _sbatch_and_check(local_slurm, tmp_path, "train_deepspeed.sbatch",
                              ["--ntasks-per-node=1", "--cpus-per-task=2", "--gpus-per-node=0"],
-                             {"PROCS_PER_NODE": "2", "DS_CONFIG": str(REPO / "ds_configs" / "zero2_ep.json")})
+                             {"PROCS_PER_NODE": "2", "DS_CONFIG": str(DS_CONFIGS / "zero2_ep.json")})
     assert "--no_ssh" in text or "node_rank=0" in text
     hostfiles = list(tmp_path.glob("hostfile-*"))
     assert len(hostfiles) == 1 and hostfiles[0].read_text().strip() == "localhost slots=2"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.paths import TOOLS
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def _write_outputs(out: Path, mfu: float) -> None:
