@@ -22,6 +22,39 @@ def wikitext_dir(tmp_path) -> Path:
     return directory
 
 
+def _tree_digest(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _shared_run(tmp_path_factory, cache: Path, name: str, flags: list[str]):
+    """Train once for the session; after the session the run must be as trained (a test that changes a shared
+    run must copy it first)."""
+    from tests.cli_runs import TINY, run_train
+
+    run = tmp_path_factory.mktemp(name) / "run"
+    run_train([*TINY, *flags, "--out", str(run)], cwd=run.parent, cache=cache)
+    trained = _tree_digest(run)
+    yield run
+    assert _tree_digest(run) == trained, f"a test changed the shared run {name}: copy it (shutil.copytree) first"
+
+
+@pytest.fixture(scope="session")
+def lstm_run(tmp_path_factory, embedded_cache) -> Path:
+    """An LSTM-MoE run (tests/cli_runs.TINY, 4 steps) with complete checkpoints after steps 2 and 4, trained
+    once per session for the tests that read a trained run (eval, generate, the bad-input table's copies)."""
+    yield from _shared_run(tmp_path_factory, embedded_cache, "lstm_run",
+                           ["--max-steps", "4", "--checkpoint-interval", "2"])
+
+
+@pytest.fixture(scope="session")
+def moa_moe_run(tmp_path_factory, embedded_cache) -> Path:
+    """A transformer with MoA attention and an MoE FFN (TINY, 2 blocks, context 16, 2 steps), trained once per
+    session for the tests that read a trained transformer run."""
+    yield from _shared_run(tmp_path_factory, embedded_cache, "moa_moe_run",
+                           ["--model", "transformer", "--attention", "moa", "--moa-num-experts", "4",
+                            "--moa-top-k", "2", "--ffn", "moe", "--num-layers", "2", "--max-steps", "2"])
+
+
 @pytest.fixture(scope="session")
 def load_tool():
     """load_tool("count_ops") -> tools/count_ops.py as a module, imported once per session as

@@ -86,6 +86,8 @@ class Child:
     def wait(self, timeout: float | None = None) -> int:
         """The exit status (negative: killed by that signal); on timeout the child is killed and TimeoutError
         raised with its output so far."""
+        if self.returncode is not None:
+            return self.returncode
         self._process.join(timeout)
         if self._process.is_alive():
             self.kill()
@@ -122,8 +124,8 @@ def wait_all(children: list[Child], timeout: float) -> None:
     """Wait for every child, as a launcher does: once one fails, the others are killed (they would wait in a
     collective for it); past the timeout, all are killed and TimeoutError raised."""
     deadline = time.monotonic() + timeout
-    while any(c.poll() is None for c in children):
-        if any(c.returncode not in (None, 0) for c in children) or time.monotonic() > deadline:
+    while None in (statuses := [c.poll() for c in children]):
+        if any(status not in (None, 0) for status in statuses) or time.monotonic() > deadline:
             timed_out = time.monotonic() > deadline
             for c in children:
                 c.kill()

@@ -1,7 +1,7 @@
 """The bad-input table: each case is a user's mistake (paths, data, flags, configs, damaged runs) and must end in
 exit status 2, exactly one `moe-scale: error:` line naming the problem (checked by its fragments), no traceback,
 and every file under the working directory as it was: a refused train creates no --out, a refused resume or eval
-changes nothing in the run."""
+changes nothing in the run. The runs the cases damage are copies of the session's shared runs (conftest.py)."""
 
 from __future__ import annotations
 
@@ -16,28 +16,10 @@ from typing import Callable
 import pytest
 
 from moe_scale.train.run_lock import LOCK_NAME, _process_start
-from tests.cli_runs import FAST, TINY, assert_one_line_error, run_cli, run_train
+from tests.cli_runs import FAST, assert_one_line_error, run_cli
 
 NEW, OLD = "step00000004", "step00000002"
 LINES = "the cat sat on the mat .\n" * 400
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, embedded_cache) -> Path:
-    """A 4-step LSTM-MoE run with complete checkpoints after steps 2 and 4."""
-    run = tmp_path_factory.mktemp("bad_input") / "run"
-    run_train([*TINY, "--max-steps", "4", "--checkpoint-interval", "2", "--out", str(run)], cwd=run.parent,
-              cache=embedded_cache)
-    return run
-
-
-@pytest.fixture(scope="module")
-def trained_transformer(tmp_path_factory, embedded_cache) -> Path:
-    """A 2-step transformer run (context: 16 positions)."""
-    run = tmp_path_factory.mktemp("bad_input_transformer") / "run"
-    run_train([*TINY, "--model", "transformer", "--num-heads", "2", "--num-layers", "1", "--ffn", "moe",
-               "--max-steps", "2", "--out", str(run)], cwd=run.parent, cache=embedded_cache)
-    return run
 
 
 class Work:
@@ -262,9 +244,9 @@ def _snapshot(root: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("make_args, fragments", [pytest.param(m, f, id=i) for i, m, f in CASES])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, trained, trained_transformer, embedded_cache,
-                                                         make_args, fragments):
-    args = make_args(Work(tmp_path, trained, trained_transformer))
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, lstm_run, moa_moe_run, embedded_cache, make_args,
+                                                         fragments):
+    args = make_args(Work(tmp_path, lstm_run, moa_moe_run))
     before = _snapshot(tmp_path)
     proc = run_cli(*args, cwd=tmp_path, cache=embedded_cache)
     assert_one_line_error(proc, *fragments)

@@ -52,9 +52,8 @@ def _generate(run: Path, *args: str, cache: Path) -> subprocess.CompletedProcess
     return run_cli("generate", "--run", str(run), *args, cwd=run.parent, cache=cache, check=True)
 
 
-def test_generate_from_an_lstm_run(tmp_path, embedded_cache):
-    run = tmp_path / "run"
-    run_train([*TINY, "--max-steps", "4", "--out", str(run)], cwd=tmp_path, cache=embedded_cache)
+def test_generate_from_an_lstm_run(lstm_run, embedded_cache):
+    run = lstm_run
     first = _generate(run, "--greedy", "--max-new-tokens", "5", cache=embedded_cache).stdout
     assert first == _generate(run, "--greedy", "--max-new-tokens", "5", cache=embedded_cache).stdout
     assert len(first.split()) <= 6 and "DeepSpeed" not in first   # only the sample on stdout

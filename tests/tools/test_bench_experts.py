@@ -19,6 +19,7 @@ def _run(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_bench_experts_tiny(tmp_path):
     out_file = tmp_path / "bench.jsonl"
     proc = _run("--experts", "4,16", *TINY, "--max-naive-experts", "4", "--out", str(out_file))
@@ -48,6 +49,7 @@ def test_bench_experts_tiny(tmp_path):
     assert by_key[(16, "grouped")]["ms_per_step"] > 0 and by_key[(16, "grouped")]["speedup_vs_sliced_loop"] is None
 
 
+@pytest.mark.slow
 def test_bench_experts_times_each_kernel_asked_for_and_checks_it_against_the_loop():
     from moe_scale.moe.cpu_backend import kernels as cpu_kernels
     import torch

@@ -142,6 +142,7 @@ print(json.dumps([routed[-1], bench.experts_used(layer), bench.experts_used(benc
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["dropless", "capacity", "deepspeed_dropless", "naive_loop"])
 def test_experts_used_are_the_experts_the_router_sent_tokens_to(impl, tmp_path):
     """16 tokens, k=1, 64 experts: at most 16 experts get a token, and experts_used counts exactly the

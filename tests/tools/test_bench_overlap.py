@@ -33,6 +33,7 @@ def test_router_backward_products_are_the_gate_matrices_gradients(load_tool):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_tiny_run(tmp_path):
     out_file = tmp_path / "overlap.jsonl"
     proc = _run("--experts", "16,64", "--k", "1,2", *TINY, "--out", str(out_file))

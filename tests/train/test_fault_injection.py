@@ -70,6 +70,7 @@ def _kill_at_a_random_step(run: Path, cache: Path, seed: int, nprocs: int = 1, e
         pytest.fail(f"the run finished before the kill (after step {kill_after} + {delay:.2f} s)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kill_9_at_a_random_step_then_resume(tmp_path, embedded_cache, straight, seed):
     _kill_at_a_random_step(tmp_path / "run", embedded_cache, seed)
@@ -93,6 +94,7 @@ def _killed_during_save(tmp_path: Path, cache: Path, step: int, point: str, nth:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point, step, nth_range", [
     ("save", 2, (1, 12)),      # the first checkpoint: nothing complete yet
     ("save", 4, (1, 12)),      # DeepSpeed's files (model, experts, optimizer) and the portable state

@@ -192,6 +192,7 @@ def test_build_lands_whole_in_the_cache_dir_and_is_reused(tmp_path):
     assert len(broken) == 2 and "cannot load" in broken[1] and "delete it to rebuild" in broken[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env, why", [({"CC": "no-such-compiler"}, "no C compiler 'no-such-compiler' on PATH"),
                                       ({"CC": "false"}, "false failed"),
                                       ({"MOE_SCALE_NATIVE_KERNELS": "0"}, None)],

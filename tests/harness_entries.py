@@ -1,0 +1,26 @@
+"""Entry points for tests/test_harness.py's forked children (module-level, so a child can import them)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def report_and_exit(argv: list[str]) -> int:
+    """Print to stdout through Python and through fd 1 directly, to stderr, then exit with argv[0]."""
+    print("python stdout", os.getcwd(), os.environ.get("HARNESS_MARK"), os.getpid())
+    sys.stdout.flush()
+    os.write(1, b"fd stdout\n")
+    os.write(2, b"fd stderr\n")
+    os.environ["HARNESS_MARK"] = "changed in the child"
+    return int(argv[0])
+
+
+def sleep_forever(argv: list[str]) -> int:
+    while True:
+        time.sleep(1)
+
+
+def raise_error(argv: list[str]) -> int:
+    raise RuntimeError("boom")
