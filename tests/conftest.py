@@ -96,8 +96,19 @@ def lm1b_shards(tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def embedded_cache(tmp_path_factory) -> Path:
-    """A session-wide MOE_SCALE_CACHE, so the embedded corpus is generated once per test session."""
-    return tmp_path_factory.mktemp("moe_scale_cache")
+    """A session-wide MOE_SCALE_CACHE, so the embedded corpus is generated once per test session. Its kernels/
+    links to this machine's own cache of moe_scale's CPU kernels: built once per machine, not once per session
+    (they are keyed by source, flags and CPU model, so sharing them is safe)."""
+    from moe_scale.data.embedded import cache_root
+
+    cache = tmp_path_factory.mktemp("moe_scale_cache")
+    machine_kernels = cache_root() / "kernels"
+    try:
+        machine_kernels.mkdir(parents=True, exist_ok=True)
+        (cache / "kernels").symlink_to(machine_kernels, target_is_directory=True)
+    except OSError:   # no writable home: the session builds its own
+        pass
+    return cache
 
 
 @pytest.fixture
