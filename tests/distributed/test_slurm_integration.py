@@ -21,7 +21,7 @@ from tests.paths import REPO, DS_CONFIGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-BINARIES = ("slurmctld", "slurmd", "sbatch", "sinfo", "munged")
+BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "munged")
 SBIN = ("/usr/sbin", "/usr/bin", "/sbin")
 
 
@@ -135,14 +135,29 @@ def _wait(condition, seconds: float, message: str) -> None:
     raise AssertionError(message)
 
 
+def _job_state(env: dict, job: str) -> tuple[str, str]:
+    """(JobState, ExitCode) of a job from slurmctld."""
+    out = subprocess.run([_which("scontrol"), "show", "job", "-o", job], env=env, capture_output=True, text=True)
+    fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
+    return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "")
+
+
 def _sbatch_and_check(env: dict, work: Path, template: str, sbatch_flags: list[str], job_env: dict) -> str:
+    """Submit, then ask slurmctld for the job's state every 0.2 s (`sbatch --wait` polls at growing intervals
+    and noticed a 10 s job's end after 42 s)."""
     log, run = work / "job.out", work / "run"
-    cmd = [_which("sbatch"), "--wait", f"--chdir={work}", f"--output={log}", "--nodes=1", *sbatch_flags,
+    cmd = [_which("sbatch"), "--parsable", f"--chdir={work}", f"--output={log}", "--nodes=1", *sbatch_flags,
            str(REPO / "slurm" / template), "--preset", "lm1b-moe-32-mini", "--ep-size", "2", "--max-steps", "20",
            "--log-interval", "10", "--eval-interval", "20", "--out", str(run)]
-    proc = subprocess.run(cmd, cwd=work, env={**env, **job_env}, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=work, env={**env, **job_env}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    job = proc.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 600
+    while (state := _job_state(env, job))[0] in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
     text = log.read_text() if log.exists() else ""
-    assert proc.returncode == 0, proc.stderr[-2000:] + text[-4000:]
+    assert state == ("COMPLETED", "0:0"), f"job {job}: {state}\n" + text[-4000:]
     steps = [line for line in text.splitlines() if line.startswith("step ") and "TFLOPS/device" in line]
     assert [line.split()[1] for line in steps] == ["10/20", "20/20"], text[-4000:]
     summary = json.loads((run / "summary.json").read_text())
