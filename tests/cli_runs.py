@@ -28,16 +28,16 @@ TINY = ["--d-model", "32", "--expert-hidden", "32", "--num-experts", "8", "--top
 FAST = ["--max-steps", "1", "--batch-size", "4", "--seq-len", "8", "--eval-max-batches", "1"]
 
 
-def cli_env(cache: Path | None = None, **extra: str) -> dict[str, str]:
+def cli_env(cache: Path | None = None) -> dict[str, str]:
     """The environment of a command: this process's, on CPU with one thread per process (as the launcher's
     OMP_NUM_THREADS), with the embedded corpus cached in `cache`."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **extra}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     if cache is not None:
         env["MOE_SCALE_CACHE"] = str(cache)
     return env
 
 
-def rank_env(env: dict[str, str], rank: int, nprocs: int, port: int) -> dict[str, str]:
+def _rank_env(env: dict[str, str], rank: int, nprocs: int, port: int) -> dict[str, str]:
     """What the deepspeed launcher sets for one rank of one node."""
     return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_SIZE": str(nprocs),
             "CROSS_RANK": "0", "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -51,10 +51,10 @@ def start_cli(*args: str, cwd: Path, cache: Path | None = None, env: dict[str, s
         return [forked.start(entry, list(args), cwd, env)]
     forked.note_ranks(nprocs)
     port = free_port()
-    return [forked.start(entry, list(args), cwd, rank_env(env, rank, nprocs, port)) for rank in range(nprocs)]
+    return [forked.start(entry, list(args), cwd, _rank_env(env, rank, nprocs, port)) for rank in range(nprocs)]
 
 
-def finish(ranks: list[forked.Child], timeout: float = 600) -> subprocess.CompletedProcess:
+def _finish(ranks: list[forked.Child], timeout: float = 600) -> subprocess.CompletedProcess:
     """Wait for the ranks; the exit status is the first failing rank's (else 0), stdout and stderr every
     rank's in rank order."""
     forked.wait_all(ranks, timeout)
@@ -67,7 +67,7 @@ def run_cli(*args: str, cwd: Path, cache: Path | None = None, env: dict[str, str
             timeout: float = 600, entry: Callable[[list[str]], int] = cli_main,
             check: bool = False) -> subprocess.CompletedProcess:
     """`moe-scale ARGS` to its end: exit status, stdout, stderr (`check`: it must succeed)."""
-    proc = finish(start_cli(*args, cwd=cwd, cache=cache, env=env, nprocs=nprocs, entry=entry), timeout)
+    proc = _finish(start_cli(*args, cwd=cwd, cache=cache, env=env, nprocs=nprocs, entry=entry), timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
