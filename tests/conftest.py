@@ -12,6 +12,7 @@ import pytest
 from tests.paths import TOOLS
 from tests.wikitext import wikitext_sentences, wikitext_text
 
+
 @pytest.fixture
 def wikitext_dir(tmp_path) -> Path:
     """A directory holding WikiText-2's valid.txt and test.txt, as the tools' --wikitext takes."""

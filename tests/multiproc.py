@@ -10,9 +10,10 @@ and the test fails with "timed out" instead of hanging the session.
 
 Ranks are forked from the warm server of tests/forked.py (torch and DeepSpeed imported already), and the ranks
 of one world size are kept in a pool and reused by later calls (one gloo and DeepSpeed initialisation per rank);
-a failure or a timeout throws the pool away, and the next call starts a fresh one. Consequences for workers: seed every random draw explicitly (the global RNG carries over from
-earlier tasks), create process groups collectively (`torch.distributed.new_group` on every rank), and never
-init or destroy the default process group yourself.
+a failure or a timeout throws the pool away, and the next call starts a fresh one. Consequences for workers:
+seed every random draw explicitly (the global RNG carries over from earlier tasks), create process groups
+collectively (`torch.distributed.new_group` on every rank), and never init or destroy the default process group
+yourself.
 
 `deepspeed=True` also initialises DeepSpeed's communication backend (`deepspeed.init_distributed`, what
 the engine does) so `deepspeed.utils.groups` can build expert-parallel groups; its groups then persist in
@@ -132,7 +133,7 @@ def run_ranks(fn: Callable, world_size: int = 2, args: tuple = (), timeout: floa
     """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return their results in rank order."""
     forked.note_ranks(world_size)
     pool = _POOLS.get(world_size)
-    if pool is None:  # a fresh pool first imports torch (and may JIT-build DeepSpeed's CPU comm op): allow more
+    if pool is None:  # a fresh pool may first start the warm server (and JIT-build DeepSpeed's CPU comm op): allow more
         pool = _POOLS[world_size] = RankPool(world_size)
         timeout += STARTUP_ALLOWANCE_S
     try:

@@ -425,7 +425,6 @@ def measure_working_memory(args) -> dict[tuple[str, int, int], dict]:
     return results
 
 
-
 # ---------------------------------------------------------------- the sweep
 
 

@@ -198,7 +198,6 @@ def _env() -> dict:
     return env
 
 
-
 def _test_ppl(run: Path, log: Path) -> float:
     """Test perplexity per word of the finished run (cached in the run directory)."""
     cached = run / "capacity_test.json"

@@ -157,7 +157,6 @@ def _available_memory() -> int:
     return psutil.virtual_memory().available
 
 
-
 def _merge(per_rank: list[dict]) -> dict:
     """The larger count of the ranks for every number."""
     merged = dict(per_rank[0])

@@ -34,9 +34,10 @@ from pathlib import Path
 
 from tool_args import OneLineParser, positive_int
 
-from moe_scale.distributed.ports import free_port
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))   # as its runs see it (PYTHONPATH below): a checkout without moe_scale installed
+
+from moe_scale.distributed.ports import free_port  # noqa: E402
 SMALL = ["--d-model", "32", "--expert-hidden", "32", "--seq-len", "16", "--top-k", "2", "--vocab-size", "2000",
          "--log-interval", "5", "--eval-interval", "1000000", "--eval-max-batches", "1",
          "--checkpoint-interval", "1000000"]
@@ -179,7 +180,6 @@ def plots(mode: str, rows: list[dict], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / f"scaling_{mode}_efficiency.png", dpi=100)
     plt.close(fig)
-
 
 
 def main(argv: list[str] | None = None) -> int:

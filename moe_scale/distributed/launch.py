@@ -105,7 +105,6 @@ def mpi_discovery(env: dict[str, str], comm=None) -> bool:
     return True
 
 
-
 def ranks_per_node(node_size: int) -> int:
     """--node-size, else the launcher's count of processes on this node."""
     if node_size:
@@ -115,7 +114,6 @@ def ranks_per_node(node_size: int) -> int:
             return int(os.environ[name])
     raise ValueError("hierarchical all-to-all needs the ranks per node: pass --node-size (the launcher set "
                      "none of LOCAL_WORLD_SIZE, LOCAL_SIZE, SLURM_NTASKS_PER_NODE)")
-
 
 
 def release_deepspeed_shm_name() -> None:

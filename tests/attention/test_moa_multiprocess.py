@@ -4,7 +4,6 @@ experts split over the ranks, K/V all-gathered) take the same steps as 1 process
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

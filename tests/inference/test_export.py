@@ -6,7 +6,6 @@ transformer with MoA attention and an MoE FFN."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch

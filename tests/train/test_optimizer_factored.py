@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

@@ -5,7 +5,6 @@ the same step. A loss that turns non-finite stops the run before a checkpoint of
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path

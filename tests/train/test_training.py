@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -217,7 +217,6 @@ def test_every_kernel_source_ships_in_the_package():
     build on first use, and every run would fall back to torch's ops."""
     import fnmatch
     import tomllib
-    from pathlib import Path
 
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["moe_scale.moe.cpu_backend"]
