@@ -85,15 +85,16 @@ def hierarchical_shape(num_experts: int, ranks: int, k: int) -> tuple[int, int, 
 
 
 def build_layer(gate: str, local_experts: int, ranks: int, rank: int, k: int, d: int, h: int):
-    from moe_scale.moe.router.hierarchical import HierarchicalRouter
+    from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
     from moe_scale.moe.layer import MoELayer
+    from moe_scale.moe.router.hierarchical import HierarchicalRouter
 
     num_experts = local_experts * ranks
-    router = None
+    router, layer_class = None, MoELayer
     if gate == "hierarchical":
         groups, per_group, kp, ks = hierarchical_shape(num_experts, ranks, k)
-        router = HierarchicalRouter(d, groups, per_group, kp, ks)
-    layer = MoELayer(d, h, num_experts, k, ep_size=ranks, ep_rank=rank, router=router, reuse_grad_buffers=False)
+        router, layer_class = HierarchicalRouter(d, groups, per_group, kp, ks), HierarchicalMoELayer
+    layer = layer_class(d, h, num_experts, k, ep_size=ranks, ep_rank=rank, router=router, reuse_grad_buffers=False)
     if ranks > 1:
         layer.set_deepspeed_parallelism()
     return layer.train()

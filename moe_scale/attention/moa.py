@@ -35,11 +35,12 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
 from torch import nn
 
+from moe_scale.distributed.comm import BatchCollectives
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.experts import grouped_matmul
 from moe_scale.moe.kernel_policy import count_per_bin
-from moe_scale.moe.deepspeed_adapter import ExpertParallelModule, ParallelGroups
-from moe_scale.moe.layer import MoEStats
+from moe_scale.moe.deepspeed_adapter import ParallelGroups
+from moe_scale.moe.routed_layer import RoutedLayer
 from moe_scale.moe.router.softmax_topk import SoftmaxTopKRouter
 
 
@@ -59,14 +60,14 @@ class AttentionExperts(nn.Module):
                     weight[local_id].copy_(torch.empty(weight.shape[1:]).uniform_(-bound, bound, generator=generator))
 
 
-class MoAAttention(ExpertParallelModule):
+class MoAAttention(RoutedLayer):
     """Causal MoA self-attention; returns (y_BTD, aux_loss). `stats` holds the router's balance numbers."""
 
     def __init__(self, d_model: int, head_dim: int, num_experts: int, k: int, ep_size: int = 1, ep_rank: int = 0,
                  seed: int = 0, router: nn.Module | None = None, dropout: float = 0.0):
-        self.init_expert_parallel(num_experts, ep_size, ep_rank)
+        self.init_routed(num_experts, ep_size, ep_rank,
+                         router if router is not None else SoftmaxTopKRouter(d_model, num_experts, k))
         self.k, self.head_dim, self.dropout = k, head_dim, dropout
-        self.router = router if router is not None else SoftmaxTopKRouter(d_model, num_experts, k)
         self.experts = AttentionExperts(self.num_local_experts, d_model, head_dim,
                                         first_global_expert=ep_rank * self.num_local_experts, seed=seed)
         self.mark_expert_parameters()
@@ -76,10 +77,9 @@ class MoAAttention(ExpertParallelModule):
         for proj in (self.k_proj, self.v_proj):
             nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
         self.dispatcher = AllToAllDispatcher(num_experts, self.num_local_experts)
-        self.stats: MoEStats | None = None
 
     def connect(self, parallel: ParallelGroups) -> None:
-        self.router.connect(parallel.data_parallel)
+        self.router.connect(BatchCollectives(parallel.data_parallel))
         self.dispatcher.connect(parallel.expert_parallel)
 
     def shared_kv(self, x_BTD: torch.Tensor) -> torch.Tensor:
@@ -90,19 +90,14 @@ class MoAAttention(ExpertParallelModule):
         self.require_groups()
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        route = self.router(x_ND)
-        token_index_C, expert_C, gate_C = route.pairs()
-        if self.record_routes:
-            self.routes = (token_index_C, expert_C, gate_C)
-        self.stats = MoEStats(route.importance_E.detach(), route.load_E.detach(), dict(route.metrics),
-                              count_per_bin(expert_C, self.num_experts))
-
+        route = self.route(x_ND)
+        token_C, expert_C, gate_C = route.pairs()
         kv_STd, group_rank = self._gather_over_experts(self.shared_kv(x_BTD))
         # Each query's position in the group's token list travels with its row.
         position_N1 = (group_rank * B * T + torch.arange(B * T, device=x_BTD.device))[:, None]
-        tokens_MD, state = self.dispatcher.dispatch(x_ND, token_index_C, expert_C)
+        tokens_MD, state = self.dispatcher.dispatch(x_ND, token_C, expert_C)
         position_M = self.dispatcher.follow(position_N1, state)[:, 0]
-        y_MD = self._experts(tokens_MD, position_M, kv_STd, T, (state.tokens_per_expert_L, state.tokens_per_expert))
+        y_MD = self._experts(tokens_MD, position_M, kv_STd, T, state.expert_counts())
         return self.dispatcher.combine(y_MD, gate_C, state).to(x_BTD.dtype).view(B, T, D), route.aux_loss
 
     def decode(self, x_BTD: torch.Tensor, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,10 +108,8 @@ class MoAAttention(ExpertParallelModule):
         B, T, D = x_BTD.shape
         d = self.head_dim
         x_ND = x_BTD.reshape(B * T, D)
-        route = self.router(x_ND)
+        route = self.route(x_ND)
         token_C, expert_C, gate_C = route.pairs()
-        if self.record_routes:
-            self.routes = (token_C, expert_C, gate_C)
         kv_BSd = self.shared_kv(x_BTD)
         if "kv" in cache:
             kv_BSd = torch.cat([cache["kv"], kv_BSd], dim=1)

@@ -11,24 +11,6 @@ def world_size(group=None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def autograd_all_reduce_sum(group):
-    """A function t -> sum of t over `group` whose backward also sums (so every rank gets the full gradient).
-
-    Used for balance statistics: a detached all-reduce would make router gradients too small by world_size.
-    """
-    if world_size(group) == 1:
-        return _identity
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        return dist_autograd.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-
-    return reduce
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 def collective_device() -> torch.device:
     """Where small host-side tensors must live for a collective: NCCL only reduces GPU tensors."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
@@ -64,3 +46,25 @@ class RowGatherer:
 
     def position(self) -> tuple[int, int]:
         return self._position
+
+
+class BatchCollectives:
+    """What a gate needs from its data-parallel group (None: one process, where each is the identity).
+
+    `sum`: t summed over the group, with a backward that sums too (so every rank gets the full gradient; a
+    detached all-reduce would make router gradients too small by world_size). `gather`: the rows of every rank
+    (detached, see `RowGatherer`) and where this rank's rows start among them."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self._gatherer = RowGatherer(group)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        if world_size(self.group) == 1:
+            return t
+        return dist_autograd.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+
+    def gather(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(rows of every rank in rank order, the index of this rank's first row among them)."""
+        rows = self._gatherer(t)
+        return rows, self._gatherer.position()[0]

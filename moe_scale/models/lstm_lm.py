@@ -23,6 +23,7 @@ from moe_scale.config import RunConfig
 from moe_scale.models.dense_ffn import ReLUStack
 from moe_scale.models.softmax import FullSoftmax
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
+from moe_scale.moe.build import build_moe_layer
 from moe_scale.moe.layer import MoELayer
 
 
@@ -45,7 +46,7 @@ class LSTMMoELM(nn.Module):
         self.embedding = nn.Embedding(vocab_size, d)
         self.lstm1 = _lstm(d, lstm.hidden)
         if lstm.layout == "lstm-moe-lstm":
-            self.moe = MoELayer.from_config(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed)
+            self.moe = build_moe_layer(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed)
         elif lstm.layout == "lstm-ffn-lstm":
             self.ffn = ReLUStack(d, config.moe.experts.hidden, lstm.ffn_layers)
         elif lstm.layout == "4xlstm":

@@ -22,6 +22,7 @@ from moe_scale.models.dense_ffn import GELUFFN
 from moe_scale.models.lstm_lm import LMOutput
 from moe_scale.models.softmax import FullSoftmax
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
+from moe_scale.moe.build import build_moe_layer
 from moe_scale.moe.layer import MoELayer
 from moe_scale.moe.router import build_router
 
@@ -56,7 +57,7 @@ class Block(nn.Module):
         if config.model.transformer.ffn == "dense":
             self.ffn = GELUFFN(d, config.model.transformer.ffn_hidden)
         else:
-            self.ffn = MoELayer.from_config(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed + 1)
+            self.ffn = build_moe_layer(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed + 1)
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.dropout = nn.Dropout(dropout)
 

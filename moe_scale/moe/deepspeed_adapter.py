@@ -76,8 +76,6 @@ class ExpertParallelModule(DeepSpeedMoE):
         self.num_local_experts = num_experts // ep_size
         self.expert_group_name = f"ep_size_{ep_size}"
         self.groups: ParallelGroups | None = None
-        self.record_routes = False   # True: forward keeps its (token, expert, gate) pairs in `routes` (one process)
-        self.routes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._checkpoint_key_hooks = (
             self._register_state_dict_hook(_stacked_to_per_expert_keys),
             self._register_load_state_dict_pre_hook(_per_expert_to_stacked_keys, with_module=True))

@@ -16,6 +16,7 @@ import torch
 
 from moe_scale.moe.experts.grouped_gemm import choose_kernel
 from moe_scale.moe.router.hierarchical import HierarchicalRouter
+from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
 from moe_scale.moe.layer import MoELayer
 from tests.paths import REPO
 
@@ -25,8 +26,10 @@ D, H, E, K, N = 64, 128, 32, 2, 512
 
 
 def _layer(gate: str) -> MoELayer:
-    router = HierarchicalRouter(D, 8, E // 8, 2, 2) if gate == "hierarchical" else None
-    layer = MoELayer(D, H, E, K, seed=3, router=router)
+    if gate == "hierarchical":
+        layer = HierarchicalMoELayer(D, H, E, K, seed=3, router=HierarchicalRouter(D, 8, E // 8, 2, 2))
+    else:
+        layer = MoELayer(D, H, E, K, seed=3)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():   # a spread gate (the zero init routes by noise alone)
         for name, p in layer.router.named_parameters():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_scale.metrics.balance import MoEMetrics, balance_metrics
-from moe_scale.moe.layer import MoEStats
+from moe_scale.moe.routed_layer import MoEStats
 
 
 def fake_layer():

@@ -13,9 +13,10 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from torch import nn
 
+from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
 from moe_scale.moe.layer import MoELayer
 from moe_scale.moe.losses import cv_squared
-from moe_scale.moe.router import GlobalTokenNoise
+from moe_scale.moe.router import GlobalTokenNoise, HierarchicalRouter
 from tests.multiproc import run_ranks
 
 D, H, E, K = 8, 16, 8, 2
@@ -24,7 +25,9 @@ EXPERT_KEY = re.compile(r"(^|.*\.)deepspeed_moe\.experts\.deepspeed_experts\.(\d
 
 def make_layer(ep_size=1, ep_rank=0, seed=0, gate_seed=1, **kw):
     """float64 layer with a non-zero gate (the zero init would route by ties only)."""
-    layer = MoELayer(D, H, E, K, ep_size=ep_size, ep_rank=ep_rank, seed=seed, **kw).double()
+    two_level = isinstance(kw.get("router"), HierarchicalRouter)
+    layer = (HierarchicalMoELayer if two_level else MoELayer)(D, H, E, K, ep_size=ep_size, ep_rank=ep_rank,
+                                                                seed=seed, **kw).double()
     if kw.get("router") is not None:        # the caller initialised its own router
         return layer
     gen = torch.Generator().manual_seed(gate_seed)
@@ -248,8 +251,6 @@ def test_two_ranks_refuse_a_mismatched_expert_parallel_rank():
 def _router(gate):
     if gate == "noisy_topk":
         return None
-    from moe_scale.moe.router.hierarchical import HierarchicalRouter
-
     router = HierarchicalRouter(D, 4, E // 4, k_primary=2, k_secondary=2).double()
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():

@@ -44,8 +44,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from moe_scale.distributed.comm import world_size
+from moe_scale.distributed.comm import collective_device, world_size
 from moe_scale.moe.dispatch.exchange import (CommTimer, FlatExchange, HierarchicalExchange, LocalExchange, Route,
                                              build_hierarchical_groups)
 from moe_scale.moe.kernel_policy import count_per_bin
@@ -69,6 +70,26 @@ class DispatchState:
     dropped_pairs: int                  # copies this rank dropped (capacity mode)
     num_pairs: int                      # copies this rank routed
     rows_are_tokens: bool               # one rank, every token routed: row u is token u, nothing moved
+
+    def expert_counts(self) -> tuple[torch.Tensor, list[int]]:
+        """Arrived pairs per local expert: (on the device [L], on the host)."""
+        return self.tokens_per_expert_L, self.tokens_per_expert
+
+    def pair_rows(self) -> torch.Tensor:
+        """[M]: the arrived row each arrived pair reads (pairs grouped by local expert)."""
+        return self.arrived_row_M
+
+    def pair_local_experts(self) -> torch.Tensor:
+        """[M]: the local expert of each arrived pair."""
+        counts_L = self.tokens_per_expert_L
+        return torch.repeat_interleave(torch.arange(counts_L.shape[0], device=counts_L.device), counts_L,
+                                       output_size=self.arrived_row_M.shape[0])
+
+    def local_row_tokens(self) -> torch.Tensor:
+        """[R]: the token of each arrived row, when every row came from this rank (one process)."""
+        if self.rows_are_tokens:
+            return torch.arange(self.num_tokens, device=self.unique_token_U.device)
+        return self.unique_token_U
 
 
 class AllToAllDispatcher:
@@ -191,10 +212,6 @@ class AllToAllDispatcher:
         to_end = torch.argsort(dropped_C.to(torch.uint8), stable=True)   # kept first, each in expert order
         return order_C.index_select(0, to_end), dropped_C.index_select(0, to_end), counts_E.clamp(max=capacity)
 
-    def pair_gates(self, gate_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
-        """The gates of the arrived pairs [M], in the order of the experts' rows."""
-        return self.follow_pairs(gate_C, state)
-
     def follow_pairs(self, values_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """values_C[p] (one per routed pair, any dtype) delivered with pair p: [M], in the order of the arrived
         pairs (grouped by local expert), without planning the exchange again."""
@@ -202,10 +219,19 @@ class AllToAllDispatcher:
 
     def combine(self, y_MD: torch.Tensor, gate_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """out[t] = sum over the delivered pairs p of token t of gate_C[p] * (expert output for p)."""
-        gates_M1 = self.pair_gates(gate_C, state).to(y_MD.dtype)[:, None]
+        gates_M1 = self.follow_pairs(gate_C, state).to(y_MD.dtype)[:, None]
         per_row_RD = y_MD.new_zeros(state.num_arrived_rows, y_MD.shape[1]).index_add(
             0, state.arrived_row_M, y_MD * gates_M1)
         return self.combine_rows(per_row_RD, state)
+
+    def dropped_fraction(self, state: DispatchState, data_parallel_group) -> torch.Tensor:
+        """Dropped copies / routed copies over the whole data-parallel batch: a device scalar (read with the
+        other metrics at log intervals)."""
+        counts = torch.empty(2, dtype=torch.float64, device=collective_device())
+        counts[0], counts[1] = state.dropped_pairs, state.num_pairs   # fills: no host-to-device copy
+        if data_parallel_group is not None and world_size(data_parallel_group) > 1:
+            dist.all_reduce(counts, group=data_parallel_group)
+        return counts[0] / counts[1].clamp(min=1)
 
     def combine_rows(self, per_row_RD: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """out[t] = sum of the per-row results of token t's rows, back on this rank: [N, D]."""

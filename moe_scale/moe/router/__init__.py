@@ -1,6 +1,8 @@
 """Routers (gates): which experts each token goes to, with which weights, and the balancing losses.
 
-    base.py          Router (the base every gate derives from) and RouterOutput (what every gate returns)
+    base.py          Router (the base every gate derives from: precision, batch collectives) and RouterOutput
+                     (what every gate returns)
+    noise.py         where a gate's noise comes from (the global RNG, or the global token index)
     noisy_topk.py    Shazeer et al. §2.1: noisy top-k, importance and load CV² losses
     gating_ops.py    the noisy gate's [tokens, experts] arithmetic as one memory-lean autograd function
     hierarchical.py  App. B: a primary gate over groups, a secondary gate inside each chosen group
@@ -9,12 +11,13 @@
     build.py         the router a config asks for (--gate)
 """
 
-from moe_scale.moe.router.base import GlobalTokenNoise, NoiseSampler, Router, RouterOutput, sample_noise
+from moe_scale.moe.router.base import Router, RouterOutput, gating_precision
 from moe_scale.moe.router.batchwise import BatchwiseRouter
 from moe_scale.moe.router.build import build_router
 from moe_scale.moe.router.hierarchical import HierarchicalRouter
+from moe_scale.moe.router.noise import GlobalTokenNoise, NoiseSampler, sample_noise
 from moe_scale.moe.router.noisy_topk import NoisyTopKRouter, prob_in_top_k
 from moe_scale.moe.router.softmax_topk import SoftmaxTopKRouter
 
 __all__ = ["BatchwiseRouter", "GlobalTokenNoise", "HierarchicalRouter", "NoiseSampler", "NoisyTopKRouter", "Router",
-           "RouterOutput", "SoftmaxTopKRouter", "build_router", "prob_in_top_k", "sample_noise"]
+           "RouterOutput", "SoftmaxTopKRouter", "build_router", "gating_precision", "prob_in_top_k", "sample_noise"]

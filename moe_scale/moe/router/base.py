@@ -1,140 +1,106 @@
-"""What every router is and returns: the contract between a gate and the MoE layer.
+"""What every router is and returns: the contract between a gate and the layer that routes with it.
 
-Legend: N tokens, D model dim, E experts, K experts per token.
+Legend (docs/shapes.md): N tokens, D model dim, E experts, K experts per token, C (token, expert) pairs.
 
-A router maps token rows [N, D] to a `RouterOutput`: which experts each token goes to with which gates, the
-balancing loss, and the balance statistics over the whole data-parallel batch. It never talks to the network
-itself: `connect(data_parallel_group)` (called once by the layer, with the group DeepSpeed built) installs the
-autograd-aware sum over the batch, and, for gates that select over the global batch, the row gatherer; noise
-comes from `noise_sampler` (None: the global RNG). Subclasses call `Router.__init__` and implement `forward`.
+A router maps token rows x_ND to a `RouterOutput`: the (token, expert, gate) pairs, the balancing loss and the
+balance statistics over the whole data-parallel batch. The base class owns the gate's precision: `forward` runs
+the subclass's `route` on x in float32 at least (float64 stays float64, for gradcheck) with autocast off, so a
+bf16 run cannot round the logits. A router never talks to the network itself: `connect(batch)` (called once by
+the layer) hands it the data-parallel group's collectives (`BatchCollectives`: an autograd-aware sum, a row gather);
+until then it is one process. Noise comes from `noise_sampler` (None: the global RNG).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
-from moe_scale.moe.cpu_backend import kernels as cpu_kernels
+from moe_scale.distributed.comm import BatchCollectives
+from moe_scale.moe.router.noise import NoiseSampler, sample_noise
 
-NoiseSampler = Callable[[int, int, torch.device], Tensor]
+
+@contextmanager
+def gating_precision(x: Tensor) -> Iterator[Tensor]:
+    """x in float32 at least (float64 stays float64), with autocast off for the block."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        yield x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@dataclass
+class RouterOutput:
+    """What every gate returns: its routing as (token, expert, gate) pairs, and its balance."""
+
+    token_C: Tensor    # int64 [C], the row of x_ND of each pair, ascending
+    expert_C: Tensor   # int64 [C], the pair's global expert id
+    gate_C: Tensor     # float32 [C], the pair's gate (carries the router's task-loss gradient)
+    aux_loss: Tensor   # scalar, the gate's balancing loss
+    importance_E: Tensor   # float32 [E], summed gates over the whole data-parallel batch
+    load_E: Tensor     # float32 [E], smooth load (noisy gates in training) or hard count, whole batch
+    metrics: dict[str, float | Tensor] = field(default_factory=dict)   # gate-specific numbers (read at log points)
+    top_k: Optional[int] = None   # every token has top_k pairs, token-major in descending logit order; None:
+                                  # a token gets a variable number of experts (batchwise)
+
+    @classmethod
+    def from_top_k(cls, gates_NK: Tensor, experts_NK: Tensor, aux_loss: Tensor, importance_E: Tensor,
+                   load_E: Tensor, metrics: Optional[dict] = None) -> "RouterOutput":
+        """The routing of a gate that gives every token K experts."""
+        n, k = experts_NK.shape
+        token_C = torch.arange(n, device=experts_NK.device).repeat_interleave(k, output_size=n * k)
+        return cls(token_C, experts_NK.reshape(-1), gates_NK.reshape(-1), aux_loss, importance_E, load_E,
+                   metrics or {}, k)
+
+    @property
+    def gates_NK(self) -> Tensor:
+        return self.gate_C.view(-1, self._per_token())
+
+    @property
+    def experts_NK(self) -> Tensor:
+        return self.expert_C.view(-1, self._per_token())
+
+    def _per_token(self) -> int:
+        if self.top_k is None:
+            raise AttributeError("this gate gives tokens a variable number of experts: read token_C / expert_C / "
+                                 "gate_C")
+        return self.top_k
+
+    def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(token_C, expert_C, gate_C): what a dispatcher consumes."""
+        return self.token_C, self.expert_C, self.gate_C
 
 
 class Router(nn.Module):
-    """Base of every gate: its size, its top-k, and the plumbing to the data-parallel batch and the noise."""
-
-    selects_over_global_batch = False   # True: connect() also installs gather_over_batch / rank_in_batch
+    """Base of every gate: its size, its top-k, its precision, and its link to the data-parallel batch."""
 
     def __init__(self, d_model: int, num_experts: int, k: int):
         super().__init__()
         if not 1 <= k <= num_experts:
             raise ValueError(f"router top-k must be in [1, num_experts={num_experts}], got k={k}")
         self.d_model, self.num_experts, self.k = d_model, num_experts, k
-        self.sum_over_batch: Callable[[Tensor], Tensor] = _identity
+        self.batch = BatchCollectives()
         self.noise_sampler: Optional[NoiseSampler] = None
 
-    def connect(self, data_parallel_group) -> None:
-        """Sum (and, where the gate needs it, gather) over the data-parallel group from now on."""
-        from moe_scale.distributed.comm import RowGatherer, autograd_all_reduce_sum
+    def connect(self, batch: BatchCollectives) -> None:
+        """Sum (and gather) over `batch`'s data-parallel group from now on."""
+        self.batch = batch
 
-        self.sum_over_batch = autograd_all_reduce_sum(data_parallel_group)
-        if self.selects_over_global_batch:
-            gatherer = RowGatherer(data_parallel_group)
-            self.gather_over_batch, self.rank_in_batch = gatherer, gatherer.position
+    def forward(self, x_ND: Tensor, *args, **kwargs) -> RouterOutput:
+        """`route` on x_ND in the gate's precision (further arguments are the gate's own, e.g. a padding mask)."""
+        with gating_precision(x_ND) as x_ND:
+            return self.route(x_ND, *args, **kwargs)
+
+    def route(self, x_ND: Tensor) -> RouterOutput:
+        """The gate on x_ND, already in the gate's precision."""
+        raise NotImplementedError
+
+    @staticmethod
+    def logits(x_ND: Tensor, w_DE: Tensor) -> Tensor:
+        """x_ND @ w_DE in x's (the gate's) precision."""
+        return x_ND @ w_DE.to(x_ND.dtype)
 
     def _sample_noise(self, n: int, e: int, device: torch.device) -> Tensor:
         return sample_noise(self.noise_sampler, n, e, device)
 
-    def forward(self, x_ND: Tensor) -> "RouterOutput":
-        raise NotImplementedError
-
-
-@dataclass
-class RouterOutput:
-    gates_NK: Tensor  # float32 [N, K], softmax over the K kept (noisy) logits; rows sum to 1
-    experts_NK: Tensor  # int64 [N, K], expert ids of those gates, in descending logit order
-    aux_loss: Tensor  # scalar, w_importance * cv2(importance_E) + w_load * cv2(load_E)
-    importance_E: Tensor  # float32 [E], summed gates over the whole data-parallel batch
-    load_E: Tensor  # float32 [E], smooth load (training, noisy, K < E) or hard count, whole batch
-    metrics: dict[str, float | Tensor] = field(default_factory=dict)  # gate-specific numbers (read at log points)
-
-    def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(token_index_C, expert_C, gate_C): the routing as (token, expert) pairs, P = N*K, what a
-        dispatcher consumes (gates whose tokens get a variable number of experts produce pairs directly)."""
-        n, k = self.experts_NK.shape
-        token_index_C = torch.arange(n, device=self.experts_NK.device).repeat_interleave(k)
-        return token_index_C, self.experts_NK.reshape(-1), self.gates_NK.reshape(-1)
-
-
-def _identity(t: Tensor) -> Tensor:
-    return t
-
-
-def sample_noise(sampler: Optional[NoiseSampler], n: int, e: int, device: torch.device) -> Tensor:
-    """Standard normal noise [n, e]: from the installed sampler (e.g. GlobalTokenNoise), else seeded by the
-    global RNG: on CPU from the native counter-based generator (cpu_kernels.standard_normal: 3-4x faster than
-    torch.randn, whose Mersenne Twister is serial), elsewhere or without the kernels from torch.randn."""
-    if sampler is not None:
-        return sampler(n, e, device)
-    if torch.device(device).type == "cpu" and cpu_kernels.available(torch.empty(0)):
-        return cpu_kernels.standard_normal(n, e)
-    return torch.randn(n, e, device=device)
-
-
-def _mix_seed(*values: int) -> int:
-    """Deterministic 63-bit seed from a tuple of ints (splitmix64 steps), identical on every rank and run."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
-        h = (h + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h >> 1
-
-
-class GlobalTokenNoise:
-    """Noise that depends on the global token index, so a 1-process run and an N-process run with the same
-    global batch draw identical noise (used by the multi-process equivalence tests and ``--noise-rng global``).
-
-    Every rank generates the noise of the whole global batch ``[N_local * world_size, E]`` from a CPU generator
-    seeded with (seed, layer_index, step, micro_step) and keeps its own rows ``[rank*N_local, (rank+1)*N_local)``.
-    A CPU generator makes the noise independent of the device type. Assumes every rank has the same N_local (the
-    global batch is split evenly). Costs global tokens x experts memory and time: a test/debug option, not the default.
-
-    Call ``set_step(step)`` once per optimizer step; each call within the step (gradient-accumulation micro-steps)
-    advances a micro-step counter, so micro-batches draw different noise. A forward that is recomputed (activation
-    checkpointing) would advance the counter too: don't combine the two.
-    """
-
-    def __init__(self, seed: int, layer_index: int, rank: int, world_size: int):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        self.seed, self.layer_index, self.rank, self.world_size = seed, layer_index, rank, world_size
-        self.step, self.micro_step = 0, 0
-
-    def set_step(self, step: int) -> None:
-        self.step, self.micro_step = step, 0
-
-    def _global(self, n_rows_local: int, width: int) -> Tensor:
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(_mix_seed(self.seed, self.layer_index, self.step, self.micro_step))
-        self.micro_step += 1
-        return torch.randn(n_rows_local * self.world_size, width, generator=gen)
-
-    def __call__(self, n_tokens_local: int, n_experts: int, device) -> Tensor:
-        start = self.rank * n_tokens_local
-        return self._global(n_tokens_local, n_experts)[start : start + n_tokens_local].to(device)
-
-    def first_row(self, n_rows_local: int) -> int:
-        """The global index of this rank's first row when every rank has `n_rows_local` rows."""
-        return self.rank * n_rows_local
-
-    def rows(self, n_rows_local: int, width: int, row_ids: Tensor, device) -> Tensor:
-        """Rows `row_ids` (global indices, see `first_row`) of the global noise [n_rows_local * world_size, width],
-        for rows scored on another rank than their own (the hierarchical gate's secondary, beside its group).
-        The same numbers as __call__(n_tokens_local, width * rows_per_token) with n_rows_local = n_tokens_local *
-        rows_per_token: the generator fills row-major either way."""
-        return self._global(n_rows_local, width).to(device).index_select(0, row_ids)

@@ -1,49 +1,28 @@
 """Strictly balanced gating (Shazeer et al. 2017, App. F, eq. 15-20; spec §1.7).
 
-Legend: N tokens on this rank, D model dim, E experts (n in the paper), B rows of the batch in scope (this rank's
-batch for ``scope="local"``, the whole data-parallel batch for ``scope="global"``), P selected (token, expert) pairs.
+Legend (docs/shapes.md): N tokens on this rank, D model dim, E experts (n in the paper), B rows of the batch in scope (this rank's
+batch for ``scope="local"``, the whole data-parallel batch for ``scope="global"``), C selected (token, expert) pairs.
 
 Training routes with ``M_batchwise``: every expert takes its top ``m = max(1, floor(k * B_valid / E))`` tokens of
 the batch in scope (columns of ``S = softmax(x W_g)``), so every expert gets exactly ``m`` tokens while a token may
 get 0 experts (its MoE output is 0) or more than k. Inference routes with ``M_threshold = S > T`` and learned
 thresholds ``T [E]``, which the threshold loss ``L_bw`` (eq. 20) trains to reproduce the batchwise mask.
-A router never talks to the network: ``sum_over_batch`` / ``gather_over_batch`` / ``rank_in_batch`` are injected
-by the MoE layer.
+The data-parallel sum and row gather (``batch``) are injected by the layer (moe/router/base.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from moe_scale.moe.losses import cv_squared
-from moe_scale.moe.router.base import Router
+from moe_scale.config import RouterConfig
+from moe_scale.moe.router.base import Router, RouterOutput
 
 _MASK32 = 0xFFFFFFFF
-
-
-@dataclass
-class PairRouting:
-    """Routing as (token, expert) pairs, for gates whose tokens get a variable number of experts."""
-
-    token_index_P: Tensor  # int64 [P], row of x_ND, ascending
-    expert_P: Tensor  # int64 [P], global expert id
-    gate_P: Tensor  # float32 [P], > 0 (0 only if the softmax underflowed for a selected entry)
-    aux_loss: Tensor  # scalar: w_importance * cv2(importance_E) [+ threshold_loss_weight * L_bw in training]
-    importance_E: Tensor  # [E], sum over tokens of the gates, whole data-parallel batch
-    load_E: Tensor  # [E], hard count of selections, whole data-parallel batch
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self.token_index_P, self.expert_P, self.gate_P
-
-
-def _identity(t: Tensor) -> Tensor:
-    return t
 
 
 def _hash32(h: Tensor) -> Tensor:
@@ -114,30 +93,27 @@ class BatchwiseRouter(Router):
       which never reorders distinct scores and is identical on every rank.
     * ``scope="local"`` (default): top-m over this rank's batch; each expert gets exactly ``m_local`` tokens from each
       rank, no communication. ``scope="global"``: S (detached) is gathered over the data-parallel group
-      (``gather_over_batch``), top-m is taken over the global batch and this rank keeps its rows
-      (``rank_in_batch`` gives the offset), so each expert gets exactly ``m`` tokens of the *global* batch.
+      (``batch.gather``), top-m is taken over the global batch and this rank keeps its rows, so each expert gets exactly ``m`` tokens of the *global* batch.
     * Threshold loss ``L_bw = Σ_j Σ_i (M_thr − M_b)(S.detach() − T)`` (eq. 20), training only; its gradient wrt
       ``T_i`` is ``Σ_j (M_b − M_thr)_{j,i}``. ``threshold_reduction="mean"`` (default) divides by this rank's number
       of valid rows; ``"sum"`` is the paper's raw double sum. ``detach_scores=False`` lets L_bw reach W_g too.
     * T init: ``1/E`` (S at zero init); with ``init_thresholds_from_batch`` (default), the first training batch
       sets T to the midpoint between the m-th and (m+1)-th largest S per column of the batch in scope, so
       the two masks agree on that batch. With ``scope="local"`` the per-rank midpoints are averaged over ranks
-      (weighted by valid rows, one extra ``sum_over_batch`` call, first batch only) so T stays replicated.
+      (weighted by valid rows, one extra ``batch.sum`` call, first batch only) so T stays replicated.
     * Eval: ``M_threshold = S > T``; a row with no expert above its threshold falls back to its argmax expert with
       gate 1 (the paper is silent; the alternative would be a zero MoE output).
     * Training: a token may get no expert; its gate row is 0 (denominator clamped, no NaN) and its output is 0.
     * Balancing: ``L_importance = w_importance · cv2(importance)``, importance = Σ_tokens G over the whole
       data-parallel batch. ``L_load`` is not used: under M_batchwise the true load is exactly m per expert and
       there is no noise, so the load loss is zero/undefined (spec §1.7). ``load_E`` is still reported as the hard
-      count of selections (with importance and the metric counts in a single ``sum_over_batch`` call).
+      count of selections (with importance and the metric counts in a single ``batch.sum`` call).
     * Metrics (whole data-parallel batch): ``threshold_agreement`` = fraction of valid (token, expert) decisions
       with M_threshold == M_batchwise on the current batch, in training and eval (at eval M_batchwise is computed
       on the eval batch for this comparison only; 1.0 for an empty batch); ``tokens_without_expert`` = fraction of
       valid tokens whose routing mask is empty (training) or that needed the fallback (eval);
       ``tokens_per_expert`` = m; ``threshold_loss`` = this rank's L_bw (training).
     """
-
-    selects_over_global_batch = True   # scope "global": top-m over the gathered batch
 
     def __init__(
         self,
@@ -163,8 +139,13 @@ class BatchwiseRouter(Router):
         nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
         self.thresholds = nn.Parameter(torch.full((num_experts,), 1.0 / num_experts))
         self.register_buffer("thresholds_initialized", torch.zeros((), dtype=torch.bool))
-        self.gather_over_batch: Callable[[Tensor], Tensor] = _identity
-        self.rank_in_batch: Optional[Callable[[], tuple[int, int]]] = None
+
+    @classmethod
+    def from_config(cls, config: RouterConfig, d_model: int, num_experts: int, ep_size: int = 1,
+                    ep_rank: int = 0) -> "BatchwiseRouter":
+        b = config.batchwise
+        return cls(d_model, num_experts, config.top_k, w_importance=config.w_importance,
+                   threshold_reduction=b.threshold_reduction, scope=b.scope)
 
     def extra_repr(self) -> str:
         return (
@@ -179,13 +160,8 @@ class BatchwiseRouter(Router):
         if self.scope == "local":
             m = tokens_per_expert(self.k, int(valid_N.sum()), self.num_experts)
             return batchwise_mask(s_NE, m, valid_N), m, s_NE, valid_N
-        gathered = self.gather_over_batch(torch.cat([s_NE.detach(), valid_N[:, None].to(s_NE.dtype)], dim=1))
+        gathered, offset = self.batch.gather(torch.cat([s_NE.detach(), valid_N[:, None].to(s_NE.dtype)], dim=1))
         s_BE, valid_B = gathered[:, :-1], gathered[:, -1] > 0.5
-        offset, total = self.rank_in_batch() if self.rank_in_batch is not None else (0, n)
-        if gathered.shape[0] != total or not 0 <= offset <= total - n:
-            raise RuntimeError(
-                f"batchwise router scope='global': gathered {gathered.shape[0]} rows but rank_in_batch() says "
-                f"offset {offset} of {total} for {n} local rows; the MoE layer must set rank_in_batch")
         m = tokens_per_expert(self.k, int(valid_B.sum()), self.num_experts)
         return batchwise_mask(s_BE, m, valid_B)[offset : offset + n], m, s_BE, valid_B
 
@@ -199,7 +175,7 @@ class BatchwiseRouter(Router):
             if t_E is not None:
                 local[:-1] = t_E * weight
             local[-1] = weight
-            total = self.sum_over_batch(local)
+            total = self.batch.sum(local)
             if float(total[-1]) <= 0:
                 return  # no valid row anywhere: try again next batch (same decision on every rank)
             t_E = total[:-1] / total[-1]
@@ -208,58 +184,65 @@ class BatchwiseRouter(Router):
         self.thresholds.copy_(t_E)
         self.thresholds_initialized.fill_(True)
 
-    def forward(self, x_ND: Tensor, valid_N: Optional[Tensor] = None) -> PairRouting:
+    def route(self, x_ND: Tensor, valid_N: Optional[Tensor] = None) -> RouterOutput:
         """``valid_N`` (bool [N], optional): False for padding rows, which take no capacity, get no expert and
         count in no statistic."""
-        n, e = x_ND.shape[0], self.num_experts
-        dtype = torch.promote_types(x_ND.dtype, torch.float32)
+        n = x_ND.shape[0]
         valid_N = torch.ones(n, dtype=torch.bool, device=x_ND.device) if valid_N is None else valid_N.bool()
         if valid_N.shape != (n,):
             raise ValueError(f"valid_N must have shape ({n},), got {tuple(valid_N.shape)}")
-        with torch.autocast(device_type=x_ND.device.type, enabled=False):
-            s_NE = torch.softmax(x_ND.to(dtype) @ self.w_gate.to(dtype), dim=-1)  # G_sigma (eq. 15)
+        s_NE = torch.softmax(self.logits(x_ND, self.w_gate), dim=-1)  # G_sigma (eq. 15)
 
-            # M_batchwise routes in training; at eval it is computed only for the agreement metric.
-            m_b_NE, m, s_BE, valid_B = self._batchwise_in_scope(s_NE, valid_N)
-            if self.training and self.init_thresholds_from_batch and not bool(self.thresholds_initialized):
-                self._init_thresholds(s_BE, m, valid_B)
-            t_E = self.thresholds.to(dtype)
-            m_thr_NE = (s_NE.detach() > t_E.detach()[None, :]) & valid_N[:, None]  # M_threshold (eq. 19)
+        # M_batchwise routes in training; at eval it is computed only for the agreement metric.
+        m_b_NE, m, s_BE, valid_B = self._batchwise_in_scope(s_NE, valid_N)
+        if self.training and self.init_thresholds_from_batch and not bool(self.thresholds_initialized):
+            self._init_thresholds(s_BE, m, valid_B)
+        t_E = self.thresholds.to(x_ND.dtype)
+        m_thr_NE = (s_NE.detach() > t_E.detach()[None, :]) & valid_N[:, None]  # M_threshold (eq. 19)
+        mask_NE, empty_N = self._routing_mask(s_NE, m_b_NE, m_thr_NE, valid_N)
 
-            if self.training:
-                mask_NE = m_b_NE
-                empty_N = valid_N & ~mask_NE.any(dim=1)
-            else:  # threshold mask; rows above no threshold fall back to their argmax expert (gate 1)
-                empty_N = valid_N & ~m_thr_NE.any(dim=1)
-                fallback_NE = torch.zeros_like(m_thr_NE).scatter_(1, s_NE.detach().argmax(1, keepdim=True), True)
-                mask_NE = m_thr_NE | (fallback_NE & empty_N[:, None])
+        sm_NE = s_NE * mask_NE.to(x_ND.dtype)
+        g_NE = sm_NE / sm_NE.sum(-1, keepdim=True).clamp_min(torch.finfo(x_ND.dtype).tiny)  # eq. 16; empty row: 0
+        aux_loss, importance_E, load_E, metrics = self._balance(g_NE, mask_NE, (m_thr_NE == m_b_NE), valid_N,
+                                                                empty_N, m)
+        if self.training:  # threshold loss (eq. 20): trains T (and W_g only if detach_scores=False)
+            l_bw = self._threshold_loss(s_NE, t_E, m_thr_NE, m_b_NE, valid_N)
+            aux_loss = aux_loss + self.threshold_loss_weight * l_bw
+            metrics["threshold_loss"] = float(l_bw.detach())
 
-            sm_NE = s_NE * mask_NE.to(dtype)
-            g_NE = sm_NE / sm_NE.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)  # eq. 16; empty row -> 0
+        token_C, expert_C = mask_NE.nonzero(as_tuple=True)
+        return RouterOutput(token_C, expert_C, g_NE[token_C, expert_C], aux_loss, importance_E, load_E, metrics)
 
-            importance_E = g_NE.sum(0)
-            load_E = mask_NE.sum(0).to(dtype)
-            agree = ((m_thr_NE == m_b_NE) & valid_N[:, None]).sum().to(dtype)
-            counts_3 = torch.stack([agree, valid_N.sum().to(dtype) * e, empty_N.sum().to(dtype)])
-            stats = self.sum_over_batch(torch.cat([importance_E, load_E, counts_3]))  # one collective
-            importance_E, load_E = stats[:e], stats[e : 2 * e]
-            aux_loss = self.w_importance * cv_squared(importance_E)
+    def _routing_mask(self, s_NE: Tensor, m_b_NE: Tensor, m_thr_NE: Tensor, valid_N: Tensor) -> tuple[Tensor, Tensor]:
+        """(the mask that routes, the valid tokens it gives no expert): M_batchwise in training; at eval
+        M_threshold, where a row above no threshold falls back to its argmax expert (gate 1)."""
+        if self.training:
+            return m_b_NE, valid_N & ~m_b_NE.any(dim=1)
+        empty_N = valid_N & ~m_thr_NE.any(dim=1)
+        fallback_NE = torch.zeros_like(m_thr_NE).scatter_(1, s_NE.detach().argmax(1, keepdim=True), True)
+        return m_thr_NE | (fallback_NE & empty_N[:, None]), empty_N
 
-            agree_g, decisions_g, empty_g = stats[2 * e :].detach().tolist()
-            metrics = {
-                "threshold_agreement": agree_g / decisions_g if decisions_g > 0 else 1.0,
-                "tokens_without_expert": empty_g * e / decisions_g if decisions_g > 0 else 0.0,
-                "tokens_per_expert": float(m),
-            }
-            if self.training:  # threshold loss (eq. 20): trains T (and W_g only if detach_scores=False)
-                s_used_NE = s_NE.detach() if self.detach_scores else s_NE
-                diff_NE = (m_thr_NE.to(dtype) - m_b_NE.to(dtype)) * valid_N[:, None].to(dtype)
-                l_bw = (diff_NE * (s_used_NE - t_E[None, :])).sum()
-                if self.threshold_reduction == "mean":
-                    l_bw = l_bw / max(int(valid_N.sum()), 1)
-                aux_loss = aux_loss + self.threshold_loss_weight * l_bw
-                metrics["threshold_loss"] = float(l_bw.detach())
+    def _balance(self, g_NE: Tensor, mask_NE: Tensor, agree_NE: Tensor, valid_N: Tensor, empty_N: Tensor, m: int):
+        """(aux_loss, importance_E, load_E, metrics) over the whole data-parallel batch: one collective."""
+        e, dtype = self.num_experts, g_NE.dtype
+        agree = (agree_NE & valid_N[:, None]).sum().to(dtype)
+        counts_3 = torch.stack([agree, valid_N.sum().to(dtype) * e, empty_N.sum().to(dtype)])
+        stats = self.batch.sum(torch.cat([g_NE.sum(0), mask_NE.sum(0).to(dtype), counts_3]))
+        importance_E, load_E = stats[:e], stats[e : 2 * e]
+        agree_g, decisions_g, empty_g = stats[2 * e :].detach().tolist()
+        metrics = {
+            "threshold_agreement": agree_g / decisions_g if decisions_g > 0 else 1.0,
+            "tokens_without_expert": empty_g * e / decisions_g if decisions_g > 0 else 0.0,
+            "tokens_per_expert": float(m),
+        }
+        return self.w_importance * cv_squared(importance_E), importance_E, load_E, metrics
 
-        token_index_P, expert_P = mask_NE.nonzero(as_tuple=True)
-        gate_P = g_NE[token_index_P, expert_P]
-        return PairRouting(token_index_P, expert_P, gate_P, aux_loss, importance_E, load_E, metrics)
+    def _threshold_loss(self, s_NE: Tensor, t_E: Tensor, m_thr_NE: Tensor, m_b_NE: Tensor, valid_N: Tensor):
+        """L_bw = Σ_j Σ_i (M_thr − M_b)(S − T) over valid rows (eq. 20), divided by the valid rows for "mean"."""
+        dtype = s_NE.dtype
+        s_used_NE = s_NE.detach() if self.detach_scores else s_NE
+        diff_NE = (m_thr_NE.to(dtype) - m_b_NE.to(dtype)) * valid_N[:, None].to(dtype)
+        l_bw = (diff_NE * (s_used_NE - t_E[None, :])).sum()
+        if self.threshold_reduction == "mean":
+            l_bw = l_bw / max(int(valid_N.sum()), 1)
+        return l_bw

@@ -11,7 +11,7 @@ expert-parallel rank whenever ep_size divides A.
 
 Placement (the paper's): the primary gate is data-parallel; each group's secondary gate lives beside the group's
 experts, sharded over the expert-parallel ranks like them (a rank holds the secondary matrices of its A/P groups,
-[A/P, D, G] each; ExpertParallelModule checkpoints column j of group i with expert i*G + j). The MoE layer sends
+[A/P, D, G] each; ExpertParallelModule checkpoints column j of group i with expert i*G + j). HierarchicalMoELayer sends
 each (token, picked group) row to the group's rank once (`route_groups`), where the J = N*Kp rows are already
 sorted by group and multiplied with their group's matrices in one grouped GEMM (`route_within_groups`), so the
 gate costs N*(A + Kp*G)*D multiply-adds and N*(A + Kp*G) floats per matrix, never N*E (the paper's count, which
@@ -30,7 +30,9 @@ from moe_scale.moe.experts.grouped_gemm import GroupLayout, per_expert_outer, ro
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.losses import cv_squared
 from moe_scale.moe.router.gating_ops import noisy_top_k
-from moe_scale.moe.router.base import Router, RouterOutput, sample_noise
+from moe_scale.config import RouterConfig
+from moe_scale.moe.router.base import Router, RouterOutput, gating_precision
+from moe_scale.moe.router.noise import sample_noise
 
 _EPS = 1e-10  # t2t's epsilon in eq. 14's denominator: a group that got no token has load 0, not NaN
 
@@ -106,7 +108,7 @@ class HierarchicalRouter(Router):
       hard count of tokens that picked group i.
 
     Data parallelism: ``load_p``, ``load_s`` and ``cnt_p`` are summed over the data-parallel batch before eq. 14 is
-    formed (the ratio of sums, not the sum of ratios), together with the importance: ``sum_over_batch`` is called
+    formed (the ratio of sums, not the sum of ratios), together with the importance: ``batch.sum`` is called
     exactly once per forward, on the concatenation ``[importance (E), load_s (E), load_p (A), cnt_p (A)]`` (a rank
     fills the entries of its own groups), and on every rank even when it has no tokens. It must be an
     autograd-aware all-reduce(SUM).
@@ -164,6 +166,15 @@ class HierarchicalRouter(Router):
         self.w_gate_secondary = nn.Parameter(secondary[local].clone())
         self.w_noise_secondary = nn.Parameter(torch.zeros(self.num_local_groups, d_model, b))
 
+    @classmethod
+    def from_config(cls, config: RouterConfig, d_model: int, num_experts: int, ep_size: int = 1,
+                    ep_rank: int = 0) -> "HierarchicalRouter":
+        """Only expert-parallel rank `ep_rank`'s share of the secondary matrices (they live beside the experts)."""
+        h = config.hierarchical
+        return cls(d_model, h.num_groups, num_experts // h.num_groups, k_primary=config.top_k,
+                   k_secondary=h.top_k_secondary, w_importance=config.w_importance, w_load=config.w_load,
+                   noisy=config.noisy_gating, ep_size=ep_size, ep_rank=ep_rank)
+
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, num_groups={self.num_groups}, experts_per_group={self.experts_per_group}, "
@@ -197,15 +208,13 @@ class HierarchicalRouter(Router):
         """The primary gate: noisy top-Kp over the A groups for each token (on the token's rank)."""
         a, kp = self.num_groups, self.k_primary
         noisy = self.training and self.noisy
-        dtype = torch.promote_types(x_ND.dtype, torch.float32)
-        with torch.autocast(device_type=x_ND.device.type, enabled=False):
-            x_ND = x_ND.to(dtype)
-            clean_NA = x_ND @ self.w_gate_primary.to(dtype)
-            raw_NA = x_ND @ self.w_noise_primary.to(dtype) if noisy else None
-            noise_NA = self._sample_noise(x_ND.shape[0], a, x_ND.device).to(dtype) if noisy else None
+        with gating_precision(x_ND) as x_ND:
+            clean_NA = self.logits(x_ND, self.w_gate_primary)
+            raw_NA = self.logits(x_ND, self.w_noise_primary) if noisy else None
+            noise_NA = self._sample_noise(x_ND.shape[0], a, x_ND.device).to(x_ND.dtype) if noisy else None
             gp_NKp, groups_NKp, load_A = _top_k(clean_NA, raw_NA, noise_NA, kp, self.noise_epsilon)
             groups_J = groups_NKp.reshape(-1)
-            count_A = count_per_bin(groups_J, a, dtype)
+            count_A = count_per_bin(groups_J, a, x_ND.dtype)
         return GroupRoute(gp_NKp.reshape(-1), groups_J, count_A if load_A is None else load_A, count_A)
 
     def noise_keys(self, num_tokens: int, device: torch.device) -> Optional[Tensor]:
@@ -224,9 +233,8 @@ class HierarchicalRouter(Router):
         carries its primary gate gates_M[m]. `num_tokens`: tokens per rank (for keyed noise)."""
         b, ks, groups = self.experts_per_group, self.k_secondary, self.num_local_groups
         noisy = self.training and self.noisy
-        dtype = torch.promote_types(x_RD.dtype, torch.float32)
-        with torch.autocast(device_type=x_RD.device.type, enabled=False):
-            x_RD = x_RD.to(dtype)
+        with gating_precision(x_RD) as x_RD:
+            dtype = x_RD.dtype
             layout = GroupLayout(counts, x_RD)
             pad = -b % (16 // x_RD.element_size()) if layout.kernel in ("grouped", "triton") else 0
 
@@ -263,18 +271,19 @@ class HierarchicalRouter(Router):
         def spread(local_aG: Tensor) -> Tensor:   # this rank's groups' entries in an all-experts vector
             return nn.functional.pad(local_aG.reshape(-1), (first, e - first - local))
 
-        stats = self.sum_over_batch(torch.cat([spread(within.importance_aG), spread(within.load_aG), route.load_A,
+        stats = self.batch.sum(torch.cat([spread(within.importance_aG), spread(within.load_aG), route.load_A,
                                                route.count_A]))
         importance_E, load_s_E, load_p_A, count_A = stats.split([e, e, a, a])
         load_E = (load_p_A[:, None] * load_s_E.reshape(a, b) / (count_A[:, None] + _EPS)).reshape(-1)
         cv2_2 = cv_squared(torch.stack([importance_E, load_E]))
         return self.w_importance * cv2_2[0] + self.w_load * cv2_2[1], importance_E, load_E
 
-    def forward(self, x_ND: Tensor) -> RouterOutput:
+    def route(self, x_ND: Tensor) -> RouterOutput:
         """The whole gate on one rank (every group's secondary matrices here)."""
         if self.num_local_groups != self.num_groups:
             raise RuntimeError(f"this router holds the secondary gates of groups {self.first_group}.."
-                               f"{self.first_group + self.num_local_groups - 1} only; MoELayer routes with it")
+                               f"{self.first_group + self.num_local_groups - 1} only; HierarchicalMoELayer routes "
+                               f"with it")
         n, kp, ks = x_ND.shape[0], self.k_primary, self.k_secondary
         route = self.route_groups(x_ND)
         order_J = torch.argsort(route.groups_J, stable=True)   # rows by group, what the grouped GEMM reads
@@ -288,8 +297,8 @@ class HierarchicalRouter(Router):
             return sorted_JKs.new_empty(sorted_JKs.shape).index_copy(0, order_J, sorted_JKs).reshape(n, kp * ks)
 
         aux_loss, importance_E, load_E = self.balance(route, within)
-        return RouterOutput(token_major(within.gates_MKs), token_major(within.experts_MKs), aux_loss, importance_E,
-                            load_E)
+        return RouterOutput.from_top_k(token_major(within.gates_MKs), token_major(within.experts_MKs), aux_loss,
+                                       importance_E, load_E)
 
 
 def _check_shard(num_groups: int, ep_size: int, ep_rank: int) -> None:

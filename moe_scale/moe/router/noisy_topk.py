@@ -1,24 +1,21 @@
 """Noisy top-k gating (Shazeer et al. 2017, eq. 3-5, 8-11; spec §1.2-1.4), as in t2t's ``noisy_top_k_gating``.
 
-Legend: N tokens, D model dim, E experts, K top-k, M = min(K+1, E) logits kept for the load estimator.
+Legend (docs/shapes.md): N tokens, D model dim, E experts, K top-k, M = min(K+1, E) logits kept for the load estimator.
 
-A router never talks to the network: the data-parallel sum of the balance statistics (``sum_over_batch``)
-and the noise (``noise_sampler``) are callables injected by the MoE layer.
+The data-parallel sum of the balance statistics (``batch.sum``) and the noise (``noise_sampler``) are injected by
+the layer (moe/router/base.py).
 """
 
 import math
-from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_scale.config import RouterConfig
 from moe_scale.moe.router.base import Router, RouterOutput
 from moe_scale.moe.router.gating_ops import noisy_top_k
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.losses import cv_squared
-
-NoiseSampler = Callable[[int, int, torch.device], Tensor]
 
 _FUSED_GATE_MAX_EXPERTS = 16   # w_gate and w_noise multiply x as one matrix up to this many experts
 
@@ -49,7 +46,7 @@ class NoisyTopKRouter(Router):
     k == 1 caveat: the softmax over a single kept logit is the constant 1, so the task loss gives ``w_gate`` no
     gradient; only the balancing losses train the router. The paper uses k >= 2 for every LM/MT model.
 
-    ``sum_over_batch`` must be an autograd-aware all-reduce(SUM) over the data-parallel group in multi-process runs
+    ``batch.sum`` must be an autograd-aware all-reduce(SUM) over the data-parallel group in multi-process runs
     (a detached one shrinks the router gradient by world_size). It is called exactly once per forward, on the
     stacked ``[2, E]`` (importance, load), so it costs one collective, and it is called on every rank even when the
     rank has no tokens, so collectives stay matched.
@@ -78,6 +75,12 @@ class NoisyTopKRouter(Router):
         if not noisy:
             nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
 
+    @classmethod
+    def from_config(cls, config: RouterConfig, d_model: int, num_experts: int, ep_size: int = 1,
+                    ep_rank: int = 0) -> "NoisyTopKRouter":
+        return cls(d_model, num_experts, config.top_k, w_importance=config.w_importance, w_load=config.w_load,
+                   noisy=config.noisy_gating)
+
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, noisy={self.noisy}, "
@@ -85,60 +88,37 @@ class NoisyTopKRouter(Router):
         )
 
     def _gate_and_noise_logits(self, x_ND: Tensor) -> tuple[Tensor, Tensor]:
-        """(x @ w_gate, x @ w_noise) in x's dtype. With few experts, as one product with both matrices side by
-        side: MKL multiplies by 8 columns at a quarter of the speed it reaches with 16 (2048 x 256 tokens, E=8:
-        forward and backward of both 3.1 ms apart, 0.8 ms together); from 32 experts on, apart is as fast and
-        copies nothing."""
-        w_gate, w_noise = self.w_gate.to(x_ND.dtype), self.w_noise.to(x_ND.dtype)
+        """(x @ w_gate, x @ w_noise). With few experts, as one product with both matrices side by side (a
+        product 8 columns wide runs far below the speed of a wider one); from 32 experts on, apart (no copies)."""
         e = self.num_experts
         if e > _FUSED_GATE_MAX_EXPERTS:
-            return x_ND @ w_gate, x_ND @ w_noise
-        both_N2E = x_ND @ torch.cat([w_gate, w_noise], dim=1)
+            return self.logits(x_ND, self.w_gate), self.logits(x_ND, self.w_noise)
+        both_N2E = self.logits(x_ND, torch.cat([self.w_gate, self.w_noise], dim=1))
         return both_N2E[:, :e].contiguous(), both_N2E[:, e:].contiguous()
 
-    def compute_logits(self, x_ND: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-        """(clean_NE, logits_NE, std_NE): logits are noisy in training with noise on, else clean (std None)."""
-        # At least float32 (float64 stays float64, for gradcheck); autocast off so bf16 autocast cannot undo it.
-        dtype = torch.promote_types(x_ND.dtype, torch.float32)
-        with torch.autocast(device_type=x_ND.device.type, enabled=False):
-            x_ND = x_ND.to(dtype)
-            if not (self.training and self.noisy):
-                clean_NE = x_ND @ self.w_gate.to(dtype)
-                return clean_NE, clean_NE, None
-            clean_NE, raw_noise_NE = self._gate_and_noise_logits(x_ND)
-            std_NE = F.softplus(raw_noise_NE) + self.noise_epsilon
-            n, e = clean_NE.shape
-            noise_NE = self._sample_noise(n, e, x_ND.device).to(dtype)
-            return clean_NE, clean_NE + noise_NE * std_NE, std_NE
-
-    def forward(self, x_ND: Tensor) -> RouterOutput:
-        """Same arithmetic as compute_logits + topk + prob_in_top_k, in the memory-lean fused op."""
+    def route(self, x_ND: Tensor) -> RouterOutput:
+        """Noisy logits, top-k and the smooth load (eq. 8-9) in the memory-lean fused op."""
         k, e = self.k, self.num_experts
-        dtype = torch.promote_types(x_ND.dtype, torch.float32)
-        with torch.autocast(device_type=x_ND.device.type, enabled=False):
-            x_ND = x_ND.to(dtype)
-            noisy = self.training and self.noisy
-            if noisy:
-                clean_NE, raw_noise_NE = self._gate_and_noise_logits(x_ND)
-                noise_NE = self._sample_noise(*clean_NE.shape, x_ND.device).to(dtype)
-                top_values_NM, top_idx_NM, smooth_load_E = noisy_top_k(
-                    clean_NE, raw_noise_NE, noise_NE, self.noise_epsilon, k, smooth_load=k < e)
-            else:
-                clean_NE = x_ND @ self.w_gate.to(dtype)
-                top_values_NM, top_idx_NM = clean_NE.topk(min(k + 1, e), dim=1)  # values keep their gradient
-            gates_NK = torch.softmax(top_values_NM[:, :k], dim=1)
-            experts_NK = top_idx_NM[:, :k]
+        noisy = self.training and self.noisy
+        if noisy:
+            clean_NE, raw_noise_NE = self._gate_and_noise_logits(x_ND)
+            noise_NE = self._sample_noise(*clean_NE.shape, x_ND.device).to(x_ND.dtype)
+            top_values_NM, top_idx_NM, smooth_load_E = noisy_top_k(
+                clean_NE, raw_noise_NE, noise_NE, self.noise_epsilon, k, smooth_load=k < e)
+        else:
+            top_values_NM, top_idx_NM = self.logits(x_ND, self.w_gate).topk(min(k + 1, e), dim=1)  # values keep
+        gates_NK = torch.softmax(top_values_NM[:, :k], dim=1)                                      # their gradient
+        experts_NK = top_idx_NM[:, :k]
 
-            # importance_E = sum over tokens of the dense gates, without building the dense [N, E] gates.
-            importance_E = gates_NK.new_zeros(e).index_add(0, experts_NK.reshape(-1), gates_NK.reshape(-1))
-            if noisy and k < e:
-                load_E = smooth_load_E
-            else:  # eval, noise off, or k == E (no (k+1)-th value): a count, with no gradient
-                load_E = count_per_bin(experts_NK, e, gates_NK.dtype)
+        # importance_E = sum over tokens of the dense gates, without building the dense [N, E] gates.
+        importance_E = gates_NK.new_zeros(e).index_add(0, experts_NK.reshape(-1), gates_NK.reshape(-1))
+        if noisy and k < e:
+            load_E = smooth_load_E
+        else:  # eval, noise off, or k == E (no (k+1)-th value): a count, with no gradient
+            load_E = count_per_bin(experts_NK, e, gates_NK.dtype)
 
-            # Balance over the whole data-parallel batch: one collective for both statistics.
-            stats_2E = self.sum_over_batch(torch.stack([importance_E, load_E]))
-            importance_E, load_E = stats_2E[0], stats_2E[1]
-            cv2_2 = cv_squared(stats_2E)
-            aux_loss = self.w_importance * cv2_2[0] + self.w_load * cv2_2[1]
-        return RouterOutput(gates_NK, experts_NK, aux_loss, importance_E, load_E)
+        # Balance over the whole data-parallel batch: one collective for both statistics.
+        stats_2E = self.batch.sum(torch.stack([importance_E, load_E]))
+        cv2_2 = cv_squared(stats_2E)
+        aux_loss = self.w_importance * cv2_2[0] + self.w_load * cv2_2[1]
+        return RouterOutput.from_top_k(gates_NK, experts_NK, aux_loss, stats_2E[0], stats_2E[1])

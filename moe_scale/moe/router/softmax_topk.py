@@ -1,9 +1,8 @@
 """MoA-style softmax top-k router (Zhang et al. 2022, Mixture of Attention Heads, eq. 7-9 and 13-16; spec §3.1-3.3).
 
-Legend: N tokens, D model dim, E experts, K top-k, S = 3E + 2 entries of the stacked batch statistics.
+Legend (docs/shapes.md): N tokens, D model dim, E experts, K top-k.
 
-A router never talks to the network: the data-parallel sum of its statistics (``sum_over_batch``) is a callable
-injected by the MoE layer, exactly as for :class:`moe_scale.moe.router.NoisyTopKRouter`.
+The data-parallel sum of its statistics (``batch.sum``) is injected by the layer (moe/router/base.py).
 """
 
 import math
@@ -12,13 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from moe_scale.moe.kernel_policy import count_per_bin
+from moe_scale.config import RouterConfig
 from moe_scale.moe.router.base import Router, RouterOutput
 
 RENORMALIZE_MODES = ("none", "detached")
-
-
-def _identity(t: Tensor) -> Tensor:
-    return t
 
 
 def switch_loss(prob_sum_E: Tensor, count_E: Tensor) -> Tensor:
@@ -56,7 +52,7 @@ class SoftmaxTopKRouter(Router):
 
     Every mean is over the whole data-parallel batch: the per-rank sums (prob sums per expert, importance per expert,
     selection counts per expert, Σ lse², token count) travel as one stacked ``[3E + 2]`` tensor through
-    ``sum_over_batch`` -- one collective per forward, called on every rank even when it has no tokens. It must be an
+    ``batch.sum`` -- one collective per forward, called on every rank even when it has no tokens. It must be an
     autograd-aware all-reduce(SUM) (``torch.distributed.nn.functional.all_reduce``); a detached one shrinks the router
     gradient by world_size. ``importance_E`` (Σ_tokens of the dense gates) and ``load_E`` (hard selection counts)
     are global too. Counts are summed in the statistics' float dtype (exact up to 2^24 per expert in float32).
@@ -93,40 +89,42 @@ class SoftmaxTopKRouter(Router):
         self.w_gate = nn.Parameter(torch.empty(d_model, num_experts))
         nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
 
+    @classmethod
+    def from_config(cls, config: RouterConfig, d_model: int, num_experts: int, ep_size: int = 1,
+                    ep_rank: int = 0) -> "SoftmaxTopKRouter":
+        s = config.softmax_topk
+        return cls(d_model, num_experts, config.top_k, aux_weight=s.aux_weight, z_weight=s.z_weight,
+                   renormalize=s.renormalize)
+
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, renormalize={self.renormalize!r}, "
             f"aux_weight={self.aux_weight}, z_weight={self.z_weight}"
         )
 
-    def forward(self, x_ND: Tensor) -> RouterOutput:
+    def route(self, x_ND: Tensor) -> RouterOutput:
         k, e = self.k, self.num_experts
-        # At least float32 (float64 stays float64, for gradcheck); autocast off so bf16 autocast cannot undo it.
-        dtype = torch.promote_types(x_ND.dtype, torch.float32)
-        with torch.autocast(device_type=x_ND.device.type, enabled=False):
-            logits_NE = x_ND.to(dtype) @ self.w_gate.to(dtype)
-            probs_NE = torch.softmax(logits_NE, dim=1)
-            top_p_NK, experts_NK = probs_NE.topk(k, dim=1)  # sorted descending
-            if self.renormalize == "detached":  # eq. 9: the denominator carries no gradient
-                gates_NK = top_p_NK / top_p_NK.sum(dim=1, keepdim=True).detach()
-            else:
-                gates_NK = top_p_NK
+        logits_NE = self.logits(x_ND, self.w_gate)
+        probs_NE = torch.softmax(logits_NE, dim=1)
+        top_p_NK, experts_NK = probs_NE.topk(k, dim=1)  # sorted descending
+        if self.renormalize == "detached":  # eq. 9: the denominator carries no gradient
+            gates_NK = top_p_NK / top_p_NK.sum(dim=1, keepdim=True).detach()
+        else:
+            gates_NK = top_p_NK
 
-            flat_experts = experts_NK.reshape(-1)
-            importance_E = gates_NK.new_zeros(e).index_add(0, flat_experts, gates_NK.reshape(-1))
-            count_E = count_per_bin(flat_experts, e, dtype)
-            lse2_sum = torch.logsumexp(logits_NE, dim=1).square().sum()
-            n_tokens_1 = logits_NE.new_full((1,), float(logits_NE.shape[0]))   # a fill, not a copy from the host
+        flat_experts = experts_NK.reshape(-1)
+        importance_E = gates_NK.new_zeros(e).index_add(0, flat_experts, gates_NK.reshape(-1))
+        count_E = count_per_bin(flat_experts, e, x_ND.dtype)
+        lse2_sum = torch.logsumexp(logits_NE, dim=1).square().sum()
+        n_tokens_1 = logits_NE.new_full((1,), float(logits_NE.shape[0]))   # a fill, not a copy from the host
 
-            # One collective for everything the global means need.
-            stats_S = self.sum_over_batch(
-                torch.cat([probs_NE.sum(0), importance_E, count_E, lse2_sum[None], n_tokens_1])
-            )
-            prob_sum_E, importance_E, count_E = stats_S[:e], stats_S[e : 2 * e], stats_S[2 * e : 3 * e]
-            lse2_sum, n_tokens = stats_S[3 * e], stats_S[3 * e + 1]
+        # One collective for everything the global means need.
+        stats = self.batch.sum(torch.cat([probs_NE.sum(0), importance_E, count_E, lse2_sum[None], n_tokens_1]))
+        prob_sum_E, importance_E, count_E = stats[:e], stats[e : 2 * e], stats[2 * e : 3 * e]
+        lse2_sum, n_tokens = stats[3 * e], stats[3 * e + 1]
 
-            l_a = switch_loss(prob_sum_E, count_E.detach())
-            l_z = lse2_sum / n_tokens.detach().clamp_min(1.0)
-            aux_loss = self.aux_weight * l_a + self.z_weight * l_z
+        l_a = switch_loss(prob_sum_E, count_E.detach())
+        l_z = lse2_sum / n_tokens.detach().clamp_min(1.0)
+        aux_loss = self.aux_weight * l_a + self.z_weight * l_z
         metrics = {"z_loss": l_z.detach(), "switch_loss": l_a.detach()}   # read at log intervals
-        return RouterOutput(gates_NK, experts_NK, aux_loss, importance_E, count_E.detach(), metrics)
+        return RouterOutput.from_top_k(gates_NK, experts_NK, aux_loss, importance_E, count_E.detach(), metrics)

@@ -222,7 +222,7 @@ def test_capacity_ties_keep_the_lower_pair_index_and_dropless_drops_nothing():
 
 
 def test_one_rank_row_level_dispatch_moves_nothing_unless_a_token_is_dropped():
-    """dispatch_rows / pair_gates / combine_rows, the layer's path: with one rank and every token routed the
+    """dispatch_rows / follow_pairs / combine_rows, the layer's path: with one rank and every token routed the
     rows are the tokens themselves (no copy) and the per-row sums are the output; when capacity drops every
     copy of a token, the rows are the surviving tokens and the dropped token's output is zero."""
     experts = torch.tensor([0, 1, 1, 0, 1, 0])                # tokens 0..2, two experts each
@@ -233,7 +233,7 @@ def test_one_rank_row_level_dispatch_moves_nothing_unless_a_token_is_dropped():
     rows, state = dispatcher.dispatch_rows(x, tokens, experts, gates)
     assert rows is x and state.rows_are_tokens
     assert state.arrived_row_M.tolist() == [0, 1, 2, 0, 1, 2]  # expert 0's pairs, then expert 1's
-    assert dispatcher.pair_gates(gates, state).tolist() == pytest.approx([0.6, 0.9, 0.7, 0.1, 0.2, 0.3])
+    assert dispatcher.follow_pairs(gates, state).tolist() == pytest.approx([0.6, 0.9, 0.7, 0.1, 0.2, 0.3])
     per_row = torch.randn(3, D)
     assert dispatcher.combine_rows(per_row, state) is per_row
 

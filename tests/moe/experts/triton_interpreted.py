@@ -73,6 +73,7 @@ def layer_run(make_layer, kernel: str, x: torch.Tensor, probe: torch.Tensor):
 
 
 def check_layers() -> None:
+    from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
     from moe_scale.moe.layer import MoELayer
     from moe_scale.moe.router.hierarchical import HierarchicalRouter
 
@@ -85,7 +86,7 @@ def check_layers() -> None:
         router = HierarchicalRouter(32, 4, 3, k_primary=2, k_secondary=2)
         for p in router.parameters():
             torch.nn.init.normal_(p, std=0.5)
-        return MoELayer(32, 48, 12, 4, router=router).eval()   # eval: no noise, the same routing twice
+        return HierarchicalMoELayer(32, 48, 12, 4, router=router).eval()   # eval: no noise, the same routing twice
 
     gen = torch.Generator().manual_seed(1)
     x, probe = torch.randn(96, 32, generator=gen), torch.randn(96, 32, generator=gen)

@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_scale.distributed.comm import RowGatherer, autograd_all_reduce_sum
-from moe_scale.moe.router.batchwise import BatchwiseRouter, PairRouting, batchwise_mask
+from moe_scale.distributed.comm import BatchCollectives
+from moe_scale.moe.router import RouterOutput
+from moe_scale.moe.router.batchwise import BatchwiseRouter, batchwise_mask
 from tests.multiproc import run_ranks
 
 
@@ -29,15 +30,15 @@ def logit_router(logits_NE, k, **kw):
     return router
 
 
-def dense_mask(route: PairRouting, n, e):
+def dense_mask(route: RouterOutput, n, e):
     mask = torch.zeros(n, e, dtype=torch.bool)
-    mask[route.token_index_P, route.expert_P] = True
+    mask[route.token_C, route.expert_C] = True
     return mask
 
 
-def dense_gates(route: PairRouting, n, e):
-    g = torch.zeros(n, e, dtype=route.gate_P.dtype)
-    g[route.token_index_P, route.expert_P] = route.gate_P.detach()
+def dense_gates(route: RouterOutput, n, e):
+    g = torch.zeros(n, e, dtype=route.gate_C.dtype)
+    g[route.token_C, route.expert_C] = route.gate_C.detach()
     return g
 
 
@@ -65,7 +66,7 @@ def test_training_gives_exactly_m_tokens_per_expert(zero):
     assert route.metrics["tokens_per_expert"] == m
     assert mask.sum(0).tolist() == [m] * e
     assert route.load_E.tolist() == [m] * e
-    assert len(route.token_index_P) == m * e  # no duplicate pairs
+    assert len(route.token_C) == m * e  # no duplicate pairs
     # not all experts took the same m rows (the zero-init pitfall: topk would pick the first m everywhere)
     assert mask.any(1).sum() > m
     if not zero:  # the selected rows are the top-m of each column of S
@@ -124,7 +125,7 @@ def test_gates_are_renormalised_scores_with_empty_and_crowded_rows():
     sm = s * mask
     ref = sm / sm.sum(-1, keepdim=True).clamp_min(1e-30)
     g = dense_gates(route, n, e)
-    assert torch.isfinite(route.gate_P).all() and (route.gate_P > 0).all()
+    assert torch.isfinite(route.gate_C).all() and (route.gate_C > 0).all()
     torch.testing.assert_close(g, ref)
     row_sums = g.sum(1)
     torch.testing.assert_close(row_sums[counts > 0], torch.ones(int((counts > 0).sum())))
@@ -137,7 +138,7 @@ def test_task_gradient_reaches_w_gate_only_on_selected_entries():
     router = make_router(e=4, k=2, w_importance=0.0, threshold_loss_weight=0.0).train()
     x = torch.randn(12, 8, generator=torch.Generator().manual_seed(5))
     route = router(x)
-    (route.gate_P * torch.randn(route.gate_P.shape[0])).sum().backward()
+    (route.gate_C * torch.randn(route.gate_C.shape[0])).sum().backward()
     assert router.w_gate.grad is not None and router.w_gate.grad.abs().sum() > 0
 
 
@@ -324,9 +325,7 @@ def _case_inputs(seed, world):
 
 def _rank_router(rank, world, scope, zero, seed):
     router = make_router(d=D, e=E, k=K, seed=seed, zero=zero, scope=scope, w_importance=0.5).train()
-    router.sum_over_batch = autograd_all_reduce_sum(dist.group.WORLD)
-    gatherer = RowGatherer(dist.group.WORLD)        # as MoELayer wires it
-    router.gather_over_batch, router.rank_in_batch = gatherer, gatherer.position
+    router.connect(BatchCollectives(dist.group.WORLD))        # as MoELayer wires it
     return router
 
 

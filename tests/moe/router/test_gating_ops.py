@@ -6,6 +6,7 @@ import torch
 
 from moe_scale.moe.router.gating_ops import noisy_top_k
 from moe_scale.moe.router import NoisyTopKRouter, prob_in_top_k
+from tests.moe.router.reference import noisy_logits
 
 EPS = 1e-2
 
@@ -78,8 +79,11 @@ def test_router_keeps_three_n_by_e_tensors_for_backward():
     nbytes_ne = n * e * 4
     fused = saved_bytes(lambda: router(x))
 
+    noise = torch.randn(n, e)
+    router.noise_sampler = lambda n_, e_, device: noise
+
     def plain():
-        clean, noisy, std = router.compute_logits(x)
+        clean, noisy, std = noisy_logits(router, x, noise)
         top, _ = noisy.topk(3, dim=1)
         prob_in_top_k(clean, noisy, std, top, 2).sum(0)
 
@@ -88,7 +92,7 @@ def test_router_keeps_three_n_by_e_tensors_for_backward():
 
 
 def test_router_forward_matches_the_reference_path():
-    """NoisyTopKRouter.forward (fused) vs compute_logits + topk + prob_in_top_k on the same noise."""
+    """NoisyTopKRouter.forward (fused) vs the plain-autograd logits + topk + prob_in_top_k on the same noise."""
     n, e, d, k = 64, 16, 8, 3
     router = NoisyTopKRouter(d, e, k=k).train().double()
     with torch.no_grad():
@@ -97,7 +101,7 @@ def test_router_forward_matches_the_reference_path():
     noise = torch.randn(n, e, dtype=torch.float64)
     router.noise_sampler = lambda n_, e_, device: noise
     out = router(x)
-    clean, noisy, std = router.compute_logits(x)
+    clean, noisy, std = noisy_logits(router, x, noise)
     top, idx = noisy.topk(k + 1, dim=1)
     assert torch.equal(out.experts_NK, idx[:, :k])
     torch.testing.assert_close(out.gates_NK, torch.softmax(top[:, :k], dim=1))

@@ -9,6 +9,7 @@ from moe_scale.moe.router.hierarchical import HierarchicalRouter
 from moe_scale.moe.losses import cv_squared
 from moe_scale.moe.router import GlobalTokenNoise, NoisyTopKRouter
 from tests.multiproc import run_ranks
+from tests.moe.router.collectives import SumWith
 
 STD_AT_ZERO_INIT = math.log(2.0) + 0.01  # softplus(0) + noise_epsilon = 0.703147
 WEIGHTS = ("w_gate_primary", "w_noise_primary", "w_gate_secondary", "w_noise_secondary")
@@ -210,8 +211,8 @@ def test_each_token_gets_kp_times_ks_distinct_experts_gates_sum_to_one_importanc
     assert bool((out.gates_NK > 0).all())
     torch.testing.assert_close(out.gates_NK.sum(1), torch.ones(n))
     torch.testing.assert_close(out.importance_E.sum(), torch.tensor(float(n)))
-    token_P, expert_P, gate_P = out.pairs()
-    assert token_P.shape == expert_P.shape == gate_P.shape == (n * kp * ks,)
+    token_C, expert_C, gate_C = out.pairs()
+    assert token_C.shape == expert_C.shape == gate_C.shape == (n * kp * ks,)
 
 
 # ---------------------------------------------------------------- zero init, eval, gradients
@@ -268,11 +269,11 @@ def test_load_loss_alone_trains_all_four_matrices():
         assert grad is not None and torch.count_nonzero(grad) > 0, name
 
 
-def test_sum_over_batch_called_once_on_concatenation_even_without_tokens():
+def test_batch_sum_called_once_on_concatenation_even_without_tokens():
     a, b = 4, 3
     router = make_router(a=a, b=b).train()
     calls = []
-    router.sum_over_batch = lambda t: calls.append(t.shape) or t
+    router.connect(SumWith(lambda t: calls.append(t.shape) or t))
     noise = RecordedNoise(torch.randn(0, a), torch.randn(0, 2 * b))
     router.noise_sampler = noise
     out = router(torch.randn(0, 8))
@@ -299,9 +300,11 @@ def _route(rank, world, x_ND, all_reduce):
     router.noise_sampler = GlobalTokenNoise(seed=3, layer_index=0, rank=rank, world_size=world)
     router.noise_sampler.set_step(7)
     if all_reduce:
-        from torch.distributed.nn.functional import all_reduce
+        import torch.distributed as dist
 
-        router.sum_over_batch = all_reduce
+        from moe_scale.distributed.comm import BatchCollectives
+
+        router.connect(BatchCollectives(dist.group.WORLD))
     out = router(x_ND)
     out.aux_loss.backward()
     grads = {name: getattr(router, name).grad.clone() for name in WEIGHTS}
@@ -326,12 +329,12 @@ def test_eq14_is_formed_from_global_sums_in_process():
     router_b.noise_sampler = GlobalTokenNoise(seed=3, layer_index=0, rank=1, world_size=2)
     router_b.noise_sampler.set_step(7)
     stats = []
-    router_b.sum_over_batch = lambda t: stats.append(t.detach()) or t
+    router_b.connect(SumWith(lambda t: stats.append(t.detach()) or t))
     router_b(x[N_LOCAL:])
     router_a = make_router(d=D, a=A, b=B, seed=11).train()
     router_a.noise_sampler = GlobalTokenNoise(seed=3, layer_index=0, rank=0, world_size=2)
     router_a.noise_sampler.set_step(7)
-    router_a.sum_over_batch = lambda t: t + stats[0]
+    router_a.connect(SumWith(lambda t: t + stats[0]))
     out = router_a(x[:N_LOCAL])
     torch.testing.assert_close(out.load_E, full["load"])
     torch.testing.assert_close(out.aux_loss.detach(), full["aux"])

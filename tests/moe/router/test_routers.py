@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 from moe_scale.moe.losses import cv_squared
 from moe_scale.moe.router import GlobalTokenNoise, NoisyTopKRouter, prob_in_top_k
+from tests.moe.router.collectives import SumWith
+from tests.moe.router.reference import noisy_logits
 
 STD_AT_ZERO_INIT = math.log(2.0) + 0.01  # softplus(0) + noise_epsilon = 0.703147
 
@@ -65,7 +67,7 @@ def test_zero_init_std_and_gates_through_forward():
     x = torch.randn(50, 8)
     noise = torch.randn(50, 6)
     router.noise_sampler = fixed_noise(noise)
-    _, _, std = router.compute_logits(x)
+    _, _, std = noisy_logits(router, x, noise)
     torch.testing.assert_close(std, torch.full_like(std, 0.703147), atol=1e-6, rtol=0)
     out = router(x)
     vals, idx = noise.topk(2, dim=1)  # a positive constant std keeps the noise order
@@ -144,7 +146,7 @@ def test_smooth_load_is_kth_of_the_others_estimator():
     x, noise = torch.randn(20, 8), torch.randn(20, e)
     router.noise_sampler = fixed_noise(noise)
     out = router(x)
-    clean, noisy, std = (t.detach().double() for t in router.compute_logits(x))
+    clean, noisy, std = (t.detach().double() for t in noisy_logits(router, x, noise))
     expected = torch.zeros(e, dtype=torch.float64)
     for i in range(e):
         others = torch.cat([noisy[:, :i], noisy[:, i + 1 :]], dim=1)
@@ -161,7 +163,7 @@ def test_prob_in_top_k_matches_monte_carlo():
     x, noise = torch.randn(n, 8, generator=gen), torch.randn(n, e, generator=gen)
     router.noise_sampler = fixed_noise(noise)
     with torch.no_grad():
-        clean, noisy, std = router.compute_logits(x)
+        clean, noisy, std = noisy_logits(router, x, noise)
         top = noisy.topk(k + 1, dim=1).values
         p_NE = prob_in_top_k(clean, noisy, std, top, k)
     z_S = torch.randn(samples, generator=gen)
@@ -224,8 +226,7 @@ def test_gate_and_noise_logits_as_one_product_equal_two(e, monkeypatch):
         router.noise_sampler = fixed_noise(noise)
         out = router(x)
         (task_loss(out, y_E) + out.aux_loss).backward()
-        results.append((out.gates_NK, out.experts_NK, out.aux_loss, router.w_gate.grad, router.w_noise.grad,
-                        *router.compute_logits(x)))
+        results.append((out.gates_NK, out.experts_NK, out.aux_loss, router.w_gate.grad, router.w_noise.grad))
     for apart, together in zip(*results):
         torch.testing.assert_close(together, apart, rtol=1e-6, atol=1e-6)
 
@@ -254,7 +255,7 @@ def test_identical_ranks_leave_cv2_unchanged():
     single, doubled = make_router().train(), make_router().train()
     for r in (single, doubled):
         r.noise_sampler = fixed_noise(noise)
-    doubled.sum_over_batch = lambda t: t * 2
+    doubled.connect(SumWith(lambda t: t * 2))
     a, b = single(x), doubled(x)
     torch.testing.assert_close(b.importance_E, 2 * a.importance_E)
     torch.testing.assert_close(b.load_E, 2 * a.load_E)
@@ -267,12 +268,12 @@ def test_two_shards_equal_concatenated_batch_in_eval():
     full = router(torch.cat([x_a, x_b]))
     b = router(x_b)
     other_2E = torch.stack([b.importance_E, b.load_E]).detach()
-    router.sum_over_batch = lambda t: t + other_2E  # what an all-reduce on rank A returns
+    router.connect(SumWith(lambda t: t + other_2E))  # what an all-reduce on rank A returns
     a = router(x_a)
     torch.testing.assert_close(a.importance_E, full.importance_E)
     torch.testing.assert_close(a.load_E, full.load_E)
     torch.testing.assert_close(a.aux_loss, full.aux_loss)
-    router.sum_over_batch = lambda t: t
+    router.connect(SumWith(lambda t: t))
     assert router(x_a).aux_loss.item() != pytest.approx(full.aux_loss.item())  # the sum mattered
 
 
@@ -293,10 +294,10 @@ def test_two_ranks_with_global_token_noise_equal_one_rank_in_training():
     torch.testing.assert_close(shards[0].importance_E + shards[1].importance_E, full.importance_E)
 
 
-def test_sum_over_batch_is_called_once_even_without_tokens():
+def test_batch_sum_is_called_once_even_without_tokens():
     router = make_router().train()
     calls = []
-    router.sum_over_batch = lambda t: calls.append(t.shape) or t
+    router.connect(SumWith(lambda t: calls.append(t.shape) or t))
     out = router(torch.randn(0, 8))
     assert calls == [(2, 6)]
     assert torch.isfinite(out.aux_loss) and out.gates_NK.shape == (0, 2)

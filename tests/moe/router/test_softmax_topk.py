@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from moe_scale.moe.router import RouterOutput
 from moe_scale.moe.router.softmax_topk import SoftmaxTopKRouter, switch_loss
 from tests.multiproc import run_ranks
+from tests.moe.router.collectives import SumWith
 
 
 def make_router(d=8, e=6, k=2, seed=0, scale=0.5, **kw):
@@ -79,8 +80,8 @@ def test_gates_importance_load_and_losses_match_reference(renormalize, k):
     torch.testing.assert_close(out.aux_loss.double(), 0.3 * l_a + 0.07 * l_z, **TOL)
     assert out.metrics["switch_loss"] == pytest.approx(l_a.item(), rel=1e-5)
     assert out.metrics["z_loss"] == pytest.approx(l_z.item(), rel=1e-5)
-    token_P, expert_P, gate_P = out.pairs()
-    assert token_P.shape == expert_P.shape == gate_P.shape == (50 * k,)
+    token_C, expert_C, gate_C = out.pairs()
+    assert token_C.shape == expert_C.shape == gate_C.shape == (50 * k,)
 
 
 def test_gates_are_raw_top_k_probs_or_sum_to_one_and_agree_when_k_equals_e():
@@ -220,10 +221,10 @@ def test_aux_loss_gradient_matches_finite_differences():
 # ---------------------------------------------------------------- data-parallel statistics
 
 
-def test_sum_over_batch_is_called_once_on_one_tensor_even_without_tokens():
+def test_batch_sum_is_called_once_on_one_tensor_even_without_tokens():
     router = make_router(e=6)
     calls = []
-    router.sum_over_batch = lambda t: calls.append(t.shape) or t
+    router.connect(SumWith(lambda t: calls.append(t.shape) or t))
     router(randn(10, 8))
     out = router(torch.randn(0, 8))
     assert calls == [(3 * 6 + 2,), (3 * 6 + 2,)]
@@ -233,7 +234,7 @@ def test_sum_over_batch_is_called_once_on_one_tensor_even_without_tokens():
 def test_identical_shards_leave_losses_unchanged():
     x = randn(30, 8)
     single, doubled = make_router(), make_router()
-    doubled.sum_over_batch = lambda t: t * 2
+    doubled.connect(SumWith(lambda t: t * 2))
     a, b = single(x), doubled(x)
     torch.testing.assert_close(b.importance_E, 2 * a.importance_E)
     torch.testing.assert_close(b.load_E, 2 * a.load_E)
@@ -241,11 +242,13 @@ def test_identical_shards_leave_losses_unchanged():
 
 
 def _two_rank_worker(rank, world, renormalize):
-    import torch.distributed.nn.functional as dist_fn
+    import torch.distributed as dist
+
+    from moe_scale.distributed.comm import BatchCollectives
 
     torch.manual_seed(123)
     router = make_router(k=2, renormalize=renormalize, aux_weight=0.5, z_weight=0.2)
-    router.sum_over_batch = lambda t: dist_fn.all_reduce(t)
+    router.connect(BatchCollectives(dist.group.WORLD))
     x = randn(2 * 24 + 6, 8, seed=11)
     shard = x[:30] if rank == 0 else x[30:]  # unequal shards: the token count must be global
     out = router(shard)

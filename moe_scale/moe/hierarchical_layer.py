@@ -1,0 +1,75 @@
+"""The MoE layer of the hierarchical gate: the gate's two levels placed as the paper places them (App. B).
+
+Legend (docs/shapes.md): N tokens, D model dim, E global experts, L local experts, Kp / Ks the primary /
+secondary k, J = N*Kp (token, chosen group) rows sent, R arrived rows, M arrived (token, group) pairs.
+
+The primary gate picks Kp groups per token on the token's rank; the dispatcher sends one row per (token, picked
+group) to the rank that holds the group; there the group's secondary gate (sharded with its experts) picks Ks
+experts, whose gated outputs go back summed per row. The dispatcher's "experts" are groups here: capacity mode
+bounds the (token, group) rows a group takes from each rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_scale.moe.deepspeed_adapter import ExpertShard
+from moe_scale.moe.experts.grouped_gemm import BlockCounts
+from moe_scale.moe.kernel_policy import count_per_bin
+from moe_scale.moe.layer import MoELayer
+
+
+class HierarchicalMoELayer(MoELayer):
+    """MoELayer whose router is a `HierarchicalRouter`: each rank keeps the secondary gates of its experts'
+    groups, and tokens travel once per chosen group."""
+
+    routes_around_the_exchange = True
+
+    def dispatch_units(self) -> tuple[int, int]:
+        """The groups: every rank keeps the secondary gates of its experts' groups."""
+        self.router.shard(self.ep_size, self.ep_rank)
+        return self.router.num_groups, self.router.num_local_groups
+
+    def expert_shards(self) -> dict[str, ExpertShard]:
+        shards = super().expert_shards()
+        router = self.router
+        for name, param in router.sharded_parameters().items():
+            shards[f"router.{name}"] = ExpertShard(param, router.num_local_groups, router.num_groups,
+                                                   router.experts_per_group)
+        return shards
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (y_ND, aux_loss): groups picked here, experts picked beside them."""
+        self.require_groups()
+        router, dispatcher = self.router, self.dispatcher
+        n, kp, ks = x_ND.shape[0], router.k_primary, router.k_secondary
+        groups = router.route_groups(x_ND)
+        token_J = torch.arange(n, device=x_ND.device).repeat_interleave(kp, output_size=n * kp)
+        rows_RD, state = dispatcher.dispatch_rows(x_ND, token_J, groups.groups_J, groups.gates_J)
+        keys_J = router.noise_keys(n, x_ND.device)
+        row_M = state.pair_rows()
+        within = router.route_within_groups(
+            rows_RD, row_M, state.expert_counts(), state.pair_local_experts(),
+            dispatcher.follow_pairs(groups.gates_J, state),
+            None if keys_J is None else dispatcher.follow_pairs(keys_J, state), n)
+        aux_loss, importance_E, load_E = router.balance(groups, within)
+
+        # The experts read the (row, expert) pairs sorted by local expert.
+        arrived = row_M.shape[0]
+        expert_MKs = within.experts_MKs.reshape(-1)
+        by_expert = torch.argsort(expert_MKs, stable=True)
+        row_of_pair = row_M.repeat_interleave(ks, output_size=arrived * ks).index_select(0, by_expert)
+        gate_of_pair = within.gates_MKs.reshape(-1).index_select(0, by_expert)
+        counts_L = count_per_bin(expert_MKs, self.num_local_experts)
+        first = self.ep_rank * self.num_local_experts
+        self.keep_stats(importance_E, load_E, {},
+                        nn.functional.pad(counts_L, (first, self.num_experts - first - self.num_local_experts)))
+        self.keep_dropped_fraction(state)
+        self.keep_routes(lambda: (state.local_row_tokens().index_select(0, row_of_pair),   # one process: arrived
+                                  expert_MKs.index_select(0, by_expert) + first, gate_of_pair))  # rows are its own
+        # Per group the host knows its rows' Ks pairs from the exchange's one read: enough to split the experts'
+        # grouped GEMMs at group edges without reading counts_L.
+        host = BlockCounts(router.experts_per_group, [rows * ks for rows in state.expert_counts()[1]])
+        per_row_RD = self.experts(rows_RD, (counts_L, host), row_of_pair, gate_of_pair)
+        return dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype), aux_loss
