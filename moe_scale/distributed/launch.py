@@ -19,10 +19,10 @@ import re
 import socket
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from moe_scale.deepspeed_internals import cpu_comm_op_built, shm_segment
 from moe_scale.distributed.ports import free_port
 
 
@@ -126,21 +126,9 @@ def release_deepspeed_shm_name() -> None:
     mappings stay valid, and the memory is freed when the last process exits. Call collectively, after
     deepspeed.init_distributed; a no-op where there is no such segment (GPUs, other versions).
     """
-    name = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-                               f"{os.environ.get('MASTER_PORT')}_{torch.distributed.get_rank()}")
+    name = shm_segment(torch.distributed.get_rank())
     torch.distributed.barrier()
     name.unlink(missing_ok=True)
-
-
-def _cpu_comm_op_built() -> bool:
-    """Whether DeepSpeed's shared-memory CPU op is in torch's extension cache already (it builds on first use)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        directory = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
-    except Exception:   # noqa: BLE001 - only decides whether to announce the build
-        return True
-    return any(directory.glob("deepspeed_shm_comm*.so"))
 
 
 def init_distributed() -> DistEnv:
@@ -151,7 +139,7 @@ def init_distributed() -> DistEnv:
 
     backend = "gloo" if accelerator == "cpu" else "nccl"
     if not torch.distributed.is_initialized():
-        if accelerator == "cpu" and not _cpu_comm_op_built() and os.environ.get("RANK", "0") == "0":
+        if accelerator == "cpu" and not cpu_comm_op_built() and os.environ.get("RANK", "0") == "0":
             print("moe-scale: building DeepSpeed's CPU communication op (first run on this machine, about a "
                   "minute; it is cached for later runs)", file=sys.stderr, flush=True)
         with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed's progress lines are not the command's output

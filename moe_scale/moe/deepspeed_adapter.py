@@ -14,8 +14,7 @@ only (none of DeepSpeed's gate or dispatch code runs) and provides what the engi
   the experts (the hierarchical gate's secondary matrices, [A/P, D, G]: column j of group i belongs to expert
   i*G + j) are `ExpertShard`s too, checkpointed in their experts' files the same way.
 
-The group helpers are private in DeepSpeed 0.19 (`deepspeed.utils.groups._*`); pyproject.toml bounds DeepSpeed to
-the versions tested, and this module is the only one that calls them.
+DeepSpeed's group helpers are private; moe_scale/deepspeed_internals.py holds them with every other private name.
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
-from deepspeed.utils import groups
 from torch import nn
+
+from moe_scale.deepspeed_internals import expert_parallel_groups
 
 DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 STACKED_PREFIX = "experts."
@@ -60,6 +60,7 @@ class ParallelGroups:
 
     expert_parallel: object        # the ranks that split this layer's experts (tokens travel among them)
     data_parallel: object          # the ranks whose batches make up the global batch (balance statistics)
+    expert_data_parallel: object   # the ranks that hold copies of the same experts (their gradients' sum)
     expert_parallel_rank: int
 
 
@@ -99,15 +100,12 @@ class ExpertParallelModule(DeepSpeedMoE):
 
     # Called by deepspeed.initialize (and by tests) once torch.distributed is up.
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        if self.expert_group_name not in groups._get_expert_parallel_group_dict():
-            groups._create_expert_and_data_parallel(
-                self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
-        actual_rank = groups._get_expert_parallel_rank(self.expert_group_name)
+        expert_parallel, data_parallel, expert_data_parallel, actual_rank = expert_parallel_groups(
+            self.expert_group_name, self.ep_size, use_data_before_expert_parallel_)
         if actual_rank != self.ep_rank:
             raise RuntimeError(f"built for expert-parallel rank {self.ep_rank}, but DeepSpeed placed this "
                                f"process at rank {actual_rank} of its expert-parallel group")
-        self.groups = ParallelGroups(groups._get_expert_parallel_group(self.expert_group_name),
-                                     groups._get_data_parallel_group(), actual_rank)
+        self.groups = ParallelGroups(expert_parallel, data_parallel, expert_data_parallel, actual_rank)
         self.connect(self.groups)
 
     def connect(self, parallel: ParallelGroups) -> None:
@@ -118,9 +116,17 @@ class ExpertParallelModule(DeepSpeedMoE):
             raise RuntimeError("ep_size > 1 needs set_deepspeed_parallelism() (deepspeed.initialize calls it)")
 
 
-def expert_data_parallel_group(group_name: str):
-    """The ranks that hold copies of the same experts (their gradients are averaged over these)."""
-    return groups._get_expert_data_parallel_group(group_name)
+def expert_data_parallel_groups(model: nn.Module) -> dict[str, object]:
+    """{expert group name: the expert-data-parallel group} of the model's expert layers, once DeepSpeed has
+    placed them (`set_deepspeed_parallelism`)."""
+    found = {}
+    for module in model.modules():
+        if isinstance(module, ExpertParallelModule):
+            if module.groups is None:
+                raise RuntimeError("expert groups are built by set_deepspeed_parallelism() (deepspeed.initialize "
+                                   "calls it)")
+            found[module.expert_group_name] = module.groups.expert_data_parallel
+    return found
 
 
 def _per_expert_key(prefix: str, name: str, local_id: int) -> str:

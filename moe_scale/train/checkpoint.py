@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_scale.deepspeed_internals import MODEL_STATES_FILE
 from moe_scale.errors import UserError
 
 from moe_scale.files import write_json_atomic
@@ -253,7 +254,7 @@ def _secondary_gates_replicated(checkpoint: Path) -> bool:
     """Whether a checkpoint holds the hierarchical gate's secondary matrices whole in its non-expert file, as
     before they were sharded with their experts (read only after a load has failed)."""
     try:
-        module = torch.load(checkpoint / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False,
+        module = torch.load(checkpoint / MODEL_STATES_FILE, map_location="cpu", weights_only=False,
                             mmap=True)["module"]
     except Exception:   # unreadable or not DeepSpeed's: the caller's message stands
         return False

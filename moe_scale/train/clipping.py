@@ -18,7 +18,7 @@ import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 
 from moe_scale.distributed.comm import collective_device
-from moe_scale.moe.deepspeed_adapter import expert_data_parallel_group
+from moe_scale.moe.deepspeed_adapter import expert_data_parallel_groups
 
 
 def expert_aware_clip_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -29,10 +29,10 @@ def expert_aware_clip_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     sums = torch.zeros(2, dtype=torch.float64, device=device)     # [dense², local experts² / replicas]
     for grad, is_expert in grads:
         sums[int(is_expert)] += _sum_of_squares(grad.detach()).to(device)
-    group_names = {p.group_name for p in model.parameters() if is_moe_param(p)}
-    if dist.is_initialized() and dist.get_world_size() > 1 and group_names:
-        (name,) = group_names   # one expert-parallel size per model
-        sums[1] /= dist.get_world_size(expert_data_parallel_group(name))
+    has_experts = any(is_moe_param(p) for p in model.parameters())
+    if dist.is_initialized() and dist.get_world_size() > 1 and has_experts:
+        (group,) = set(expert_data_parallel_groups(model).values())   # one expert-parallel size per model
+        sums[1] /= dist.get_world_size(group)
         dist.all_reduce(sums[1:])
     norm = sums.sum().sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -12,7 +12,9 @@ from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_gr
 from torch import nn
 
 from moe_scale.config import TrainConfig
-from moe_scale.moe.deepspeed_adapter import expert_data_parallel_group
+from moe_scale.deepspeed_internals import (backward_allreduce_is_plain_average, disable_backward_allreduce,
+                                           engine_data_parallel_size)
+from moe_scale.moe.deepspeed_adapter import expert_data_parallel_groups
 from moe_scale.train.clipping import expert_aware_clip_
 from moe_scale.train.factored_optimizer import build_optimizer
 from moe_scale.train.ds_config import zero_stage
@@ -54,13 +56,12 @@ class TrainingEngine:
         # (two full copies of the gradients per step, even where an expert's group has one rank): one process
         # reduces nothing, several reduce in place (`reduce_gradients_in_place`), with the same sums and averages.
         self.reduce_in_place = False
-        if zero_stage(ds_config) == 0 and self.engine.enable_backward_allreduce:
-            single = self.engine.dp_world_size == 1 and (not dist.is_initialized() or dist.get_world_size() == 1)
-            plain = (self.engine.gradient_average and self.engine.postscale_gradients()
-                     and self.engine.gradient_predivide_factor() == 1.0
-                     and self.engine.communication_data_type == torch.float32)
+        plain = backward_allreduce_is_plain_average(self.engine)
+        if zero_stage(ds_config) == 0 and plain is not None:
+            single = engine_data_parallel_size(self.engine) == 1 and (not dist.is_initialized()
+                                                                      or dist.get_world_size() == 1)
             if single or plain:
-                self.engine.enable_backward_allreduce = False
+                disable_backward_allreduce(self.engine)
                 self.reduce_in_place = not single
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
@@ -93,8 +94,9 @@ def reduce_gradients_in_place(model: nn.Module, data_parallel_group) -> None:
         flat.mul_(1.0 / world)
         for grad, part in zip(dense, flat.split([g.numel() for g in dense])):
             grad.copy_(part.view_as(grad))
+    expert_groups = expert_data_parallel_groups(model) if experts else {}
     for name in sorted(experts):
-        group = expert_data_parallel_group(name)
+        group = expert_groups[name]
         for grad in experts[name]:
             if dist.get_world_size(group=group) > 1:
                 dist.all_reduce(grad, group=group)

@@ -9,7 +9,7 @@ state by global expert index. fp32 masters, Adam's moments and step are copied e
 equals one that had used the new layout from the start with the same state.
 
 Under ZeRO 1/2 and bf16 a parameter's fp32 master and moments are fragments of flat per-rank partitions: they are
-read through each parameter's fragment addresses (DeepSpeed's `_hp_mapping`) and summed over its data-parallel
+read through each parameter's fragment (moe_scale/deepspeed_internals.py) and summed over its data-parallel
 group (each entry lives on one rank), and written back the same way; DeepSpeed's own `safe_get_full_optimizer_state`
 is not used because it misses the expert group's moments (it links them before the expert group has stepped).
 Without ZeRO the optimizer's per-parameter state is copied as it is.
@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 
+from moe_scale.deepspeed_internals import (base_optimizer, flat_partition, fragment, is_partitioned, partition_group,
+                                           set_step_counters, step_counters)
 from moe_scale.errors import UserError
-from moe_scale.moe.deepspeed_adapter import ExpertParallelModule, ExpertShard, expert_data_parallel_group
+from moe_scale.moe.deepspeed_adapter import ExpertParallelModule, ExpertShard, expert_data_parallel_groups
 
 PORTABLE = "portable"
 PARAM = "param"   # the fp32 value, beside the optimizer state's keys
@@ -40,56 +42,49 @@ def _expert_modules(model: torch.nn.Module) -> dict[str, tuple[ExpertParallelMod
     return owners
 
 
-def _base_optimizer(engine):
-    """The torch optimizer whose state holds the moments (ZeRO and bf16 wrap it)."""
-    optimizer = engine.optimizer
-    return optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
-
-
 def _flat_partition(engine, group_index: int) -> torch.Tensor:
     """This rank's flat fp32 partition of a parameter group (ZeRO 1/2, bf16): the base optimizer's key."""
-    for name in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
-        if hasattr(engine.optimizer, name):
-            return getattr(engine.optimizer, name)[group_index]
-    raise UserError(f"{type(engine.optimizer).__name__}: moe_scale cannot read this DeepSpeed optimizer's "
-                    f"partitions to write a portable checkpoint")
+    flat = flat_partition(engine, group_index)
+    if flat is None:
+        raise UserError(f"{type(engine.optimizer).__name__}: moe_scale cannot read this DeepSpeed optimizer's "
+                        f"partitions to write a portable checkpoint")
+    return flat
 
 
 def _partitioned_tensors(engine, param) -> list[tuple[str, torch.Tensor]]:
     """(key, flat tensor) of the fp32 master and each optimizer state of the partition `param` lives in (keys
     in the same order on every rank: the optimizer's, sorted)."""
-    ranks_state = [_base_optimizer(engine).state.get(_flat_partition(engine, i), {})
-                   for i in range(len(_base_optimizer(engine).param_groups))]
+    base = base_optimizer(engine)
+    ranks_state = [base.state.get(_flat_partition(engine, i), {}) for i in range(len(base.param_groups))]
     keys = sorted({k for state in ranks_state for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0})
-    mapping = param._hp_mapping
-    if mapping is None:
+    part = fragment(param)
+    if part is None:
         return [(PARAM, None)] + [(k, None) for k in keys]
-    flat = _flat_partition(engine, mapping.param_group_index)
-    state = _base_optimizer(engine).state.get(flat, {})
+    flat = _flat_partition(engine, part.group_index)
+    state = base.state.get(flat, {})
     return [(PARAM, flat)] + [(k, state.get(k)) for k in keys]
 
 
 def _full_state(engine, param) -> dict[str, torch.Tensor]:
     """{PARAM: fp32 value, key: optimizer state} of one parameter, whole on every rank of its group."""
-    if hasattr(param, "_hp_mapping"):   # ZeRO 1/2 or bf16 (None where this rank holds no fragment of it)
+    if is_partitioned(param):   # ZeRO 1/2 or bf16 (no fragment where this rank holds none of it)
         state = {}
+        part = fragment(param)
         for key, flat in _partitioned_tensors(engine, param):
             full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
             if flat is not None:
-                lp, hp = param._hp_mapping.lp_fragment_address, param._hp_mapping.hp_fragment_address
-                full.narrow(0, lp.start, lp.numel).copy_(flat.narrow(0, hp.start, hp.numel))
-            dist.all_reduce(full, group=param._dp_group)   # each entry is held by exactly one rank
+                full.narrow(0, part.param_start, part.numel).copy_(flat.narrow(0, part.partition_start, part.numel))
+            dist.all_reduce(full, group=partition_group(param))   # each entry is held by exactly one rank
             state[key] = full.view(param.shape).cpu()
         return state
-    own = _base_optimizer(engine).state.get(param, {})
+    own = base_optimizer(engine).state.get(param, {})
     state = {PARAM: param.detach().float().cpu()}
     state.update({k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in own.items()})
     return state
 
 
 def _any_flat_state(engine) -> dict:
-    base = _base_optimizer(engine)
-    for state in base.state.values():
+    for state in base_optimizer(engine).state.values():
         if state:
             return state
     return {}
@@ -100,13 +95,14 @@ def save_portable(engine, directory: Path, rank: int) -> None:
     each expert-data-parallel group its experts."""
     model = engine.module
     owners = _expert_modules(model)
+    expert_groups = expert_data_parallel_groups(model) if dist.is_initialized() else {}
     dense, experts, ep_rank, writes_experts = {}, {}, 0, False
     for name, param in model.named_parameters():
         state = _full_state(engine, param)
         if is_moe_param(param):
             module, shard = owners[name]
             ep_rank = module.ep_rank
-            group = expert_data_parallel_group(module.expert_group_name) if dist.is_initialized() else None
+            group = expert_groups.get(module.expert_group_name)
             writes_experts = group is None or dist.get_rank(group=group) == 0
             experts[name] = {"first": module.ep_rank * shard.per_rank, "total": shard.total,
                              "state": state}
@@ -116,9 +112,9 @@ def save_portable(engine, directory: Path, rank: int) -> None:
     target.mkdir(exist_ok=True)
     if rank == 0:
         flat = _any_flat_state(engine)
+        global_steps, global_samples = step_counters(engine)
         common = {"scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
-                  "flat_step": flat.get("step"), "global_steps": engine.global_steps,
-                  "global_samples": engine.global_samples}
+                  "flat_step": flat.get("step"), "global_steps": global_steps, "global_samples": global_samples}
         torch.save({"dense": dense, "common": common}, target / "dense.pt")
     if experts and writes_experts:
         torch.save(experts, target / f"experts_ep{ep_rank}.pt")
@@ -149,9 +145,9 @@ def load_portable(engine, checkpoint: Path) -> None:
     common = saved["common"]
     if engine.lr_scheduler is not None and common["scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(common["scheduler"])
-        for group, lr in zip(_base_optimizer(engine).param_groups, engine.lr_scheduler.get_last_lr()):
+        for group, lr in zip(base_optimizer(engine).param_groups, engine.lr_scheduler.get_last_lr()):
             group["lr"] = lr
-    engine.global_steps, engine.global_samples = common["global_steps"], common["global_samples"]
+    set_step_counters(engine, common["global_steps"], common["global_samples"])
 
 
 def _set_state(engine, param, state: dict, flat_step) -> None:
@@ -160,22 +156,22 @@ def _set_state(engine, param, state: dict, flat_step) -> None:
         raise UserError(f"saved {tuple(value.shape)} for a parameter of shape {tuple(param.shape)}; the checkpoint "
                         f"was written for another model")
     param.data.copy_(value.to(param.device, param.dtype))
-    if hasattr(param, "_hp_mapping"):   # ZeRO 1/2 or bf16: this rank's fragment, if any
-        mapping = param._hp_mapping
-        if mapping is None:
+    if is_partitioned(param):   # ZeRO 1/2 or bf16: this rank's fragment, if any
+        part = fragment(param)
+        if part is None:
             return
-        lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
-        flat = _flat_partition(engine, mapping.param_group_index)
-        flat_state = _base_optimizer(engine).state[flat]
+        flat = _flat_partition(engine, part.group_index)
+        flat_state = base_optimizer(engine).state[flat]
         for key, full in state.items():
             target = flat if key == PARAM else flat_state.setdefault(key, torch.zeros_like(flat))
-            target.data.narrow(0, hp.start, hp.numel).copy_(full.flatten().narrow(0, lp.start, lp.numel))
+            target.data.narrow(0, part.partition_start, part.numel).copy_(
+                full.flatten().narrow(0, part.param_start, part.numel))
         if flat_step is not None:
             flat_state["step"] = flat_step.clone() if torch.is_tensor(flat_step) else flat_step
         return
     own = {k: v.to(param.device).clone() if torch.is_tensor(v) else v for k, v in state.items() if k != PARAM}
     if own:
-        _base_optimizer(engine).state[param] = own
+        base_optimizer(engine).state[param] = own
 
 
 class _ExpertFiles:

@@ -24,7 +24,6 @@ need); D and H must be multiples of 8 for bfloat16 on the GPU.
 from __future__ import annotations
 
 import functools
-import importlib
 import warnings
 from dataclasses import dataclass
 from typing import Union
@@ -32,6 +31,7 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
+from moe_scale.deepspeed_internals import triton_group_gemm, triton_grouped_dw, triton_grouped_gemm
 from moe_scale.moe.cpu_backend import kernels as cpu_kernels
 from moe_scale.moe.kernel_policy import policy_for
 
@@ -72,18 +72,6 @@ def _register_flop_formula() -> None:
         register(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
 
 
-@functools.cache
-def _triton_ops():
-    """The module of DeepSpeed's Triton grouped GEMM (its forward-product and weight-gradient kernels), or None
-    without Triton. (The package's attribute of the same name is the autograd wrapper, not the module.)"""
-    try:
-        ops = importlib.import_module("deepspeed.ops.triton_ops.group_gemm_triton")
-        from deepspeed.ops.triton_ops._triton import is_triton_available
-    except ImportError:
-        return None
-    return ops if is_triton_available() and hasattr(ops, "_group_gemm") and hasattr(ops, "_grouped_dw") else None
-
-
 def kernel_for(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None, has_grouped_mm: bool,
                has_triton: bool) -> tuple[str, str]:
     """(kernel, why) for products on this device and dtype, the native CPU kernels aside; `why` says why a loop
@@ -108,7 +96,7 @@ def choose_kernel(like: torch.Tensor) -> str:
     cuda = like.device.type == "cuda"
     kernel, why = kernel_for(like.device.type, like.dtype, torch.cuda.get_device_capability(like.device) if cuda
                              else None, hasattr(F, "grouped_mm") or (cuda and _grouped_mm is not None),
-                             cuda and _triton_ops() is not None)
+                             cuda and triton_grouped_gemm() is not None)
     if kernel == "loop":
         _warn_loop(like.device.type, str(like.dtype).replace("torch.", ""), why)
     return kernel
@@ -241,7 +229,7 @@ def _grouped_rows(a_MI: torch.Tensor, b_LIO: torch.Tensor, offsets: torch.Tensor
 
 
 def _triton_rows(a_MI: torch.Tensor, b_LIO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return _triton_ops()._group_gemm(a_MI.contiguous(), b_LIO, offsets)
+    return triton_group_gemm(a_MI.contiguous(), b_LIO, offsets)
 
 
 def _grouped_outer(a_MI, b_MO, offsets, counts_L) -> torch.Tensor:
@@ -253,7 +241,7 @@ def _grouped_outer(a_MI, b_MO, offsets, counts_L) -> torch.Tensor:
 
 
 def _triton_outer(a_MI, b_MO, offsets, counts_L) -> torch.Tensor:
-    return _triton_ops()._grouped_dw(a_MI.contiguous(), b_MO.contiguous(), offsets, offsets.shape[0])
+    return triton_grouped_dw(a_MI.contiguous(), b_MO.contiguous(), offsets)
 
 
 _register_flop_formula()   # so FlopCounterMode counts the experts' products

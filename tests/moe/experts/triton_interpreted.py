@@ -27,6 +27,7 @@ triton.autotune = lambda configs, **kw: _autotune(configs=configs[_config:_confi
 
 import torch  # noqa: E402
 
+from moe_scale.deepspeed_internals import triton_grouped_gemm  # noqa: E402
 from moe_scale.moe.experts import grouped_gemm  # noqa: E402
 from moe_scale.moe.experts.grouped_gemm import GroupLayout, per_expert_outer, rows_times_expert  # noqa: E402
 from moe_scale.moe.kernel_policy import KernelPolicy, forced_policy, gpu_decisions  # noqa: E402
@@ -90,7 +91,7 @@ def check_layers() -> None:
 
     gen = torch.Generator().manual_seed(1)
     x, probe = torch.randn(96, 32, generator=gen), torch.randn(96, 32, generator=gen)
-    ops, calls = grouped_gemm._triton_ops(), []
+    ops, calls = triton_grouped_gemm(), []
 
     def counted(name):   # the Triton kernels' calls are counted: the layers must take them
         kernel = getattr(ops, name)
@@ -114,8 +115,8 @@ def check_layers() -> None:
 
 
 if __name__ == "__main__":
-    ops = grouped_gemm._triton_ops()
-    assert ops is not None, "grouped_gemm._triton_ops() found no Triton grouped GEMM"
+    ops = triton_grouped_gemm()
+    assert ops is not None, "triton_grouped_gemm() found no Triton grouped GEMM"
     check_products()
     check_layers()
     print("triton kernel: products and layers match F.grouped_mm", file=sys.stderr)

@@ -1,0 +1,189 @@
+"""Every DeepSpeed internal moe_scale relies on, in one place, for the DeepSpeed versions pyproject.toml allows.
+
+DeepSpeed has no public API for these: building and finding its expert-parallel process groups, switching off
+the engine's stage-0 gradient all-reduce when ours does the same sums in place, reading ZeRO 1/2 and bf16
+optimizer partitions (portable checkpoints), the name of its CPU all-reduce's /dev/shm segment, its checkpoint
+file names and its Triton grouped GEMM. An upgrade of DeepSpeed reads this file and runs
+tests/test_deepspeed_internals.py, which checks that the installed DeepSpeed still has every name in
+`PRIVATE_NAMES` and that no other module of moe_scale uses one.
+
+Nothing here imports DeepSpeed at module level: DeepSpeed picks its accelerator when first imported, after
+distributed/launch.py has selected it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TESTED_VERSIONS = ">=0.19.8,<0.20"   # as pyproject.toml
+
+# Each private name -> (the file of the deepspeed package that defines it, the text that shows it there): what
+# tests/test_deepspeed_internals.py checks in the installed DeepSpeed.
+PRIVATE_NAMES = {
+    "_get_expert_parallel_group_dict": ("utils/groups.py", "def _get_expert_parallel_group_dict("),
+    "_create_expert_and_data_parallel": ("utils/groups.py", "def _create_expert_and_data_parallel("),
+    "_get_expert_parallel_rank": ("utils/groups.py", "def _get_expert_parallel_rank("),
+    "_get_expert_parallel_group": ("utils/groups.py", "def _get_expert_parallel_group("),
+    "_get_data_parallel_group": ("utils/groups.py", "def _get_data_parallel_group("),
+    "_get_expert_data_parallel_group": ("utils/groups.py", "def _get_expert_data_parallel_group("),
+    "enable_backward_allreduce": ("runtime/engine.py", "self.enable_backward_allreduce = True"),
+    "dp_world_size": ("runtime/engine.py", "self.dp_world_size = "),
+    "gradient_average": ("runtime/engine.py", "self.gradient_average = "),
+    "communication_data_type": ("runtime/engine.py", "def communication_data_type(self)"),
+    "postscale_gradients": ("runtime/engine.py", "def postscale_gradients(self)"),
+    "gradient_predivide_factor": ("runtime/engine.py", "def gradient_predivide_factor(self)"),
+    "global_steps": ("runtime/engine.py", "self.global_steps = "),
+    "global_samples": ("runtime/engine.py", "self.global_samples = "),
+    "single_partition_of_fp32_groups": ("runtime/zero/stage_1_and_2.py", "self.single_partition_of_fp32_groups"),
+    "fp32_groups_flat_partition": ("runtime/bf16_optimizer.py", "self.fp32_groups_flat_partition"),
+    "_hp_mapping": ("utils/tensor_fragment.py", "_hp_mapping"),
+    "param_group_index": ("utils/tensor_fragment.py", "param_group_index"),
+    "lp_fragment_address": ("utils/tensor_fragment.py", "lp_fragment_address"),
+    "hp_fragment_address": ("utils/tensor_fragment.py", "hp_fragment_address"),
+    "_dp_group": ("utils/mixed_precision_linkage.py", "lp_param._dp_group = "),
+    "mp_rank_00_model_states.pt": ("runtime/engine.py", '"mp_rank_" + mp_rank_str + "_model_states.pt"'),
+    "deepspeed_allreduce_buffer_": ("ops/csrc/cpu/comm/shm.cpp", '#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"'),
+    "deepspeed_shm_comm": ("ops/op_builder/cpu/comm.py", "deepspeed_shm_comm"),
+    "group_gemm_triton": ("ops/triton_ops/group_gemm_triton.py", ""),
+    "_group_gemm": ("ops/triton_ops/group_gemm_triton.py", "def _group_gemm("),
+    "_grouped_dw": ("ops/triton_ops/group_gemm_triton.py", "def _grouped_dw("),
+    "_triton": ("ops/triton_ops/_triton.py", "def is_triton_available("),
+}
+
+
+# ---------------------------------------------------------------- expert-parallel process groups
+
+def expert_parallel_groups(group_name: str, ep_size: int, use_data_before_expert_parallel: bool = False):
+    """(expert-parallel group, data-parallel group, expert-data-parallel group, this rank in the expert-parallel
+    group) of DeepSpeed's groups called `group_name`, created the first time (collective then)."""
+    from deepspeed.utils import groups
+
+    if group_name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep_size,
+                                                use_data_before_expert_parallel_=use_data_before_expert_parallel)
+    return (groups._get_expert_parallel_group(group_name), groups._get_data_parallel_group(),
+            groups._get_expert_data_parallel_group(group_name), groups._get_expert_parallel_rank(group_name))
+
+
+# ---------------------------------------------------------------- the engine
+
+def backward_allreduce_is_plain_average(engine) -> bool | None:
+    """None when the engine does not all-reduce gradients in its backward; else whether that all-reduce is a
+    plain float32 sum divided by the data-parallel size (what `reduce_gradients_in_place` computes)."""
+    if not engine.enable_backward_allreduce:
+        return None
+    return bool(engine.gradient_average and engine.postscale_gradients()
+                and engine.gradient_predivide_factor() == 1.0 and engine.communication_data_type == torch.float32)
+
+
+def engine_data_parallel_size(engine) -> int:
+    return engine.dp_world_size
+
+
+def disable_backward_allreduce(engine) -> None:
+    engine.enable_backward_allreduce = False
+
+
+def step_counters(engine) -> tuple[int, int]:
+    """(optimizer steps, samples) the engine has counted."""
+    return engine.global_steps, engine.global_samples
+
+
+def set_step_counters(engine, steps: int, samples: int) -> None:
+    engine.global_steps, engine.global_samples = steps, samples
+
+
+# ---------------------------------------------------------------- optimizer partitions (ZeRO 1/2, bf16)
+
+@dataclass(frozen=True)
+class Fragment:
+    """The part of a parameter this rank's flat fp32 partition holds: `numel` entries from `param_start` of the
+    flattened parameter, at `partition_start` of parameter group `group_index`'s partition."""
+
+    group_index: int
+    param_start: int
+    partition_start: int
+    numel: int
+
+
+def base_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer whose state holds the moments (ZeRO and bf16 wrap it)."""
+    optimizer = engine.optimizer
+    return optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+
+
+def flat_partition(engine, group_index: int) -> torch.Tensor | None:
+    """This rank's flat fp32 partition of a parameter group (ZeRO 1/2, bf16); None for an optimizer without."""
+    for name in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
+        if hasattr(engine.optimizer, name):
+            return getattr(engine.optimizer, name)[group_index]
+    return None
+
+
+def is_partitioned(param: torch.nn.Parameter) -> bool:
+    """Whether DeepSpeed keeps `param`'s fp32 master and moments in flat partitions (ZeRO 1/2 or bf16)."""
+    return hasattr(param, "_hp_mapping")
+
+
+def fragment(param: torch.nn.Parameter) -> Fragment | None:
+    """This rank's fragment of a partitioned parameter; None where this rank holds none of it."""
+    mapping = param._hp_mapping
+    if mapping is None:
+        return None
+    lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+    return Fragment(mapping.param_group_index, lp.start, hp.start, lp.numel)
+
+
+def partition_group(param: torch.nn.Parameter):
+    """The data-parallel group a partitioned parameter's fragments are spread over."""
+    return param._dp_group
+
+
+# ---------------------------------------------------------------- files and the CPU communication op
+
+MODEL_STATES_FILE = "mp_rank_00_model_states.pt"   # a checkpoint's non-expert weights (one model-parallel rank)
+
+
+def shm_segment(rank: int) -> Path:
+    """The /dev/shm segment DeepSpeed's CPU all-reduce creates for `rank` (and never unlinks)."""
+    return Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+                               f"{os.environ.get('MASTER_PORT')}_{rank}")
+
+
+def cpu_comm_op_built() -> bool:
+    """Whether DeepSpeed's shared-memory CPU op is in torch's extension cache already (it builds on first use)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        directory = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    except Exception:   # noqa: BLE001 - only decides whether to announce the build
+        return True
+    return any(directory.glob("deepspeed_shm_comm*.so"))
+
+
+# ---------------------------------------------------------------- Triton grouped GEMM
+
+@functools.cache
+def triton_grouped_gemm():
+    """The module of DeepSpeed's Triton grouped GEMM (forward product `_group_gemm`, weight gradient
+    `_grouped_dw`), or None without Triton."""
+    try:
+        ops = importlib.import_module("deepspeed.ops.triton_ops.group_gemm_triton")
+        from deepspeed.ops.triton_ops._triton import is_triton_available
+    except ImportError:
+        return None
+    return ops if is_triton_available() and hasattr(ops, "_group_gemm") and hasattr(ops, "_grouped_dw") else None
+
+
+def triton_group_gemm(a_MI: torch.Tensor, b_LIO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return triton_grouped_gemm()._group_gemm(a_MI, b_LIO, offsets)
+
+
+def triton_grouped_dw(a_MI: torch.Tensor, b_MO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return triton_grouped_gemm()._grouped_dw(a_MI, b_MO, offsets, offsets.shape[0])
