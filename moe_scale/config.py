@@ -26,20 +26,47 @@ import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from moe_scale.errors import UserError
 
 FORMAT = 2   # config.json's "format": 2 is this tree; files without it are the flat layout of format 1
-_MOA_ROUTER_KEYS = ("moa_aux_weight", "moa_z_weight", "moa_renormalize")   # softmax_topk's: MoA's router's too
 
 
-def _f(default, help: str, choices: tuple | None = None, key: str | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices, "key": key})
+@dataclass(frozen=True)
+class Needs:
+    """What a setting (or every setting of a section) needs to take effect: `applies(config)`, else the flags
+    that would make it apply. `alone`: the needs of the enclosing sections do not hold for it."""
+
+    applies: Callable[["RunConfig"], bool]
+    flags: str
+    alone: bool = False
 
 
-def _sub(cls):
-    return field(default_factory=cls, metadata={"section": True})
+def _f(default, help: str, choices: tuple | None = None, key: str | None = None, needs: Needs | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices, "key": key, "needs": needs})
+
+
+def _sub(cls, needs: Needs | None = None):
+    return field(default_factory=cls, metadata={"section": True, "needs": needs})
+
+
+def choices(cls, name: str) -> tuple:
+    """The values field `name` of config section `cls` accepts (one list, here, for its flag and its component)."""
+    return next(f for f in dataclasses.fields(cls) if f.name == name).metadata["choices"]
+
+
+def _model(kind: str) -> Needs:
+    return Needs(lambda c: c.model.kind == kind, f"--model {kind}")
+
+
+def _gate(*gates: str) -> Needs:
+    return Needs(lambda c: c.moe.router.gate in gates, f"--gate {gates[0]}")
+
+
+_MOE = Needs(lambda c: c.has_moe_ffn, "an MoE layer (--layout lstm-moe-lstm, or --model transformer --ffn moe)")
+_SAMPLED = Needs(lambda c: c.softmax.kind == "sampled", "--softmax sampled")
+_STREAM = Needs(lambda c: c.data.stream, "--stream")
 
 
 def _positive(**values: int | float) -> None:
@@ -59,7 +86,8 @@ class LSTMConfig:
                      ("lstm-moe-lstm", "lstm-ffn-lstm", "4xlstm", "lstm"))
     hidden: int = _f(0, "LSTM units (0: d_model); more than d_model adds an output projection back to d_model "
                         "(Sak et al. 2014)", key="lstm_hidden")
-    ffn_layers: int = _f(1, "lstm-ffn-lstm: ReLU hidden layers of width expert_hidden in the dense FFN")
+    ffn_layers: int = _f(1, "lstm-ffn-lstm: ReLU hidden layers of width expert_hidden in the dense FFN",
+                         needs=Needs(lambda c: c.model.lstm.layout == "lstm-ffn-lstm", "--layout lstm-ffn-lstm"))
 
     def validate(self) -> None:
         if self.hidden < 0 or self.ffn_layers < 1:
@@ -84,8 +112,8 @@ class ModelConfig:
                    ("lstm", "transformer"), key="model")
     d_model: int = _f(64, "embedding, LSTM and MoE input/output width")
     dropout: float = _f(0.1, "DropProb applied to every layer output but the softmax")
-    lstm: LSTMConfig = _sub(LSTMConfig)
-    transformer: TransformerConfig = _sub(TransformerConfig)
+    lstm: LSTMConfig = _sub(LSTMConfig, _model("lstm"))
+    transformer: TransformerConfig = _sub(TransformerConfig, _model("transformer"))
 
     def validate(self) -> None:
         _positive(d_model=self.d_model)
@@ -128,12 +156,18 @@ class RouterConfig:
                                  "balanced batchwise with learned thresholds (App. F), or MoA's softmax top-k",
                    ("noisy_topk", "hierarchical", "batchwise", "softmax_topk"))
     top_k: int = _f(2, "experts per token (k); k=1 gives the router no task-loss gradient")
-    w_importance: float = _f(0.1, "weight of the CV^2(importance) loss")
-    w_load: float = _f(0.1, "weight of the CV^2(load) loss (smooth load estimator)")
-    noisy_gating: bool = _f(True, "trainable Gaussian noise on the gate logits during training")
-    hierarchical: HierarchicalConfig = _sub(HierarchicalConfig)
-    batchwise: BatchwiseConfig = _sub(BatchwiseConfig)
-    softmax_topk: SoftmaxTopKConfig = _sub(SoftmaxTopKConfig)
+    w_importance: float = _f(0.1, "weight of the CV^2(importance) loss",
+                             needs=_gate("noisy_topk", "hierarchical", "batchwise"))
+    w_load: float = _f(0.1, "weight of the CV^2(load) loss (smooth load estimator)",
+                       needs=_gate("noisy_topk", "hierarchical"))
+    noisy_gating: bool = _f(True, "trainable Gaussian noise on the gate logits during training",
+                            needs=_gate("noisy_topk", "hierarchical"))
+    hierarchical: HierarchicalConfig = _sub(HierarchicalConfig, _gate("hierarchical"))
+    batchwise: BatchwiseConfig = _sub(BatchwiseConfig, _gate("batchwise"))
+    softmax_topk: SoftmaxTopKConfig = _sub(SoftmaxTopKConfig, Needs(   # also the router of MoA's attention experts
+        lambda c: c.moe.router.gate == "softmax_topk" and c.has_moe_ffn
+        or c.model.kind == "transformer" and c.attention.kind == "moa", "--gate softmax_topk or --attention moa",
+        alone=True))
 
     def validate(self, num_experts: int, ep_size: int) -> None:
         _positive(top_k=self.top_k)
@@ -163,10 +197,12 @@ class DispatchConfig:
     mode: str = _f("dropless", "token dispatch: every routed copy reaches its expert, or each expert takes at most "
                                "capacity_factor x its fair share and the lowest-gate copies are dropped",
                    ("dropless", "capacity"), key="dispatch")
-    capacity_factor: float = _f(1.0, "capacity dispatch: expert capacity = ceil(factor x tokens x k / experts)")
+    capacity_factor: float = _f(1.0, "capacity dispatch: expert capacity = ceil(factor x tokens x k / experts)",
+                                needs=Needs(lambda c: c.moe.dispatch.mode == "capacity", "--dispatch capacity"))
     all_to_all: str = _f("flat", "token exchange: one all-to-all over the expert-parallel group, or within each "
                                  "node first and then across nodes", ("flat", "hierarchical"))
-    node_size: int = _f(0, "hierarchical all-to-all: ranks per node (0: the launcher's LOCAL_WORLD_SIZE)")
+    node_size: int = _f(0, "hierarchical all-to-all: ranks per node (0: the launcher's LOCAL_WORLD_SIZE)",
+                        needs=Needs(lambda c: c.moe.dispatch.all_to_all == "hierarchical", "--all-to-all hierarchical"))
 
     def validate(self) -> None:
         if not self.capacity_factor > 0:
@@ -180,7 +216,9 @@ class DispatchConfig:
 @dataclass
 class ExpertsConfig:
     num_experts: int = _f(16, "experts in the MoE layer")
-    hidden: int = _f(128, "hidden width of each expert FFN", key="expert_hidden")
+    hidden: int = _f(128, "hidden width of each expert FFN", key="expert_hidden", needs=Needs(   # also the LSTM's FFN
+        lambda c: c.has_moe_ffn or c.model.kind == "lstm" and c.model.lstm.layout == "lstm-ffn-lstm", _MOE.flags,
+        alone=True))
     recompute: bool = _f(False, "recompute the experts' hidden activations in the backward pass instead of "
                                 "storing them (Shazeer et al. App. D)", key="expert_recompute")
     grad_reuse: bool = _f(True, "CPU: write the expert weights' gradients into the memory of the last ones, not "
@@ -229,10 +267,12 @@ class MAEConfig:
 class AttentionConfig:
     kind: str = _f("mha", "transformer: attention of every layer: multi-head with head masks, MoA attention "
                           "experts, or MAE (mixture of h-1 heads)", ("mha", "moa", "mae"), key="attention")
-    num_heads: int = _f(4, "transformer: heads per attention layer (mha, mae); MoA uses --moa-top-k")
+    num_heads: int = _f(4, "transformer: heads per attention layer (mha, mae); MoA uses --moa-top-k",
+                        needs=Needs(lambda c: c.attention.kind != "moa",
+                                    "--attention mha or mae (MoA uses --moa-top-k)"))
     head_dim: int = _f(0, "transformer: width per head (0: d_model / num_heads)")
-    moa: MoAConfig = _sub(MoAConfig)
-    mae: MAEConfig = _sub(MAEConfig)
+    moa: MoAConfig = _sub(MoAConfig, Needs(lambda c: c.attention.kind == "moa", "--attention moa"))
+    mae: MAEConfig = _sub(MAEConfig, Needs(lambda c: c.attention.kind == "mae", "--attention mae"))
 
     def head_width(self, d_model: int) -> int:
         """Width of one head (MHA/MAE) or one attention expert (MoA): --head-dim, or d_model / heads."""
@@ -270,10 +310,11 @@ class SoftmaxConfig:
     kind: str = _f("full", "output layer: exact softmax, importance-sampled softmax in training (exact at eval; "
                            "Jozefowicz et al. 2016), or adaptive softmax", ("full", "sampled", "adaptive"),
                    key="softmax")
-    num_sampled: int = _f(8192, "sampled softmax: classes drawn per batch (shared by all its tokens)")
+    num_sampled: int = _f(8192, "sampled softmax: classes drawn per batch (shared by all its tokens)", needs=_SAMPLED)
     sampler: str = _f("log_uniform", "sampled softmax proposal: Zipfian over frequency-sorted ids, or the training "
-                                     "unigram counts", ("log_uniform", "unigram"))
-    adaptive_cutoffs: str = _f("2000,10000", "adaptive softmax: comma-separated cluster boundaries (word ids)")
+                                     "unigram counts", ("log_uniform", "unigram"), needs=_SAMPLED)
+    adaptive_cutoffs: str = _f("2000,10000", "adaptive softmax: comma-separated cluster boundaries (word ids)",
+                               needs=Needs(lambda c: c.softmax.kind == "adaptive", "--softmax adaptive"))
 
     def validate(self, vocab_size: int) -> None:
         if self.kind == "sampled" and self.num_sampled < 1:
@@ -315,10 +356,12 @@ class DataConfig:
     seq_len: int = _f(32, "tokens per training window (truncated back-propagation length)")
     stream: bool = _f(False, "stream the training shards (never loads them into memory; the position is "
                              "checkpointed) instead of loading them")
-    shuffle_buffer: int = _f(10000, "streaming: sentences in the shuffle buffer of each reader (0 or 1: no shuffle)")
-    stream_workers: int = _f(1, "streaming: shard readers per rank (shards are split over ranks x readers)")
+    shuffle_buffer: int = _f(10000, "streaming: sentences in the shuffle buffer of each reader (0 or 1: no shuffle)",
+                             needs=_STREAM)
+    stream_workers: int = _f(1, "streaming: shard readers per rank (shards are split over ranks x readers)",
+                             needs=_STREAM)
     token_budget: int = _f(0, "streaming: stop after this many training tokens (0: --max-steps); one pass, "
-                              "training also stops when the data runs out")
+                              "training also stops when the data runs out", needs=_STREAM)
 
     def validate(self) -> None:
         _positive(seq_len=self.seq_len, min_count=self.min_count)
@@ -378,7 +421,8 @@ class RunDirConfig:
     checkpoint_interval: int = _f(200, "steps between checkpoints (and at the end); 0: never (benchmarks: such a "
                                        "run cannot be resumed or evaluated)")
     resume_from: str | None = _f(None, "with --resume: continue from this checkpoint (a tag such as step00000400 in "
-                                       "--out/checkpoints) instead of the newest complete one")
+                                       "--out/checkpoints) instead of the newest complete one",
+                                 needs=Needs(lambda c: c.run.resume, "--resume"))
     keep_checkpoints: int = _f(2, "complete checkpoints kept in --out/checkpoints, the newest (each save deletes "
                                   "older ones); 0: keep them all")
 
@@ -406,6 +450,7 @@ class Leaf:
     field: dataclasses.Field
     type: Any
     section: str   # the top-level component, for --help's groups
+    needs: tuple[Needs, ...] = ()   # what it needs to apply: its sections', outermost first, then its own
 
     @property
     def flag(self) -> str:
@@ -415,8 +460,8 @@ class Leaf:
 @dataclass
 class RunConfig:
     model: ModelConfig = _sub(ModelConfig)
-    moe: MoEConfig = _sub(MoEConfig)
-    attention: AttentionConfig = _sub(AttentionConfig)
+    moe: MoEConfig = _sub(MoEConfig, _MOE)
+    attention: AttentionConfig = _sub(AttentionConfig, _model("transformer"))
     softmax: SoftmaxConfig = _sub(SoftmaxConfig)
     data: DataConfig = _sub(DataConfig)
     train: TrainConfig = _sub(TrainConfig)
@@ -522,48 +567,10 @@ class RunConfig:
         return self.model.lstm.layout == "lstm-moe-lstm"
 
     def inapplicable(self, key: str) -> str | None:
-        """Why setting `key` does nothing in this configuration (None: it applies). A flag given for a model
-        that does not have what it sets is refused rather than ignored."""
-        model, router, attention = self.model.kind, self.moe.router.gate, self.attention.kind
-        needs: list[tuple[bool, str]] = []
-        section = _LEAVES[key].path[:2]
-        if section[0] == "attention" or section == ("model", "transformer"):
-            needs.append((model == "transformer", "--model transformer"))
-        if section == ("model", "lstm"):
-            needs.append((model == "lstm", "--model lstm"))
-        if key == "ffn_layers":
-            needs.append((self.model.lstm.layout == "lstm-ffn-lstm", "--layout lstm-ffn-lstm"))
-        if section[0] == "moe" and key not in _MOA_ROUTER_KEYS and not (key == "expert_hidden" and model == "lstm"
-                                                                        and self.model.lstm.layout == "lstm-ffn-lstm"):
-            needs.append((self.has_moe_ffn, "an MoE layer (--layout lstm-moe-lstm, or --model transformer --ffn moe)"))
-        gate_keys = {"hierarchical": ("num_groups", "top_k_secondary"), "batchwise": ("batchwise_scope",
-                     "threshold_reduction"), "noisy_topk/hierarchical": ("w_load", "noisy_gating"),
-                     "noisy_topk/hierarchical/batchwise": ("w_importance",)}
-        for gate, keys in gate_keys.items():
-            if key in keys:
-                needs.append((router in gate.split("/"), f"--gate {gate.split('/')[0]}"))
-        if key in _MOA_ROUTER_KEYS:
-            needs.append((router == "softmax_topk" and self.has_moe_ffn or model == "transformer" and attention == "moa",
-                          "--gate softmax_topk or --attention moa"))
-        if key in ("moa_num_experts", "moa_top_k"):
-            needs.append((attention == "moa", "--attention moa"))
-        if key.startswith("mae_"):
-            needs.append((attention == "mae", "--attention mae"))
-        if key == "num_heads":
-            needs.append((attention != "moa", "--attention mha or mae (MoA uses --moa-top-k)"))
-        if key == "capacity_factor":
-            needs.append((self.moe.dispatch.mode == "capacity", "--dispatch capacity"))
-        if key == "node_size":
-            needs.append((self.moe.dispatch.all_to_all == "hierarchical", "--all-to-all hierarchical"))
-        if key in ("num_sampled", "sampler"):
-            needs.append((self.softmax.kind == "sampled", "--softmax sampled"))
-        if key == "adaptive_cutoffs":
-            needs.append((self.softmax.kind == "adaptive", "--softmax adaptive"))
-        if key in ("shuffle_buffer", "stream_workers", "token_budget"):
-            needs.append((self.data.stream, "--stream"))
-        if key == "resume_from":
-            needs.append((self.run.resume, "--resume"))
-        missing = [what for ok, what in needs if not ok]
+        """Why setting `key` does nothing in this configuration (None: it applies), from what its field and the
+        sections above it need. A flag given for a model that does not have what it sets is refused rather than
+        ignored."""
+        missing = [needs.flags for needs in _LEAVES[key].needs if not needs.applies(self)]
         return f"it needs {missing[0]}" if missing else None
 
     # ------------------------------------------------------------ checks
@@ -594,13 +601,15 @@ def _fields(cls) -> tuple[dataclasses.Field, ...]:
     return dataclasses.fields(cls)
 
 
-def _walk(cls, path: tuple[str, ...], section: str) -> Iterator[Leaf]:
+def _walk(cls, path: tuple[str, ...], section: str, needs: tuple[Needs, ...] = ()) -> Iterator[Leaf]:
     hints = typing.get_type_hints(cls)
     for f in _fields(cls):
+        own = f.metadata.get("needs")
+        inner = needs if own is None else (own,) if own.alone else needs + (own,)
         if f.metadata.get("section"):
-            yield from _walk(hints[f.name], path + (f.name,), section or f.name)
+            yield from _walk(hints[f.name], path + (f.name,), section or f.name, inner)
         else:
-            yield Leaf(f.metadata.get("key") or f.name, path + (f.name,), f, hints[f.name], section)
+            yield Leaf(f.metadata.get("key") or f.name, path + (f.name,), f, hints[f.name], section, inner)
 
 
 def _build_leaves() -> dict[str, Leaf]:

@@ -2,16 +2,12 @@
 
 torch's CPU allocator keeps no cache, so every step's activations are new allocations. glibc serves a large
 one from fresh pages (above its mmap threshold, dynamic from 128 KiB, or after trimming its heap), and the
-kernel zero-fills a fresh page on first touch: at E=256, k=2 (2048 tokens, d=256, h=512) some 50 MiB a step
-of the MoE layer alone, which made its step 10-20% slower here (median of 3 processes: 72 -> 59 ms; E=1024,
-k=4: 200 -> 174 ms; E=8, k=2: 36 -> 33 ms). So moe_scale raises glibc's mmap threshold to 1 GiB and its
-trim threshold to 2 GiB: what a GPU's caching allocator does. The resident set then stays near its peak
-between steps. 1 GiB, not glibc's usual ceiling of 32 MiB: the router's [tokens, experts] tensors reach 32 MiB
-at 2048 tokens and 4096 experts, and mapped fresh they cost that layer's step 3300 page faults and 75 ms of
-system time (2 faults and no system time at 1 GiB; step 790 -> 700 ms, medians of 2 processes, AMD EPYC with
-AVX2). Blocks above 1 GiB are still mapped fresh (the expert weight gradients, the
-largest, are reused by `moe.experts.GradientBuffers`); a glibc that refuses a threshold above 32 MiB gets
-32 MiB.
+kernel zero-fills a fresh page on first touch, which made the MoE layer's step measurably slower
+(docs/performance.md, "Host memory policy"). So moe_scale raises glibc's mmap threshold to 1 GiB and its trim
+threshold to 2 GiB: what a GPU's caching allocator does. The resident set then stays near its peak between
+steps. 1 GiB, not glibc's usual ceiling of 32 MiB, because the router's [tokens, experts] tensors pass 32 MiB
+at thousands of experts. Blocks above 1 GiB are still mapped fresh (the expert weight gradients, the largest,
+are reused by `moe.experts.GradientBuffers`); a glibc that refuses a threshold above 32 MiB gets 32 MiB.
 
 Left alone: where the user set glibc's own malloc settings (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
 MALLOC_TOP_PAD_, MALLOC_MMAP_MAX_, or malloc tunables in GLIBC_TUNABLES), as the memory benchmarks do to

@@ -163,6 +163,25 @@ def test_flags_that_apply_are_accepted():
     parse("--layout", "lstm-ffn-lstm", "--ffn-layers", "2", "--expert-hidden", "64")
 
 
+def test_what_a_setting_needs_comes_from_its_sections_and_its_field():
+    """inapplicable() reads the tree: a section's needs reach every setting in it (outermost first), and a
+    setting that serves elsewhere too (`alone`) drops them."""
+    from moe_scale.config import _LEAVES, RunConfig
+
+    config = RunConfig()
+    config.model.lstm.layout = "4xlstm"      # no MoE layer
+    assert config.inapplicable("num_groups") == "it needs an MoE layer (--layout lstm-moe-lstm, or --model " \
+                                                "transformer --ffn moe)"
+    config.model.lstm.layout = "lstm-moe-lstm"
+    assert config.inapplicable("num_groups") == "it needs --gate hierarchical"
+    assert [n.flags for n in _LEAVES["num_groups"].needs] == [_LEAVES["num_experts"].needs[0].flags,
+                                                             "--gate hierarchical"]
+    config.model.kind, config.attention.kind = "transformer", "moa"    # MoA's router, no MoE FFN
+    assert config.inapplicable("moa_aux_weight") is None
+    assert config.inapplicable("num_experts") is not None
+    assert all(leaf.needs for key, leaf in _LEAVES.items() if leaf.path[0] in ("moe", "attention"))
+
+
 def test_gate_choice_is_validated_by_the_parser(capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["train", "--gate", "nope"])

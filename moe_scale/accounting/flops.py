@@ -167,10 +167,6 @@ def moa_layer_params(num_experts: int, d_head: int, d_model: int) -> int:
     return (2 * num_experts + 2) * d_head * d_model
 
 
-def mha_layer_params(d_model: int) -> int:
-    return 4 * d_model ** 2
-
-
 @dataclass(frozen=True)
 class MoATransformer:
     """A Transformer whose attention modules are all replaced by MoA (Table 1/3 setting).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_scale.config import DispatchConfig, choices
 from moe_scale.distributed.comm import BatchCollectives
 from moe_scale.distributed.launch import ranks_per_node
 from moe_scale.moe.deepspeed_adapter import ParallelGroups
@@ -20,7 +21,7 @@ from moe_scale.moe.experts import GroupedExperts
 from moe_scale.moe.routed_layer import RoutedLayer
 from moe_scale.moe.router import HierarchicalRouter, NoisyTopKRouter, Router
 
-ALL_TO_ALL = ("flat", "hierarchical")
+ALL_TO_ALL = choices(DispatchConfig, "all_to_all")
 
 
 class MoELayer(RoutedLayer):

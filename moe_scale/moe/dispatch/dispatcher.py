@@ -46,12 +46,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_scale.config import DispatchConfig, choices
 from moe_scale.distributed.comm import collective_device, world_size
 from moe_scale.moe.dispatch.exchange import (CommTimer, FlatExchange, HierarchicalExchange, LocalExchange, Route,
                                              build_hierarchical_groups)
 from moe_scale.moe.kernel_policy import count_per_bin
 
-MODES = ("dropless", "capacity")
+MODES = choices(DispatchConfig, "mode")
 
 
 @dataclass

@@ -1,11 +1,12 @@
 """Experts: one-hidden-layer ReLU FFNs stored as stacked weights, run as one grouped computation.
 
 Legend (docs/shapes.md): M (token, expert) pairs that arrived at this rank (sorted by local expert), R rows
-they read, D model width, F expert hidden width, L local experts. `tokens_per_expert` says how many of the M rows belong to each local expert, in order: a
-device tensor (with the same counts as a host list beside it where the caller read them anyway), or a list.
+they read, D model width, F expert hidden width, L local experts. `tokens_per_expert` says how many of the M
+rows belong to each local expert, in order: a device tensor (with the same counts as a host list beside it
+where the caller read them anyway), or a list.
 
 Why a custom autograd function: indexing `w[e]` in a Python loop makes autograd materialise a full-size
-gradient of `w` per expert (O(E^2) memory traffic; 27 s instead of 0.3 s at 256 experts). Here the backward
+gradient of `w` per expert (O(E^2) memory traffic). Here the backward
 writes each expert's gradient straight into one [L, ...] buffer, and experts with no tokens cost a zero
 fill. The whole FFN is one function, so `recompute` (Shazeer et al. App. D) simply saves the inputs instead
 of the hidden activations and redoes the first matmul in the backward.
@@ -69,11 +70,10 @@ class GradientBuffers:
     """Lets each expert weight's gradient be written into the memory of its previous one, on CPU.
 
     torch's CPU allocator hands large blocks back to the system when they are freed, so every step's
-    [L, F, D] gradients land on fresh pages, which the kernel zero-fills before the first write. Measured
-    here (E=1024, D=256, H=512), the native kernel wrote one 512 MiB gradient in 110-115 ms onto fresh pages
-    and in 22 ms into memory written before (with streaming stores there; see cpu_kernels.c): the two
-    gradients had been a third of the layer's step. So the experts keep the storage of the last gradient of
-    each weight and hand autograd a new view of it, which AccumulateGrad adopts as `.grad` without a copy.
+    [L, F, D] gradients land on fresh pages, which the kernel zero-fills before the first write: several times
+    slower than writing into memory written before (docs/performance.md, "Host memory policy"). So the experts
+    keep the storage of the last gradient of each weight and hand autograd a new view of it, which
+    AccumulateGrad adopts as `.grad` without a copy.
     Only while nothing else holds that storage (the `.grad` was cleared, or DeepSpeed moved it into its own
     buffers): otherwise a fresh buffer is taken, so a gradient still in use is never written over.
 
@@ -209,8 +209,8 @@ class GroupedExperts(nn.Module):
     different --ep-size start from the same model, and the global RNG is left untouched.
 
     w_in is stored [L, F, D], as nn.Linear stores (out, in): the forward's x @ w_in[e].T and the backward's
-    g @ w_in[e] then both take MKL's faster operand layouts for these shapes (measured 1.7x faster forward at
-    E=1024 than w_in [L, D, F]). It is drawn as [D, F] and transposed, so the initial model is unchanged.
+    g @ w_in[e] then both take MKL's faster operand layouts for these shapes. It is drawn as [D, F] and
+    transposed, so the initial model is unchanged.
     """
 
     def __init__(self, num_local_experts: int, d_model: int, d_hidden: int, first_global_expert: int = 0,

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_scale.moe.losses import cv_squared
-from moe_scale.config import RouterConfig
+from moe_scale.config import BatchwiseConfig, RouterConfig, choices
 from moe_scale.moe.router.base import Router, RouterOutput
 
 _MASK32 = 0xFFFFFFFF
@@ -128,9 +128,9 @@ class BatchwiseRouter(Router):
         init_thresholds_from_batch: bool = True,
     ):
         super().__init__(d_model, num_experts, k)
-        if threshold_reduction not in ("mean", "sum"):
+        if threshold_reduction not in choices(BatchwiseConfig, "threshold_reduction"):
             raise ValueError(f"threshold_reduction must be 'mean' or 'sum', got {threshold_reduction!r}")
-        if scope not in ("local", "global"):
+        if scope not in choices(BatchwiseConfig, "scope"):
             raise ValueError(f"batchwise router scope must be 'local' or 'global', got {scope!r}")
         self.w_importance, self.threshold_loss_weight = w_importance, threshold_loss_weight
         self.threshold_reduction, self.scope = threshold_reduction, scope

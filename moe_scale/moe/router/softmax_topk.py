@@ -11,10 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from moe_scale.moe.kernel_policy import count_per_bin
-from moe_scale.config import RouterConfig
+from moe_scale.config import RouterConfig, SoftmaxTopKConfig, choices
 from moe_scale.moe.router.base import Router, RouterOutput
 
-RENORMALIZE_MODES = ("none", "detached")
+RENORMALIZE_MODES = choices(SoftmaxTopKConfig, "renormalize")
 
 
 def switch_loss(prob_sum_E: Tensor, count_E: Tensor) -> Tensor:
