@@ -1,5 +1,8 @@
 """Every DeepSpeed internal moe_scale relies on, in one place, for the DeepSpeed versions pyproject.toml allows.
 
+Legend (docs/shapes.md): M rows sorted by local expert, L local experts, I input width, O output
+width.
+
 DeepSpeed has no public API for these: building and finding its expert-parallel process groups, switching off
 the engine's stage-0 gradient all-reduce when ours does the same sums in place, reading ZeRO 1/2 and bf16
 optimizer partitions (portable checkpoints), the name of its CPU all-reduce's /dev/shm segment, its checkpoint

@@ -1,6 +1,7 @@
 """MAE: a mixture of the h experts "all heads but one" (Peng et al. 2020; spec §4).
 
-Legend: B sequences, T positions, D model dim, H heads (h, the original count), H' heads still present.
+Legend (docs/shapes.md): B sequences, T positions, Tc positions cached for generation, N tokens (B·T),
+D model width, H attention heads (h, the original count; H' of them still present).
 
 Expert i is f_i = h/(h−1)·(Σ_j H_j − H_i), H_j head j's output through its block of W_o. The mixture
 Z = Σ_i g_i f_i equals Σ_j c_j H_j with c_j = h/(h−1)·(1 − g_j), so it runs as one multi-head attention
@@ -109,9 +110,9 @@ class MAEAttention(nn.Module):
         """Generation: the mixture for the new positions; the gate's window reads the last `window` - 1 inputs
         kept in cache["x"], the heads the keys and values in the same cache (MultiHeadAttention.decode)."""
         T, window = x_BTD.shape[1], self.gate.window
-        seen_BSD = torch.cat([cache["x"], x_BTD], dim=1) if "x" in cache else x_BTD
-        cache["x"] = seen_BSD[:, -(window - 1):] if window > 1 else seen_BSD[:, :0]
-        gates_BTH = self.gate(seen_BSD)[:, -T:]
+        seen_BTcD = torch.cat([cache["x"], x_BTD], dim=1) if "x" in cache else x_BTD
+        cache["x"] = seen_BTcD[:, -(window - 1):] if window > 1 else seen_BTcD[:, :0]
+        gates_BTH = self.gate(seen_BTcD)[:, -T:]
         weights_BTH = self.head_weights(gates_BTH)[..., self.mha.head_ids]
         return self.mha.decode(x_BTD, cache, head_weights_BTH=weights_BTH)
 

@@ -1,7 +1,8 @@
 """Causal multi-head attention with per-head masks (Michel et al. §2.3), per-token head weights (what MAE's
 mixture needs) and physical head pruning (spec §5.4).
 
-Legend: B sequences, T positions, D model dim, H heads (current, after pruning), d = head width.
+Legend (docs/shapes.md): B sequences, T positions, D model width, H attention heads (current, after
+pruning), d head width.
 
 A head's output is its context vector ctx_h = softmax(q_h k_hᵀ/√d + causal) v_h, multiplied by
 mask_h (0/1, Michel's ξ_h; applied after the softmax and attention dropout, as the BERT fork does) and by an

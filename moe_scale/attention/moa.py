@@ -1,12 +1,13 @@
 """Mixture of attention heads, MoA (Zhang et al. 2022; spec §3.1-3.2), causal, with expert parallelism.
 
-Legend: B sequences, T positions, N = B·T query tokens on this rank, D model dim, d head width, E attention
-experts, L = E / P local experts, P expert-parallel ranks, S = P·B sequences of the expert-parallel group,
-M (token, expert) pairs that arrived here.
+Legend (docs/shapes.md): B sequences, T positions, Tc positions cached for generation, N = B·T query
+tokens on this rank, D model width, d head width, E attention experts, L = E / P local experts, P expert-parallel
+ranks, Z = P·B sequences of the expert-parallel group, Y query rows a token sends to one rank (min(K, L)),
+C (token, expert) pairs, M (token, expert) pairs that arrived here.
 
     router (softmax top-k, MoA's losses) ─▶ pairs (token, expert, gate)
     K, V = x W_k, x W_v   computed ONCE per sequence, shared by every expert   [B, T, d] each
-    K/V all-gathered within the expert-parallel group                          [S, T, 2d]
+    K/V all-gathered within the expert-parallel group                          [Z, T, 2d]
     dispatcher: the query token's x row (and its global position) travels to the rank that owns its expert
     expert e:  q = x W_q[e] / √d ;  o = softmax(q Kᵀ + causal) V  (over its own sequence) ;  y = o W_o[e]
     dispatcher: y back to the token's rank, summed with the gates
@@ -92,17 +93,17 @@ class MoAAttention(RoutedLayer):
         x_ND = x_BTD.reshape(B * T, D)
         route = self.route(x_ND)
         token_C, expert_C, gate_C = route.pairs()
-        kv_STd, group_rank = self._gather_over_experts(self.shared_kv(x_BTD))
+        kv_ZTd, group_rank = self._gather_over_experts(self.shared_kv(x_BTD))
         # Each query's position in the group's token list travels with its row.
         position_N1 = (group_rank * B * T + torch.arange(B * T, device=x_BTD.device))[:, None]
         tokens_MD, state = self.dispatcher.dispatch(x_ND, token_C, expert_C)
         position_M = self.dispatcher.follow(position_N1, state)[:, 0]
-        y_MD = self._experts(tokens_MD, position_M, kv_STd, T, state.expert_counts())
+        y_MD = self._experts(tokens_MD, position_M, kv_ZTd, T, state.expert_counts())
         return self.dispatcher.combine(y_MD, gate_C, state).to(x_BTD.dtype).view(B, T, D), route.aux_loss
 
     def decode(self, x_BTD: torch.Tensor, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Generation in one process: the new positions' expert queries attend over the shared K/V of their
-        sequence, cached for the earlier positions in cache["kv"] ([B, S, 2d], extended here); as forward()."""
+        sequence, cached for the earlier positions in cache["kv"] ([B, Tc, 2d], extended here); as forward()."""
         if self.ep_size != 1:
             raise ValueError("MoA decoding runs in one process (build the model with ep_size=1)")
         B, T, D = x_BTD.shape
@@ -110,45 +111,45 @@ class MoAAttention(RoutedLayer):
         x_ND = x_BTD.reshape(B * T, D)
         route = self.route(x_ND)
         token_C, expert_C, gate_C = route.pairs()
-        kv_BSd = self.shared_kv(x_BTD)
+        kv_BTcd = self.shared_kv(x_BTD)
         if "kv" in cache:
-            kv_BSd = torch.cat([cache["kv"], kv_BSd], dim=1)
-        cache["kv"] = kv_BSd
-        S = kv_BSd.shape[1]
+            kv_BTcd = torch.cat([cache["kv"], kv_BTcd], dim=1)
+        cache["kv"] = kv_BTcd
+        Tc = kv_BTcd.shape[1]
         q_C1d = torch.bmm(x_ND[token_C][:, None, :], self.experts.w_q[expert_C].to(x_ND.dtype)) / math.sqrt(d)
         sequence_C, time_C = token_C // T, token_C % T
-        visible_CS = torch.arange(S, device=x_BTD.device)[None, :] <= (S - T + time_C)[:, None]
+        visible_CTc = torch.arange(Tc, device=x_BTD.device)[None, :] <= (Tc - T + time_C)[:, None]
         o_C1d = nn.functional.scaled_dot_product_attention(
-            q_C1d[:, None], kv_BSd[sequence_C, None, :, :d], kv_BSd[sequence_C, None, :, d:],
-            attn_mask=visible_CS[:, None, None, :], scale=1.0)[:, 0]
+            q_C1d[:, None], kv_BTcd[sequence_C, None, :, :d], kv_BTcd[sequence_C, None, :, d:],
+            attn_mask=visible_CTc[:, None, None, :], scale=1.0)[:, 0]
         y_CD = torch.bmm(o_C1d, self.experts.w_o[expert_C].to(o_C1d.dtype))[:, 0]
         y_ND = x_ND.new_zeros(B * T, D).index_add_(0, token_C, y_CD * gate_C[:, None].to(y_CD.dtype))
         return y_ND.view(B, T, D), route.aux_loss
 
-    def _experts(self, tokens_MD, position_M, kv_STd, T: int, tokens_per_expert) -> torch.Tensor:
+    def _experts(self, tokens_MD, position_M, kv_ZTd, T: int, tokens_per_expert) -> torch.Tensor:
         """Each arrived row's expert query attends over its own sequence's shared K/V (causally).
 
-        The rows are laid out densely as [S sequences, R slots, T positions] (R = min(k, L): a token sends at
+        The rows are laid out densely as [Z sequences, Y slots, T positions] (Y = min(k, L): a token sends at
         most that many rows to one rank; empty slots hold q = 0 and are never read back), so one batched
         attention over the group's sequences runs with K/V shared by the slots, as in multi-query attention.
-        The layout spans all S = P·B sequences of the group, so its score work is S·R·T² against M·T for the
-        rows alone (the same in one process, where M = N·k; up to P·R/k times more with P ranks) — still far
+        The layout spans all Z = P·B sequences of the group, so its score work is Z·Y·T² against M·T for the
+        rows alone (the same in one process, where M = N·k; up to P·Y/k times more with P ranks) — still far
         faster than per-row gathers of K/V on CPU at these sizes."""
         d = self.head_dim
         q_Md = grouped_matmul(tokens_MD, self.experts.w_q.to(tokens_MD.dtype), tokens_per_expert) / math.sqrt(d)
-        S, R = kv_STd.shape[0], min(self.k, self.num_local_experts)
-        slot_M = _slot_within_token(position_M, S * T)
+        Z, Y = kv_ZTd.shape[0], min(self.k, self.num_local_experts)
+        slot_M = _slot_within_token(position_M, Z * T)
         sequence_M, time_M = position_M // T, position_M % T
-        q_SRTd = q_Md.new_zeros(S, T, R, d).index_put((sequence_M, time_M, slot_M), q_Md).transpose(1, 2)
-        k_SRTd = kv_STd[:, None, :, :d].expand(S, R, T, d)
-        v_SRTd = kv_STd[:, None, :, d:].expand(S, R, T, d)
-        o_SRTd = nn.functional.scaled_dot_product_attention(
-            q_SRTd, k_SRTd, v_SRTd, is_causal=True, scale=1.0, dropout_p=self.dropout if self.training else 0.0)
-        o_Md = o_SRTd.transpose(1, 2)[sequence_M, time_M, slot_M]
+        q_ZYTd = q_Md.new_zeros(Z, T, Y, d).index_put((sequence_M, time_M, slot_M), q_Md).transpose(1, 2)
+        k_ZYTd = kv_ZTd[:, None, :, :d].expand(Z, Y, T, d)
+        v_ZYTd = kv_ZTd[:, None, :, d:].expand(Z, Y, T, d)
+        o_ZYTd = nn.functional.scaled_dot_product_attention(
+            q_ZYTd, k_ZYTd, v_ZYTd, is_causal=True, scale=1.0, dropout_p=self.dropout if self.training else 0.0)
+        o_Md = o_ZYTd.transpose(1, 2)[sequence_M, time_M, slot_M]
         return grouped_matmul(o_Md, self.experts.w_o.to(o_Md.dtype), tokens_per_expert)
 
     def _gather_over_experts(self, kv_BTd: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """([S, T, 2d] K/V of every sequence of the expert-parallel group in rank order, this rank's index)."""
+        """([Z, T, 2d] K/V of every sequence of the expert-parallel group in rank order, this rank's index)."""
         group = self.dispatcher.ep_group
         if self.ep_size == 1 or group is None:
             return kv_BTd, 0
@@ -162,8 +163,8 @@ class MoAAttention(RoutedLayer):
 def _slot_within_token(position_M: torch.Tensor, num_positions: int) -> torch.Tensor:
     """For rows that share a query token (same position), 0, 1, 2, ... in row order."""
     order_M = torch.argsort(position_M, stable=True)
-    count_P = count_per_bin(position_M, num_positions)
-    first_P = count_P.cumsum(0) - count_P
+    count_per_position = count_per_bin(position_M, num_positions)
+    first_per_position = count_per_position.cumsum(0) - count_per_position
     slot_M = torch.empty_like(position_M)
-    slot_M[order_M] = torch.arange(len(position_M), device=position_M.device) - first_P[position_M[order_M]]
+    slot_M[order_M] = torch.arange(len(position_M), device=position_M.device) - first_per_position[position_M[order_M]]
     return slot_M

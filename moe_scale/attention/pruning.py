@@ -1,6 +1,7 @@
 """Head importance and global head pruning (Michel et al. 2019; spec §5).
 
-Legend: B sequences, T positions, H heads of a layer (original count), d head width.
+Legend (docs/shapes.md): B sequences, T positions, H attention heads of a layer (original count), d head
+width.
 
 Importance of head h: I_h = E_x |Σ ctx_h · ∂L/∂ctx_h| — the gradient of the loss with respect to the head's
 mask ξ_h (§5.2), read from the per-head context captured before the mask (so a masked head scores 0). By
@@ -45,7 +46,7 @@ def head_importance(model, batches, num_heads: int, abs_granularity: str = "toke
     layers = prunable_layers(model)
     was_training = model.training
     model.eval()
-    scores_LH = torch.zeros(len(layers), num_heads, dtype=torch.float64)
+    scores_by_layer = torch.zeros(len(layers), num_heads, dtype=torch.float64)
     tokens = 0
     for layer in layers:
         layer.capture_context = True
@@ -65,24 +66,24 @@ def head_importance(model, batches, num_heads: int, abs_granularity: str = "toke
                         contribution_H = per_token_BTH.abs().sum((0, 1))
                     else:
                         contribution_H = per_token_BTH.sum(1).abs().sum(0)
-                    scores_LH[index, layer.head_ids] += contribution_H.cpu()
+                    scores_by_layer[index, layer.head_ids] += contribution_H.cpu()
     finally:
         for layer in layers:
             layer.capture_context, layer.context_BTHd = False, None
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    scores_LH /= max(tokens, 1)
-    return normalise_per_layer(scores_LH)
+    scores_by_layer /= max(tokens, 1)
+    return normalise_per_layer(scores_by_layer)
 
 
-def normalise_per_layer(scores_LH: torch.Tensor) -> torch.Tensor:
-    return scores_LH / (scores_LH.norm(dim=1, keepdim=True) + 1e-20)
+def normalise_per_layer(scores_by_layer: torch.Tensor) -> torch.Tensor:
+    return scores_by_layer / (scores_by_layer.norm(dim=1, keepdim=True) + 1e-20)
 
 
-def heads_to_prune(scores_LH: torch.Tensor, count: int, already: set[tuple[int, int]]) -> list[tuple[int, int]]:
+def heads_to_prune(scores_by_layer: torch.Tensor, count: int, already: set[tuple[int, int]]) -> list[tuple[int, int]]:
     """The `count` lowest-scoring heads (layer, head) not pruned yet, in a stable global ascending order."""
-    order = torch.argsort(scores_LH.reshape(-1), stable=True).tolist()
-    H = scores_LH.shape[1]
+    order = torch.argsort(scores_by_layer.reshape(-1), stable=True).tolist()
+    H = scores_by_layer.shape[1]
     ranked = [(i // H, i % H) for i in order if (i // H, i % H) not in already]
     return ranked[:count]
 

@@ -1,16 +1,18 @@
 """Language-model windows laid out so that the global batch does not depend on the world size.
 
-Legend: R global rows (= global batch size), B = R / world_size rows on this rank, T = seq_len,
-W = windows per row (num_windows). Row i holds the i-th of R contiguous runs of sentences, each sentence as
-<S> w1 .. wn </S>; the runs are cut where the running count of tokens reaches i/R of the text's (not after
+Legend (docs/shapes.md): B sequences (rows) on this rank, T positions (seq_len).
+
+The global batch has `rows` rows (= the global batch size; B = rows / world_size on each rank), each cut into
+`num_windows` windows. Row i holds the i-th of `rows` contiguous runs of sentences, each sentence as
+<S> w1 .. wn </S>; the runs are cut where the running count of tokens reaches i/rows of the text's (not after
 equal numbers of lines: paragraphs vary, and the shortest row ends an epoch), so rows differ by less than one
 sentence. Window w of a row is tokens [w*T, w*T + T] (T+1 tokens; consecutive
 windows share one token), split into inputs = window[:-1] and targets = window[1:].
 
-A rank reads and tokenizes only its own B rows. Step s uses window (s mod W) of every row (after an
+A rank reads and tokenizes only its own B rows. Step s uses window (s mod num_windows) of every row (after an
 optional per-epoch permutation that every rank draws identically), so the batches of ranks 0..n-1,
 concatenated in rank order, are exactly the one-process batch — what makes an n-process run equal a
-one-process run. W is the minimum over all rows, found with the trainer's all-reduce MIN.
+one-process run. num_windows is the minimum over all rows, found with the trainer's all-reduce MIN.
 """
 
 from __future__ import annotations

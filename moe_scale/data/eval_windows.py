@@ -1,5 +1,7 @@
 """Evaluation windows for per-word perplexity "the standard way" (as on the 1B-word benchmark).
 
+Legend (docs/shapes.md): B sequences (evaluation windows), T positions.
+
 The text is one token stream `<S> w1 .. wn </S> <S> ...`. Every word (out-of-vocabulary words as <UNK>) and
 every sentence's `</S>` is predicted exactly once; `<S>` is context only, never a target. The stream is cut
 into windows of T inputs; window w holds stream[w*T : w*T+T] as inputs and stream[w*T+1 : w*T+T+1] as

@@ -33,10 +33,10 @@ class RowGatherer:
         if world_size(self.group) == 1:
             self._position = (0, t.shape[0])
             return t
-        sizes_W = torch.zeros(world_size(self.group), dtype=torch.int64, device=t.device)
-        sizes_W[self.rank] = t.shape[0]
-        dist.all_reduce(sizes_W, group=self.group)
-        sizes = sizes_W.tolist()
+        rows_per_rank = torch.zeros(world_size(self.group), dtype=torch.int64, device=t.device)
+        rows_per_rank[self.rank] = t.shape[0]
+        dist.all_reduce(rows_per_rank, group=self.group)
+        sizes = rows_per_rank.tolist()
         padded = t.new_zeros((max(sizes), *t.shape[1:]))
         padded[: t.shape[0]] = t
         pieces = [torch.empty_like(padded) for _ in sizes]

@@ -1,6 +1,10 @@
 """Text from a trained model: a prompt (after <S>) continued token by token (a word, or a subword piece for a
-BPE run) until </S> or a token limit, each new token one decode step (the LSTMs' states, the transformer's KV cache), and on request the experts each word was
-routed to in every expert layer (Shazeer et al.'s Table 9 view). Legend: B samples, T positions, V vocabulary."""
+BPE run) until </S> or a token limit, each new token one decode step (the LSTMs' states, the transformer's KV
+cache), and on request the experts each word was routed to in every expert layer (Shazeer et al.'s Table 9
+view).
+
+Legend (docs/shapes.md): B sequences, T positions, V vocabulary size, C (token, expert) pairs.
+"""
 
 from __future__ import annotations
 

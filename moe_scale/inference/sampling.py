@@ -1,5 +1,8 @@
 """Next-word choice from log-probabilities: greedy, or a draw after temperature, top-k and top-p (nucleus)
-filtering. Legend: B sequences, V vocabulary."""
+filtering. Legend: B sequences, V vocabulary.
+
+Legend (docs/shapes.md): B sequences, V vocabulary size.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Expert-balance statistics reported per MoE layer (Shazeer et al. Table 6).
 
+Legend (docs/shapes.md): E experts.
+
 CV is the coefficient of variation itself (not CV^2), population variance; importance and load are the
 global-batch vectors the router computed (load: smooth estimator in training, hard count at eval).
 

@@ -90,23 +90,23 @@ def _curves(plt, steps: list[dict], valid: list[tuple[int, float]], path: Path) 
     return path
 
 
-def heatmap_rows(load_EI: np.ndarray) -> tuple[np.ndarray, str]:
+def heatmap_rows(load_by_interval: np.ndarray) -> tuple[np.ndarray, str]:
     """(rows to draw, their axis label): every expert, or past MAX_ROWS the experts sorted by mean load (most
     loaded first) in groups of equal size, each row its group's mean."""
-    E = load_EI.shape[0]
+    E = load_by_interval.shape[0]
     if E <= MAX_ROWS:
-        return load_EI, "expert"
-    order = np.argsort(-load_EI.mean(axis=1), kind="stable")
+        return load_by_interval, "expert"
+    order = np.argsort(-load_by_interval.mean(axis=1), kind="stable")
     group = math.ceil(E / MAX_ROWS)
-    rows = [load_EI[order[i:i + group]].mean(axis=0) for i in range(0, E, group)]
+    rows = [load_by_interval[order[i:i + group]].mean(axis=0) for i in range(0, E, group)]
     return np.array(rows), f"experts sorted by mean load (most first), {group} per row (row mean)"
 
 
-def _load_heatmap(plt, load_EI: np.ndarray, steps: list[int], layer: str, path: Path) -> Path:
+def _load_heatmap(plt, load_by_interval: np.ndarray, steps: list[int], layer: str, path: Path) -> Path:
     """Rows: experts (or groups of experts sorted by mean load), columns: logging intervals, colour: load / mean
     on a log scale centred on 1 (even)."""
-    E = load_EI.shape[0]
-    matrix, ylabel = heatmap_rows(load_EI)
+    E = load_by_interval.shape[0]
+    matrix, ylabel = heatmap_rows(load_by_interval)
     fig, ax = plt.subplots(figsize=(10, 5))
     image = ax.imshow(np.log2(np.clip(matrix, 1 / 8, 8)), aspect="auto", cmap="RdBu_r", vmin=-3, vmax=3,
                       interpolation="nearest",

@@ -1,5 +1,7 @@
 """The dense feed-forward blocks of the models (the MoE layer's experts are moe/experts/).
 
+Legend (docs/shapes.md): B sequences, T positions, N tokens (B·T), D model width.
+
     ReLUStack  d -> h (ReLU) -> ... -> h (ReLU) -> d without biases: MoE-1-Deep's single always-active
                "expert" in the LSTM LM (Shazeer et al. App. C.1; a one-expert gate always outputs 1)
     GELUFFN    d -> h (GELU) -> d with biases: the transformer's dense feed-forward

@@ -1,5 +1,7 @@
 """The LSTM language model of Shazeer et al. 2017, App. C.1.
 
+Legend (docs/shapes.md): B sequences, T positions, N tokens (B·T), D model width.
+
     embedding ─▶ LSTM ─▶ MoE ─▶ LSTM ─▶ softmax                (--layout lstm-moe-lstm, the default)
 
 and App. C.1's computationally matched baselines: `lstm-ffn-lstm` (MoE-1-Deep: one dense "expert" of

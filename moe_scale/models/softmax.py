@@ -1,6 +1,7 @@
 """Output layers: hidden states -> per-token negative log-likelihood (--softmax full|sampled|adaptive).
 
-Legend: N tokens, D hidden dim, V vocabulary size, S sampled classes (shared by the whole batch).
+Legend (docs/shapes.md): N tokens, D model width (the hidden state), V vocabulary size, S sampled classes
+(drawn per batch, shared by all its tokens).
 
 Every layer returns the per-token NLL [N] in float32 and gives 0 for a target equal to IGNORE (-100, as
 in F.cross_entropy), so evaluation can leave out tokens it does not count (padding, <S>).

@@ -1,5 +1,7 @@
 """Decoder-only (causal) transformer language model with a choice of attention and feed-forward per block.
 
+Legend (docs/shapes.md): B sequences, T positions, N tokens (B·T), D model width.
+
     embedding + sinusoidal positions ─▶ N × [x + Att(LN(x)),  x + FFN(LN(x))] ─▶ LN ─▶ softmax
 
 Att: multi-head with head masks (mha), MoA attention experts (moa) or MAE (mae); FFN: dense (GELU) or an

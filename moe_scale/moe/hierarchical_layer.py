@@ -1,7 +1,8 @@
 """The MoE layer of the hierarchical gate: the gate's two levels placed as the paper places them (App. B).
 
-Legend (docs/shapes.md): N tokens, D model dim, E global experts, L local experts, Kp / Ks the primary /
-secondary k, J = N*Kp (token, chosen group) rows sent, R arrived rows, M arrived (token, group) pairs.
+Legend (docs/shapes.md): N tokens, D model width, E experts over all ranks, L local experts, Kp primary k
+(groups per token), Ks secondary k (experts per chosen group), J = N*Kp (token, chosen group) rows sent,
+R rows that arrive here, M (token, group) pairs that arrive here (the dispatcher's pairs: its experts are groups).
 
 The primary gate picks Kp groups per token on the token's rank; the dispatcher sends one row per (token, picked
 group) to the rank that holds the group; there the group's secondary gate (sharded with its experts) picks Ks

@@ -7,7 +7,7 @@ which sorts a batch's inputs by G(x)_i and shows the words around each position)
 largest gate, shown as the input word with its two preceding words, plus the words routed there most often.
 The MoE input at position i has read words up to w_i, so the context shown ends at w_i.
 
-Legend: P (token, expert) pairs, E experts.
+Legend (docs/shapes.md): C (token, expert) pairs, E experts, B sequences, T positions.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ class ExpertTokenStats:
 
     def _hook(self, layer_index: int):
         def record(router, inputs, route):
-            token_P, expert_P, gate_P = (t.detach().cpu() for t in route.pairs())
-            position_P = self._positions_N[token_P]
-            real_P = position_P >= 0
-            self.pairs[layer_index].append((position_P[real_P], expert_P[real_P], gate_P[real_P].float()))
+            token_C, expert_C, gate_C = (t.detach().cpu() for t in route.pairs())
+            position_C = self._positions_N[token_C]
+            real_C = position_C >= 0
+            self.pairs[layer_index].append((position_C[real_C], expert_C[real_C], gate_C[real_C].float()))
         return record
 
     def close(self) -> None:
@@ -51,16 +51,16 @@ class ExpertTokenStats:
         for index, layer in enumerate(self.layers):
             local = ([torch.cat(parts) for parts in zip(*self.pairs[index])] if self.pairs[index] else
                      [torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0)])
-            position_P, expert_P, gate_P = _gather(local)
+            position_C, expert_C, gate_C = _gather(local)
             E = layer.num_experts
-            load_E = torch.bincount(expert_P, minlength=E).double()
-            importance_E = torch.zeros(E, dtype=torch.float64).index_add_(0, expert_P, gate_P.double())
+            load_E = torch.bincount(expert_C, minlength=E).double()
+            importance_E = torch.zeros(E, dtype=torch.float64).index_add_(0, expert_C, gate_C.double())
             experts = []
             for e in range(E):
-                mine = expert_P == e
+                mine = expert_C == e
                 entry = {"expert": e, "load": int(load_E[e]), "importance": float(importance_E[e])}
                 if self.top_n:
-                    pos, gate = position_P[mine], gate_P[mine]
+                    pos, gate = position_C[mine], gate_C[mine]
                     order = torch.argsort(gate, descending=True, stable=True)[: self.top_n]
                     entry["top_by_gate"] = [{"gate": round(float(gate[j]), 4), "context": self._context(int(pos[j]))}
                                             for j in order]

@@ -2,8 +2,8 @@
 
 For expert matrices, Adam with beta1 = 0 (no first moment) and a factored second moment: per matrix, a
 running average of the row means and of the column means of g^2; the second-moment estimate is their
-outer product divided by the mean of the row averages. State per [R, C] matrix: R + C numbers instead of
-Adam's 2 R C — for our stacked expert weights [E, D, H], E (D + H) instead of 2 E D H.
+outer product divided by the mean of the row averages. State per [O, I] matrix: O + I numbers instead of
+Adam's 2 O I — for our stacked expert weights [E, D, H], E (D + H) instead of 2 E D H.
 
 Why not transformers' Adafactor (beta1=None, relative_step=False, scale_parameter=False): it differs from
 App. D (beta2 follows 1 - t^-0.8 instead of a fixed beta2, updates are clipped by their RMS, no bias
@@ -11,7 +11,8 @@ correction), and DeepSpeed takes one optimizer, so it cannot be Adam for the den
 this optimizer can factor under ZeRO-1/2 or DeepSpeed's bf16/fp16 optimizers: those flatten every group
 into 1-D partitions, and the matrix shape is gone; `check_optimizer_fits` refuses those configs.
 
-Legend: R rows, C columns of one matrix (the last two dims); leading dims (experts) are batch dims.
+Legend (docs/shapes.md): O a matrix's rows, I its columns (the last two dims); leading dims (experts)
+are batch dims.
 """
 
 from __future__ import annotations

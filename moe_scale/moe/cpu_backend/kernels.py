@@ -1,9 +1,11 @@
 """Native CPU kernels, built on first use: the experts' per-expert products (cpu_kernels.c),
 the noisy gate's [tokens, experts] arithmetic (cpu_gating.c) and its normal noise (cpu_noise.c).
 
-Legend: M rows sorted by expert, W [E, N, K] stacked expert matrices, `offsets_E1` [E + 1] int64 row
-offsets (expert e owns rows offsets[e]:offsets[e + 1]); for the gate N tokens, E experts, K top-k and
-M = min(K + 1, E) values kept per token.
+Legend (docs/shapes.md): M rows sorted by local expert, R rows read through an index, L local experts,
+O a stacked expert matrix's rows, I its columns (w [L, O, I]), N tokens, E experts, K experts per token,
+K1 = min(K + 1, E) logits the gate keeps per token.
+
+`offsets_L1` [L + 1] int64 row offsets: expert e owns rows offsets[e]:offsets[e + 1].
 
 The library is compiled with the C compiler ($CC, else cc) into $MOE_SCALE_CACHE/kernels (default
 ~/.cache/moe_scale/kernels), once per source text, flags and CPU model (it is built for this CPU, -march=native),
@@ -142,8 +144,8 @@ def _index(index_M: torch.Tensor | None, num_rows: int, num_sources: int) -> tor
     return index_M.to(torch.int64).contiguous()
 
 
-def _rows(offsets_E1: torch.Tensor, expected: int) -> int:
-    num_rows = int(offsets_E1[-1])
+def _rows(offsets_L1: torch.Tensor, expected: int) -> int:
+    num_rows = int(offsets_L1[-1])
     if num_rows != expected:
         raise ValueError(f"offsets end at row {num_rows}, but the rows given are {expected}")
     return num_rows
@@ -158,122 +160,122 @@ def _pointer(t: torch.Tensor | None) -> int | None:
 # graph at a ctypes call. Their autograd stays in the autograd.Functions that call them (experts/ffn.py,
 # router/gating_ops.py), which compute the forward and backward from these ops.
 
-_ROWS_TIMES_WT = "(Tensor a_RK, Tensor w_ENK, Tensor offsets_E1, Tensor? index_M, bool relu) -> Tensor"
-_ROWS_TIMES_WT_GRAD = ("(Tensor a_RK, Tensor w_ENK, Tensor offsets_E1, Tensor? index_M, Tensor hidden_MN, "
+_ROWS_TIMES_WT = "(Tensor a_RI, Tensor w_LOI, Tensor offsets_L1, Tensor? index_M, bool relu) -> Tensor"
+_ROWS_TIMES_WT_GRAD = ("(Tensor a_RI, Tensor w_LOI, Tensor offsets_L1, Tensor? index_M, Tensor hidden_MO, "
                        "Tensor scale_M) -> (Tensor, Tensor)")
 
 
-def _rows_times_wt(a_RK, w_ENK, offsets_E1, index_M, relu, hidden_MN=None, scale_M=None):
-    a_RK, w_ENK = a_RK.contiguous(), w_ENK.contiguous()
-    num_rows = _rows(offsets_E1, a_RK.shape[0] if index_M is None else index_M.shape[0])
-    index = _index(index_M, num_rows, a_RK.shape[0])
-    out_MN = a_RK.new_empty(num_rows, w_ENK.shape[1])
+def _rows_times_wt(a_RI, w_LOI, offsets_L1, index_M, relu, hidden_MO=None, scale_M=None):
+    a_RI, w_LOI = a_RI.contiguous(), w_LOI.contiguous()
+    num_rows = _rows(offsets_L1, a_RI.shape[0] if index_M is None else index_M.shape[0])
+    index = _index(index_M, num_rows, a_RI.shape[0])
+    out_MO = a_RI.new_empty(num_rows, w_LOI.shape[1])
     dot_M = None
-    if hidden_MN is not None:
-        hidden_MN, scale_M = hidden_MN.contiguous(), scale_M.to(torch.float32).contiguous()
-        if hidden_MN.shape != out_MN.shape or hidden_MN.dtype != torch.float32 or scale_M.shape != (num_rows,):
-            raise ValueError(f"relu_grad must be a float32 {list(out_MN.shape)} hidden layer and [{num_rows}] "
-                             f"scales, got {hidden_MN.dtype} {list(hidden_MN.shape)} and {list(scale_M.shape)}")
-        dot_M = a_RK.new_empty(num_rows)
-    _library().rows_times_wt(a_RK.data_ptr(), _pointer(index), w_ENK.data_ptr(), out_MN.data_ptr(),
-                             offsets_E1.data_ptr(), offsets_E1.shape[0] - 1, w_ENK.shape[1], w_ENK.shape[2],
-                             int(relu), _pointer(hidden_MN), _pointer(scale_M), _pointer(dot_M),
+    if hidden_MO is not None:
+        hidden_MO, scale_M = hidden_MO.contiguous(), scale_M.to(torch.float32).contiguous()
+        if hidden_MO.shape != out_MO.shape or hidden_MO.dtype != torch.float32 or scale_M.shape != (num_rows,):
+            raise ValueError(f"relu_grad must be a float32 {list(out_MO.shape)} hidden layer and [{num_rows}] "
+                             f"scales, got {hidden_MO.dtype} {list(hidden_MO.shape)} and {list(scale_M.shape)}")
+        dot_M = a_RI.new_empty(num_rows)
+    _library().rows_times_wt(a_RI.data_ptr(), _pointer(index), w_LOI.data_ptr(), out_MO.data_ptr(),
+                             offsets_L1.data_ptr(), offsets_L1.shape[0] - 1, w_LOI.shape[1], w_LOI.shape[2],
+                             int(relu), _pointer(hidden_MO), _pointer(scale_M), _pointer(dot_M),
                              torch.get_num_threads())
-    return out_MN if hidden_MN is None else (out_MN, dot_M)
+    return out_MO if hidden_MO is None else (out_MO, dot_M)
 
 
-def _rows_of(a_RK, index_M):
-    return a_RK.shape[0] if index_M is None else index_M.shape[0]
+def _rows_of(a_RI, index_M):
+    return a_RI.shape[0] if index_M is None else index_M.shape[0]
 
 
 @torch.library.custom_op("moe_scale::rows_times_wt", mutates_args=(), device_types="cpu", schema=_ROWS_TIMES_WT)
-def _rows_times_wt_op(a_RK, w_ENK, offsets_E1, index_M, relu):
-    return _rows_times_wt(a_RK, w_ENK, offsets_E1, index_M, relu)
+def _rows_times_wt_op(a_RI, w_LOI, offsets_L1, index_M, relu):
+    return _rows_times_wt(a_RI, w_LOI, offsets_L1, index_M, relu)
 
 
 @_rows_times_wt_op.register_fake
-def _(a_RK, w_ENK, offsets_E1, index_M, relu):
-    return a_RK.new_empty(_rows_of(a_RK, index_M), w_ENK.shape[1])
+def _(a_RI, w_LOI, offsets_L1, index_M, relu):
+    return a_RI.new_empty(_rows_of(a_RI, index_M), w_LOI.shape[1])
 
 
 @torch.library.custom_op("moe_scale::rows_times_wt_relu_grad", mutates_args=(), device_types="cpu",
                          schema=_ROWS_TIMES_WT_GRAD)
-def _rows_times_wt_relu_grad_op(a_RK, w_ENK, offsets_E1, index_M, hidden_MN, scale_M):
-    return _rows_times_wt(a_RK, w_ENK, offsets_E1, index_M, False, hidden_MN, scale_M)
+def _rows_times_wt_relu_grad_op(a_RI, w_LOI, offsets_L1, index_M, hidden_MO, scale_M):
+    return _rows_times_wt(a_RI, w_LOI, offsets_L1, index_M, False, hidden_MO, scale_M)
 
 
 @_rows_times_wt_relu_grad_op.register_fake
-def _(a_RK, w_ENK, offsets_E1, index_M, hidden_MN, scale_M):
-    rows = _rows_of(a_RK, index_M)
-    return a_RK.new_empty(rows, w_ENK.shape[1]), a_RK.new_empty(rows)
+def _(a_RI, w_LOI, offsets_L1, index_M, hidden_MO, scale_M):
+    rows = _rows_of(a_RI, index_M)
+    return a_RI.new_empty(rows, w_LOI.shape[1]), a_RI.new_empty(rows)
 
 
-def rows_times_wt(a_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
+def rows_times_wt(a_RI: torch.Tensor, w_LOI: torch.Tensor, offsets_L1: torch.Tensor,
                   a_index_M: torch.Tensor | None = None, relu: bool = False,
                   relu_grad: tuple[torch.Tensor, torch.Tensor] | None = None):
     """out[rows of e] = a[rows of e] @ w[e].T: [M, N], where row r reads a[a_index_M[r]] if an index is given
     (else a[r], M = R); `relu` clamps the result at 0.
 
-    relu_grad = (hidden_MN, scale_M): the ReLU's backward as well, on each row while it is in cache; returns
+    relu_grad = (hidden_MO, scale_M): the ReLU's backward as well, on each row while it is in cache; returns
     (g, dot_M) with dot_M[r] = <out[r], hidden[r]> and g[r] = out[r] * scale[r] where hidden[r] > 0, else 0."""
     if relu_grad is None:
-        return torch.ops.moe_scale.rows_times_wt(a_RK, w_ENK, offsets_E1, a_index_M, relu)
-    return torch.ops.moe_scale.rows_times_wt_relu_grad(a_RK, w_ENK, offsets_E1, a_index_M, *relu_grad)
+        return torch.ops.moe_scale.rows_times_wt(a_RI, w_LOI, offsets_L1, a_index_M, relu)
+    return torch.ops.moe_scale.rows_times_wt_relu_grad(a_RI, w_LOI, offsets_L1, a_index_M, *relu_grad)
 
 
 @torch.library.custom_op("moe_scale::rows_times_w", mutates_args=(), device_types="cpu",
-                         schema="(Tensor a_MN, Tensor w_ENK, Tensor offsets_E1) -> Tensor")
-def _rows_times_w_op(a_MN, w_ENK, offsets_E1):
-    a_MN, w_ENK = a_MN.contiguous(), w_ENK.contiguous()
-    _rows(offsets_E1, a_MN.shape[0])
-    out_MK = a_MN.new_empty(a_MN.shape[0], w_ENK.shape[2])
-    _library().rows_times_w(a_MN.data_ptr(), w_ENK.data_ptr(), out_MK.data_ptr(), offsets_E1.data_ptr(),
-                            offsets_E1.shape[0] - 1, w_ENK.shape[1], w_ENK.shape[2], torch.get_num_threads())
-    return out_MK
+                         schema="(Tensor a_MO, Tensor w_LOI, Tensor offsets_L1) -> Tensor")
+def _rows_times_w_op(a_MO, w_LOI, offsets_L1):
+    a_MO, w_LOI = a_MO.contiguous(), w_LOI.contiguous()
+    _rows(offsets_L1, a_MO.shape[0])
+    out_MI = a_MO.new_empty(a_MO.shape[0], w_LOI.shape[2])
+    _library().rows_times_w(a_MO.data_ptr(), w_LOI.data_ptr(), out_MI.data_ptr(), offsets_L1.data_ptr(),
+                            offsets_L1.shape[0] - 1, w_LOI.shape[1], w_LOI.shape[2], torch.get_num_threads())
+    return out_MI
 
 
 @_rows_times_w_op.register_fake
-def _(a_MN, w_ENK, offsets_E1):
-    return a_MN.new_empty(a_MN.shape[0], w_ENK.shape[2])
+def _(a_MO, w_LOI, offsets_L1):
+    return a_MO.new_empty(a_MO.shape[0], w_LOI.shape[2])
 
 
-def rows_times_w(a_MN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+def rows_times_w(a_MO: torch.Tensor, w_LOI: torch.Tensor, offsets_L1: torch.Tensor) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ w[e]: [M, K]."""
-    return torch.ops.moe_scale.rows_times_w(a_MN, w_ENK, offsets_E1)
+    return torch.ops.moe_scale.rows_times_w(a_MO, w_LOI, offsets_L1)
 
 
-@torch.library.custom_op("moe_scale::rows_outer_", mutates_args=("out_ENK",), device_types="cpu",
-                         schema="(Tensor a_MN, Tensor b_RK, Tensor offsets_E1, Tensor(a!) out_ENK, bool out_mapped, "
+@torch.library.custom_op("moe_scale::rows_outer_", mutates_args=("out_LOI",), device_types="cpu",
+                         schema="(Tensor a_MO, Tensor b_RI, Tensor offsets_L1, Tensor(a!) out_LOI, bool out_mapped, "
                                 "Tensor? index_M) -> ()")
-def _rows_outer_op(a_MN, b_RK, offsets_E1, out_ENK, out_mapped, index_M):
-    a_MN, b_RK = a_MN.contiguous(), b_RK.contiguous()
-    _rows(offsets_E1, a_MN.shape[0])
-    index = _index(index_M, a_MN.shape[0], b_RK.shape[0])
-    shape = (offsets_E1.shape[0] - 1, a_MN.shape[1], b_RK.shape[1])
-    if out_ENK.shape != shape or not out_ENK.is_contiguous() or out_ENK.dtype != torch.float32:
-        raise ValueError(f"out must be a contiguous float32 {list(shape)} tensor, got {out_ENK.dtype} "
-                         f"{list(out_ENK.shape)}")
-    _library().rows_outer(a_MN.data_ptr(), b_RK.data_ptr(), _pointer(index), out_ENK.data_ptr(),
-                          offsets_E1.data_ptr(), shape[0], shape[1], shape[2], torch.get_num_threads(),
+def _rows_outer_op(a_MO, b_RI, offsets_L1, out_LOI, out_mapped, index_M):
+    a_MO, b_RI = a_MO.contiguous(), b_RI.contiguous()
+    _rows(offsets_L1, a_MO.shape[0])
+    index = _index(index_M, a_MO.shape[0], b_RI.shape[0])
+    shape = (offsets_L1.shape[0] - 1, a_MO.shape[1], b_RI.shape[1])
+    if out_LOI.shape != shape or not out_LOI.is_contiguous() or out_LOI.dtype != torch.float32:
+        raise ValueError(f"out must be a contiguous float32 {list(shape)} tensor, got {out_LOI.dtype} "
+                         f"{list(out_LOI.shape)}")
+    _library().rows_outer(a_MO.data_ptr(), b_RI.data_ptr(), _pointer(index), out_LOI.data_ptr(),
+                          offsets_L1.data_ptr(), shape[0], shape[1], shape[2], torch.get_num_threads(),
                           int(out_mapped))
 
 
 @_rows_outer_op.register_fake
-def _(a_MN, b_RK, offsets_E1, out_ENK, out_mapped, index_M):
+def _(a_MO, b_RI, offsets_L1, out_LOI, out_mapped, index_M):
     return None
 
 
-def rows_outer(a_MN: torch.Tensor, b_RK: torch.Tensor, offsets_E1: torch.Tensor,
-               out_ENK: torch.Tensor | None = None, out_mapped: bool = False,
+def rows_outer(a_MO: torch.Tensor, b_RI: torch.Tensor, offsets_L1: torch.Tensor,
+               out_LOI: torch.Tensor | None = None, out_mapped: bool = False,
                b_index_M: torch.Tensor | None = None) -> torch.Tensor:
-    """out[e] = a[rows of e].T @ b[rows of e]: [E, N, K], exact zeros for an expert with no rows, where row r
-    of b is b[b_index_M[r]] if an index is given; written over `out_ENK` (contiguous float32 [E, N, K]) when
+    """out[e] = a[rows of e].T @ b[rows of e]: [L, O, I], exact zeros for an expert with no rows, where row r
+    of b is b[b_index_M[r]] if an index is given; written over `out_LOI` (contiguous float32 [L, O, I]) when
     given. `out_mapped`: its memory has been written before (it then takes streaming stores, which are
     slower into fresh pages)."""
-    if out_ENK is None:
-        out_ENK = a_MN.new_empty(offsets_E1.shape[0] - 1, a_MN.shape[1], b_RK.shape[1])
-    torch.ops.moe_scale.rows_outer_(a_MN, b_RK, offsets_E1, out_ENK, out_mapped, b_index_M)
-    return out_ENK
+    if out_LOI is None:
+        out_LOI = a_MO.new_empty(offsets_L1.shape[0] - 1, a_MO.shape[1], b_RI.shape[1])
+    torch.ops.moe_scale.rows_outer_(a_MO, b_RI, offsets_L1, out_LOI, out_mapped, b_index_M)
+    return out_LOI
 
 
 @torch.library.custom_op("moe_scale::noisy_top_k_forward", mutates_args=(), device_types="cpu",
@@ -283,14 +285,14 @@ def _noisy_top_k_forward_op(clean_NE, z_NE, noise_NE, eps, k, smooth_load):
     clean_NE, z_NE, noise_NE = clean_NE.contiguous(), z_NE.contiguous(), noise_NE.contiguous()
     (n, e), m = clean_NE.shape, min(k + 1, clean_NE.shape[1])
     std_NE = torch.empty_like(clean_NE)
-    top_values_NM, top_idx_NM = clean_NE.new_empty(n, m), torch.empty(n, m, dtype=torch.int64)
+    top_values_NK1, top_idx_NK1 = clean_NE.new_empty(n, m), torch.empty(n, m, dtype=torch.int64)
     load_E = clean_NE.new_zeros(e)
     load_blocks = clean_NE.new_empty(-(-n // _GATE_ROWS_PER_BLOCK) if smooth_load else 0, e)
     _library().noisy_top_k_forward(clean_NE.data_ptr(), z_NE.data_ptr(), noise_NE.data_ptr(), std_NE.data_ptr(),
-                                   top_values_NM.data_ptr(), top_idx_NM.data_ptr(), load_E.data_ptr(),
+                                   top_values_NK1.data_ptr(), top_idx_NK1.data_ptr(), load_E.data_ptr(),
                                    load_blocks.data_ptr(), n, e, k, m, _GATE_ROWS_PER_BLOCK, eps, int(smooth_load),
                                    torch.get_num_threads())
-    return std_NE, top_values_NM, top_idx_NM, load_E
+    return std_NE, top_values_NK1, top_idx_NK1, load_E
 
 
 @_noisy_top_k_forward_op.register_fake
@@ -302,23 +304,23 @@ def _(clean_NE, z_NE, noise_NE, eps, k, smooth_load):
 
 def noisy_top_k_forward(clean_NE: torch.Tensor, z_NE: torch.Tensor, noise_NE: torch.Tensor, eps: float, k: int,
                         smooth_load: bool) -> tuple[torch.Tensor, ...]:
-    """(std_NE, top_values_NM, top_idx_NM, load_E): gating_ops.noisy_top_k's forward (load zeros unless
+    """(std_NE, top_values_NK1, top_idx_NK1, load_E): gating_ops.noisy_top_k's forward (load zeros unless
     `smooth_load`), and the std it keeps for the backward."""
     return torch.ops.moe_scale.noisy_top_k_forward(clean_NE, z_NE, noise_NE, eps, k, smooth_load)
 
 
 @torch.library.custom_op("moe_scale::noisy_top_k_backward", mutates_args=(), device_types="cpu",
-                         schema="(Tensor clean_NE, Tensor noise_NE, Tensor std_NE, Tensor top_values_NM, "
-                                "Tensor top_idx_NM, Tensor grad_top_NM, Tensor? grad_load_E, float eps, int k) "
+                         schema="(Tensor clean_NE, Tensor noise_NE, Tensor std_NE, Tensor top_values_NK1, "
+                                "Tensor top_idx_NK1, Tensor grad_top_NK1, Tensor? grad_load_E, float eps, int k) "
                                 "-> (Tensor, Tensor)")
-def _noisy_top_k_backward_op(clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM, grad_top_NM, grad_load_E,
+def _noisy_top_k_backward_op(clean_NE, noise_NE, std_NE, top_values_NK1, top_idx_NK1, grad_top_NK1, grad_load_E,
                              eps, k):
-    grad_top_NM = grad_top_NM.clone(memory_format=torch.contiguous_format)   # the thresholds' share is added
+    grad_top_NK1 = grad_top_NK1.clone(memory_format=torch.contiguous_format)   # the thresholds' share is added
     grad_load_E = None if grad_load_E is None else grad_load_E.contiguous()
     grad_clean_NE, grad_z_NE = torch.empty_like(clean_NE), torch.empty_like(clean_NE)
-    (n, e), m = clean_NE.shape, top_values_NM.shape[1]
+    (n, e), m = clean_NE.shape, top_values_NK1.shape[1]
     _library().noisy_top_k_backward(clean_NE.data_ptr(), noise_NE.data_ptr(), std_NE.data_ptr(),
-                                    top_values_NM.data_ptr(), top_idx_NM.data_ptr(), grad_top_NM.data_ptr(),
+                                    top_values_NK1.data_ptr(), top_idx_NK1.data_ptr(), grad_top_NK1.data_ptr(),
                                     None if grad_load_E is None else grad_load_E.data_ptr(),
                                     grad_clean_NE.data_ptr(), grad_z_NE.data_ptr(), n, e, k, m, eps,
                                     torch.get_num_threads())
@@ -326,15 +328,15 @@ def _noisy_top_k_backward_op(clean_NE, noise_NE, std_NE, top_values_NM, top_idx_
 
 
 @_noisy_top_k_backward_op.register_fake
-def _(clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM, grad_top_NM, grad_load_E, eps, k):
+def _(clean_NE, noise_NE, std_NE, top_values_NK1, top_idx_NK1, grad_top_NK1, grad_load_E, eps, k):
     return torch.empty_like(clean_NE), torch.empty_like(clean_NE)
 
 
-def noisy_top_k_backward(clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM, grad_top_NM: torch.Tensor,
+def noisy_top_k_backward(clean_NE, noise_NE, std_NE, top_values_NK1, top_idx_NK1, grad_top_NK1: torch.Tensor,
                          grad_load_E: torch.Tensor | None, eps: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_clean_NE, grad_z_NE) from the gradients of the top values and (if not None) of the load."""
-    return torch.ops.moe_scale.noisy_top_k_backward(clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM,
-                                                    grad_top_NM, grad_load_E, eps, k)
+    return torch.ops.moe_scale.noisy_top_k_backward(clean_NE, noise_NE, std_NE, top_values_NK1, top_idx_NK1,
+                                                    grad_top_NK1, grad_load_E, eps, k)
 
 
 @torch.library.custom_op("moe_scale::standard_normal", mutates_args=(), device_types="cpu",

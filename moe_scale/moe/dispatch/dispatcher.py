@@ -1,8 +1,9 @@
 """Token dispatcher: send each token to the ranks that own its experts, and bring the results back.
 
-Legend: N local tokens, C (token, expert) pairs routed from this rank (N*K for a top-k gate), S pairs kept
-(C when dropless), U distinct (token, destination rank) rows sent, D model dim, E global experts,
-P expert-parallel ranks, L = E / P local experts per rank, M pairs and R rows that arrive here.
+Legend (docs/shapes.md): N tokens on this rank, C (token, expert) pairs routed from this rank (N*K for a
+top-k gate), S pairs kept (C when dropless), U distinct (token, destination rank) rows sent, D model width,
+E experts over all ranks, P expert-parallel ranks, L = E / P local experts per rank, M pairs that arrive here,
+R rows that arrive here, X count columns exchanged side by side.
 
 Expert e lives on EP rank e // L. Memory grows with N*K, never with N*E: no dense dispatch mask, no
 [tokens, experts, capacity] tensor.

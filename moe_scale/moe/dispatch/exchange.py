@@ -102,23 +102,23 @@ def all_to_all_rows(rows, out_splits: list[int], in_splits: list[int], group, ti
     return _TimedAllToAll.apply(rows, out_splits, in_splits, group, timer)
 
 
-def exchange_counts(send_AB: torch.Tensor, group, timer: CommTimer) -> torch.Tensor:
-    """Row a of `send_AB` goes to rank a of `group`; returns row b = what rank b sent here (on the device)."""
-    recv_AB = torch.empty_like(send_AB)
-    timer.run(lambda: dist.all_to_all_single(recv_AB, send_AB.contiguous(), group=group), send_AB.device)
-    return recv_AB
+def exchange_counts(send: torch.Tensor, group, timer: CommTimer) -> torch.Tensor:
+    """Row a of `send` goes to rank a of `group`; returns row b = what rank b sent here (on the device)."""
+    recv = torch.empty_like(send)
+    timer.run(lambda: dist.all_to_all_single(recv, send.contiguous(), group=group), send.device)
+    return recv
 
 
-def block_transpose_index(counts_AB: torch.Tensor, total: int) -> torch.Tensor:
-    """Rows laid out as blocks in (a, b) order, block (a, b) holding counts_AB[a, b] rows, `total` rows in
+def block_transpose_index(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows laid out as blocks in (a, b) order, block (a, b) holding counts[a, b] rows, `total` rows in
     all; returns idx with rows[idx] laid out in (b, a) order, each block's rows kept in their order."""
-    A, B = counts_AB.shape
-    sizes = counts_AB.reshape(-1)
-    starts_BA = (sizes.cumsum(0) - sizes).view(A, B).t().reshape(-1)
-    sizes_BA = counts_AB.t().reshape(-1)
-    begin_BA = sizes_BA.cumsum(0) - sizes_BA
-    shift_BA = starts_BA - begin_BA   # where a block's rows go minus where they come from
-    return torch.arange(total, device=counts_AB.device) + torch.repeat_interleave(shift_BA, sizes_BA,
+    A, B = counts.shape   # blocks (a, b); the result reads them in (b, a) order ("_t")
+    sizes = counts.reshape(-1)
+    starts_t = (sizes.cumsum(0) - sizes).view(A, B).t().reshape(-1)
+    sizes_t = counts.t().reshape(-1)
+    begin_t = sizes_t.cumsum(0) - sizes_t
+    shift_t = starts_t - begin_t   # where a block's rows go minus where they come from
+    return torch.arange(total, device=counts.device) + torch.repeat_interleave(shift_t, sizes_t,
                                                                                  output_size=total)
 
 

@@ -1,9 +1,10 @@
 """Experts: one-hidden-layer ReLU FFNs stored as stacked weights, run as one grouped computation.
 
 Legend (docs/shapes.md): M (token, expert) pairs that arrived at this rank (sorted by local expert), R rows
-they read, D model width, F expert hidden width, L local experts. `tokens_per_expert` says how many of the M
-rows belong to each local expert, in order: a device tensor (with the same counts as a host list beside it
-where the caller read them anyway), or a list.
+they read, D model width, F expert hidden width, L local experts, I input width, O output width (of a product).
+
+`tokens_per_expert` says how many of the M rows belong to each local expert, in order: a device tensor (with the
+same counts as a host list beside it where the caller read them anyway), or a list.
 
 Why a custom autograd function: indexing `w[e]` in a Python loop makes autograd materialise a full-size
 gradient of `w` per expert (O(E^2) memory traffic). Here the backward
@@ -232,8 +233,8 @@ class GroupedExperts(nn.Module):
         with torch.no_grad():
             for local_id in range(self.num_local_experts):
                 generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.first_global_expert + local_id)
-                w_in_DH = torch.empty(self.d_model, self.d_hidden).uniform_(-bound, bound, generator=generator)
-                self.w_in[local_id].copy_(w_in_DH.t())
+                w_in_DF = torch.empty(self.d_model, self.d_hidden).uniform_(-bound, bound, generator=generator)
+                self.w_in[local_id].copy_(w_in_DF.t())
                 self.w_out[local_id].uniform_(-bound, bound, generator=generator)
 
     def forward(self, rows_RD: torch.Tensor, tokens_per_expert: Counts, row_of_pair_M: torch.Tensor | None = None,

@@ -1,8 +1,10 @@
 """Per-expert products as grouped GEMMs: one call for all experts, whatever their number.
 
-Legend (docs/shapes.md): M rows sorted by expert (`counts_L[e]` of them for expert e), L local experts, I and O
-the two matrix widths; offsets are int32 row ends on the device, which is what grouped GEMMs read, so nothing here waits
-for the device.
+Legend (docs/shapes.md): M rows sorted by local expert (`counts_L[e]` of them for expert e), L local experts,
+I input width, O output width (of a product).
+
+Offsets are int32 row ends on the device, which is what grouped GEMMs read, so nothing here waits for the
+device.
 
     rows_times_expert   out[rows of e] = a[rows of e] @ b[e]                 [M, I] x [L, I, O] -> [M, O]
     per_expert_outer    out[e] = a[rows of e].T @ b[rows of e]              [M, I] x [M, O] -> [L, I, O]

@@ -1,9 +1,10 @@
 """Strictly balanced gating (Shazeer et al. 2017, App. F, eq. 15-20; spec §1.7).
 
-Legend (docs/shapes.md): N tokens on this rank, D model dim, E experts (n in the paper), B rows of the batch in scope (this rank's
-batch for ``scope="local"``, the whole data-parallel batch for ``scope="global"``), C selected (token, expert) pairs.
+Legend (docs/shapes.md): N tokens on this rank, D model width, E experts (n in the paper), Nb tokens of the
+batch in scope (this rank's for ``scope="local"``, the whole data-parallel batch's for ``scope="global"``),
+C selected (token, expert) pairs.
 
-Training routes with ``M_batchwise``: every expert takes its top ``m = max(1, floor(k * B_valid / E))`` tokens of
+Training routes with ``M_batchwise``: every expert takes its top ``m = max(1, floor(k * Nb_valid / E))`` tokens of
 the batch in scope (columns of ``S = softmax(x W_g)``), so every expert gets exactly ``m`` tokens while a token may
 get 0 experts (its MoE output is 0) or more than k. Inference routes with ``M_threshold = S > T`` and learned
 thresholds ``T [E]``, which the threshold loss ``L_bw`` (eq. 20) trains to reproduce the batchwise mask.
@@ -32,8 +33,8 @@ def _hash32(h: Tensor) -> Tensor:
     return (h >> 16) ^ h
 
 
-def selection_keys(s_BE: Tensor, valid_B: Tensor, row0: int = 0) -> Tensor:
-    """int64 [B, E] keys whose order is the order of ``s_BE`` with exact ties broken pseudo-randomly.
+def selection_keys(s_NbE: Tensor, valid_Nb: Tensor, row0: int = 0) -> Tensor:
+    """int64 [Nb, E] keys whose order is the order of ``s_NbE`` with exact ties broken pseudo-randomly.
 
     key = (float32 bits of S) << 31 | hash31(row0 + row, column). The float32 bit pattern of a non-negative float is
     monotone in its value, so distinct scores keep their order exactly and only *equal* scores are ordered by the
@@ -43,36 +44,36 @@ def selection_keys(s_BE: Tensor, valid_B: Tensor, row0: int = 0) -> Tensor:
     pitfall), and (b) every rank and a 1-process run on the same global batch break ties identically.
     Invalid (padding) rows get key -1 so they never take capacity.
     """
-    b, e = s_BE.shape
-    bits_BE = s_BE.detach().float().abs().view(torch.int32).long()  # abs: also maps -0.0 to 0
-    rows_B = torch.arange(row0, row0 + b, device=s_BE.device) & _MASK32
-    cols_E = torch.arange(e, device=s_BE.device)
-    tie_BE = _hash32(_hash32(rows_B)[:, None] ^ cols_E[None, :]) & 0x7FFFFFFF
-    return ((bits_BE << 31) | tie_BE).masked_fill(~valid_B[:, None], -1)
+    b, e = s_NbE.shape
+    bits_NbE = s_NbE.detach().float().abs().view(torch.int32).long()  # abs: also maps -0.0 to 0
+    rows_Nb = torch.arange(row0, row0 + b, device=s_NbE.device) & _MASK32
+    cols_E = torch.arange(e, device=s_NbE.device)
+    tie_NbE = _hash32(_hash32(rows_Nb)[:, None] ^ cols_E[None, :]) & 0x7FFFFFFF
+    return ((bits_NbE << 31) | tie_NbE).masked_fill(~valid_Nb[:, None], -1)
 
 
-def batchwise_mask(s_BE: Tensor, m: int, valid_B: Tensor, row0: int = 0) -> Tensor:
+def batchwise_mask(s_NbE: Tensor, m: int, valid_Nb: Tensor, row0: int = 0) -> Tensor:
     """M_batchwise (eq. 18): 1 where S[j, i] is among the top m valid rows of column i (ties: ``selection_keys``)."""
-    mask_BE = torch.zeros_like(s_BE, dtype=torch.bool)
+    mask_NbE = torch.zeros_like(s_NbE, dtype=torch.bool)
     if m > 0:
-        idx_mE = selection_keys(s_BE, valid_B, row0).topk(m, dim=0).indices
-        mask_BE.scatter_(0, idx_mE, True)
-    return mask_BE
+        idx_mE = selection_keys(s_NbE, valid_Nb, row0).topk(m, dim=0).indices
+        mask_NbE.scatter_(0, idx_mE, True)
+    return mask_NbE
 
 
 def tokens_per_expert(k: int, num_valid_rows: int, num_experts: int) -> int:
-    """m = max(1, floor(k * B_valid / n)), and 0 for an empty batch (m <= B_valid always since k <= n)."""
+    """m = max(1, floor(k * Nb_valid / n)), and 0 for an empty batch (m <= Nb_valid always since k <= n)."""
     if num_valid_rows == 0:
         return 0
     return max(1, (k * num_valid_rows) // num_experts)
 
 
-def midpoint_thresholds(s_BE: Tensor, m: int, valid_B: Tensor) -> Tensor:
+def midpoint_thresholds(s_NbE: Tensor, m: int, valid_Nb: Tensor) -> Tensor:
     """[E]: per column, the midpoint between the m-th and (m+1)-th largest valid S (minimizer of L_bw on this
-    batch). With m == B_valid there is no (m+1)-th value: midpoint between the m-th value and 0."""
-    s_BE = s_BE.detach().masked_fill(~valid_B[:, None], -math.inf)
-    num_valid = int(valid_B.sum())
-    top_vals = s_BE.topk(min(m + 1, s_BE.shape[0]), dim=0).values
+    batch). With m == Nb_valid there is no (m+1)-th value: midpoint between the m-th value and 0."""
+    s_NbE = s_NbE.detach().masked_fill(~valid_Nb[:, None], -math.inf)
+    num_valid = int(valid_Nb.sum())
+    top_vals = s_NbE.topk(min(m + 1, s_NbE.shape[0]), dim=0).values
     below_E = top_vals[m] if m < num_valid else torch.zeros_like(top_vals[0])
     return 0.5 * (top_vals[m - 1] + below_E)
 
@@ -161,17 +162,17 @@ class BatchwiseRouter(Router):
             m = tokens_per_expert(self.k, int(valid_N.sum()), self.num_experts)
             return batchwise_mask(s_NE, m, valid_N), m, s_NE, valid_N
         gathered, offset = self.batch.gather(torch.cat([s_NE.detach(), valid_N[:, None].to(s_NE.dtype)], dim=1))
-        s_BE, valid_B = gathered[:, :-1], gathered[:, -1] > 0.5
-        m = tokens_per_expert(self.k, int(valid_B.sum()), self.num_experts)
-        return batchwise_mask(s_BE, m, valid_B)[offset : offset + n], m, s_BE, valid_B
+        s_NbE, valid_Nb = gathered[:, :-1], gathered[:, -1] > 0.5
+        m = tokens_per_expert(self.k, int(valid_Nb.sum()), self.num_experts)
+        return batchwise_mask(s_NbE, m, valid_Nb)[offset : offset + n], m, s_NbE, valid_Nb
 
     @torch.no_grad()
-    def _init_thresholds(self, s_BE: Tensor, m: int, valid_B: Tensor) -> None:
-        num_valid = int(valid_B.sum())
-        t_E = midpoint_thresholds(s_BE, m, valid_B).to(self.thresholds.dtype) if m > 0 else None
+    def _init_thresholds(self, s_NbE: Tensor, m: int, valid_Nb: Tensor) -> None:
+        num_valid = int(valid_Nb.sum())
+        t_E = midpoint_thresholds(s_NbE, m, valid_Nb).to(self.thresholds.dtype) if m > 0 else None
         if self.scope == "local":  # average the per-rank midpoints so T stays identical on every rank
             weight = float(num_valid)
-            local = torch.zeros(self.num_experts + 1, dtype=self.thresholds.dtype, device=s_BE.device)
+            local = torch.zeros(self.num_experts + 1, dtype=self.thresholds.dtype, device=s_NbE.device)
             if t_E is not None:
                 local[:-1] = t_E * weight
             local[-1] = weight
@@ -194,9 +195,9 @@ class BatchwiseRouter(Router):
         s_NE = torch.softmax(self.logits(x_ND, self.w_gate), dim=-1)  # G_sigma (eq. 15)
 
         # M_batchwise routes in training; at eval it is computed only for the agreement metric.
-        m_b_NE, m, s_BE, valid_B = self._batchwise_in_scope(s_NE, valid_N)
+        m_b_NE, m, s_NbE, valid_Nb = self._batchwise_in_scope(s_NE, valid_N)
         if self.training and self.init_thresholds_from_batch and not bool(self.thresholds_initialized):
-            self._init_thresholds(s_BE, m, valid_B)
+            self._init_thresholds(s_NbE, m, valid_Nb)
         t_E = self.thresholds.to(x_ND.dtype)
         m_thr_NE = (s_NE.detach() > t_E.detach()[None, :]) & valid_N[:, None]  # M_threshold (eq. 19)
         mask_NE, empty_N = self._routing_mask(s_NE, m_b_NE, m_thr_NE, valid_N)

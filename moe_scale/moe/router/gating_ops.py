@@ -1,6 +1,7 @@
 """Memory-lean autograd for the noisy gate's [tokens, experts] arithmetic (Shazeer et al. eq. 4-5, 8-9).
 
-Legend: N tokens, E experts, K top-k, M = K + 1 values kept (the load estimator needs the (K+1)-th).
+Legend (docs/shapes.md): N tokens, E experts, K experts per token, K1 logits kept per token (min(K+1, E):
+the load estimator needs the (K+1)-th).
 
 With thousands of experts every [N, E] tensor is as large as the experts' whole working set (N=2048,
 E=4096: 32 MiB each). Plain autograd through softplus, the noise, top-k and the smooth load keeps about
@@ -33,25 +34,25 @@ class _NoisyTopK(torch.autograd.Function):
         ctx.eps, ctx.k, ctx.smooth_load = eps, k, smooth_load
         ctx.native = row_group_N is None and all(cpu_kernels.available(t) for t in (clean_NE, z_NE, noise_NE))
         if ctx.native:
-            std_NE, top_values_NM, top_idx_NM, load_E = cpu_kernels.noisy_top_k_forward(
+            std_NE, top_values_NK1, top_idx_NK1, load_E = cpu_kernels.noisy_top_k_forward(
                 clean_NE, z_NE, noise_NE, eps, k, smooth_load)
         else:
-            std_NE, top_values_NM, top_idx_NM, load_E = _forward(clean_NE, z_NE, noise_NE, eps, k, smooth_load,
+            std_NE, top_values_NK1, top_idx_NK1, load_E = _forward(clean_NE, z_NE, noise_NE, eps, k, smooth_load,
                                                                   row_group_N, num_groups)
         ctx.row_group_N = row_group_N
-        ctx.save_for_backward(clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM)
-        ctx.mark_non_differentiable(top_idx_NM)
-        return top_values_NM, top_idx_NM, load_E
+        ctx.save_for_backward(clean_NE, noise_NE, std_NE, top_values_NK1, top_idx_NK1)
+        ctx.mark_non_differentiable(top_idx_NK1)
+        return top_values_NK1, top_idx_NK1, load_E
 
     @staticmethod
-    def backward(ctx, grad_top_NM: Tensor, _grad_idx, grad_load_E: Tensor):
+    def backward(ctx, grad_top_NK1: Tensor, _grad_idx, grad_load_E: Tensor):
         saved = ctx.saved_tensors   # clean, noise, std, top values, top indices
-        grad_top_NM = torch.zeros_like(saved[3]) if grad_top_NM is None else grad_top_NM
+        grad_top_NK1 = torch.zeros_like(saved[3]) if grad_top_NK1 is None else grad_top_NK1
         grad_load = grad_load_E if ctx.smooth_load else None
         if ctx.native:
-            grad_clean_NE, grad_z_NE = cpu_kernels.noisy_top_k_backward(*saved, grad_top_NM, grad_load, ctx.eps, ctx.k)
+            grad_clean_NE, grad_z_NE = cpu_kernels.noisy_top_k_backward(*saved, grad_top_NK1, grad_load, ctx.eps, ctx.k)
         else:
-            grad_clean_NE, grad_z_NE = _backward(*saved, grad_top_NM, grad_load, ctx.eps, ctx.k, ctx.row_group_N)
+            grad_clean_NE, grad_z_NE = _backward(*saved, grad_top_NK1, grad_load, ctx.eps, ctx.k, ctx.row_group_N)
         return grad_clean_NE, grad_z_NE, None, None, None, None, None, None
 
 
@@ -60,13 +61,13 @@ def _forward(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: in
     m = min(k + 1, clean_NE.shape[1])
     std_NE = torch.nn.functional.softplus(z_NE).add_(eps)
     noisy_NE = torch.addcmul(clean_NE, noise_NE, std_NE)
-    top_values_NM, top_idx_NM = noisy_NE.topk(m, dim=1)
+    top_values_NK1, top_idx_NK1 = noisy_NE.topk(m, dim=1)
     e = clean_NE.shape[1]
     if not smooth_load:
-        return std_NE, top_values_NM, top_idx_NM, clean_NE.new_zeros(e if row_group_N is None else (num_groups, e))
+        return std_NE, top_values_NK1, top_idx_NK1, clean_NE.new_zeros(e if row_group_N is None else (num_groups, e))
     del noisy_NE
     load = None
-    for clean, noise, std, top_values, row_group in _blocks(clean_NE, noise_NE, std_NE, top_values_NM, row_group_N):
+    for clean, noise, std, top_values, row_group in _blocks(clean_NE, noise_NE, std_NE, top_values_NK1, row_group_N):
         z, _ = _standardised(clean, noise, std, top_values, k)
         p = z.erf_().add_(1.0).mul_(0.5)
         if row_group_N is None:
@@ -76,14 +77,14 @@ def _forward(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: in
             load = (clean_NE.new_zeros(num_groups, e) if load is None else load).index_add_(0, row_group, p)
     if load is None:   # no rows
         load = clean_NE.new_zeros(e if row_group_N is None else (num_groups, e))
-    return std_NE, top_values_NM, top_idx_NM, load
+    return std_NE, top_values_NK1, top_idx_NK1, load
 
 
-def _backward(clean_NE: Tensor, noise_NE: Tensor, std_NE: Tensor, top_values_NM: Tensor, top_idx_NM: Tensor,
-              grad_top_NM: Tensor, grad_load: Tensor | None, eps: float, k: int,
+def _backward(clean_NE: Tensor, noise_NE: Tensor, std_NE: Tensor, top_values_NK1: Tensor, top_idx_NK1: Tensor,
+              grad_top_NK1: Tensor, grad_load: Tensor | None, eps: float, k: int,
               row_group_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
     parts = [_backward_rows(*block, grad_load, eps, k) for block in _blocks(
-        clean_NE, noise_NE, std_NE, top_values_NM, top_idx_NM, grad_top_NM, row_group_N)]
+        clean_NE, noise_NE, std_NE, top_values_NK1, top_idx_NK1, grad_top_NK1, row_group_N)]
     if len(parts) == 1:
         return parts[0]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -113,7 +114,7 @@ def _backward_rows(clean, noise, std, top_values, top_idx, grad_top, row_group, 
 
 def noisy_top_k(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int, smooth_load: bool,
                 row_group_N: Tensor | None = None, num_groups: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """Top M = min(K+1, E) of the noisy logits clean + noise * (softplus(z) + eps), as (values, indices), and
+    """Top K1 = min(K+1, E) of the noisy logits clean + noise * (softplus(z) + eps), as (values, indices), and
     the smooth load_E = sum over tokens of routers.prob_in_top_k (zeros unless `smooth_load`; needs K < E).
     With `row_group_N` (the group of each row, < `num_groups`), the load is summed per group: [G, E] (the
     hierarchical gate's secondary loads, one row per group)."""
@@ -135,10 +136,10 @@ def _denominator(std: Tensor) -> Tensor:
     return std * math.sqrt(2.0) + 1e-20
 
 
-def _standardised(clean, noise, std, top_values_NM, k) -> tuple[Tensor, Tensor]:
+def _standardised(clean, noise, std, top_values_NK1, k) -> tuple[Tensor, Tensor]:
     """((clean - threshold) / (sqrt(2) std), is_in): the threshold is the noisy (K+1)-th value for an expert
     in the noisy top k, the K-th for one outside it (routers.prob_in_top_k explains why)."""
-    thr_in, thr_out = top_values_NM[:, k:k + 1], top_values_NM[:, k - 1:k]
+    thr_in, thr_out = top_values_NK1[:, k:k + 1], top_values_NK1[:, k - 1:k]
     is_in = torch.addcmul(clean, noise, std) > thr_in      # bitwise the forward's noisy logits
     return (clean - torch.where(is_in, thr_in, thr_out)).div_(_denominator(std)), is_in
 

@@ -1,8 +1,9 @@
 """Two-level hierarchical noisy top-k gate (Shazeer et al. 2017, Appendix B, eq. 12-14; spec §1.6, §7 item 7).
 
-Legend (docs/shapes.md): N tokens, D model width, A groups (``a``), G experts per group (``b``), E = A*G experts,
-Kp / Ks top-k of the primary / secondary gate, K = Kp*Ks experts per token, J = N*Kp (token, chosen group) rows,
-M = top-(k+1) kept logits.
+Legend (docs/shapes.md): N tokens, D model width, A groups (``a``), G experts per group (``b``), E = A*G
+experts, Kp primary k (groups per token), Ks secondary k (experts per chosen group), K = Kp*Ks experts per token,
+J = N*Kp (token, chosen group) rows, M (token, group) pairs that arrive at this rank's groups (sorted by group),
+R rows that arrive here.
 
 A primary noisy top-k gate picks Kp of the A groups for each token; for each picked group i a secondary noisy top-k
 gate with group i's own weights picks Ks of its G experts. Expert (i, j) gets the gate ``G_p[t,i] * G_s[t,i,j]``
@@ -60,20 +61,20 @@ class _PickedGroupProduct(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def _top_k(clean_RC: Tensor, raw_noise_RC: Optional[Tensor], noise_RC: Optional[Tensor], k: int, eps: float,
-           row_group_R: Optional[Tensor] = None, num_groups: int = 0):
-    """Noisy (with noise given) or clean top-k gating of R rows over C choices: (gates_RK, idx_RK, load). The
-    load is the smooth in-top-k probability (eq. 8-9) summed over rows (per group of rows with `row_group_R`),
+def _top_k(clean: Tensor, raw_noise: Optional[Tensor], noise: Optional[Tensor], k: int, eps: float,
+           row_group: Optional[Tensor] = None, num_groups: int = 0):
+    """Noisy (with noise given) or clean top-k gating of R rows over C choices: (gates, idx, load). The
+    load is the smooth in-top-k probability (eq. 8-9) summed over rows (per group of rows with `row_group`),
     computed in the memory-lean fused op; None without noise or when k == C (the caller counts instead)."""
-    c = clean_RC.shape[1]
-    if noise_RC is None:
-        top_values_RM, top_idx_RM = clean_RC.topk(min(k + 1, c), dim=1)
+    c = clean.shape[1]
+    if noise is None:
+        top_values, top_idx = clean.topk(min(k + 1, c), dim=1)
         load = None
     else:
-        top_values_RM, top_idx_RM, load = noisy_top_k(clean_RC, raw_noise_RC, noise_RC, eps, k, k < c,
-                                                       row_group_R, num_groups)
+        top_values, top_idx, load = noisy_top_k(clean, raw_noise, noise, eps, k, k < c,
+                                                       row_group, num_groups)
         load = load if k < c else None
-    return torch.softmax(top_values_RM[:, :k], dim=1), top_idx_RM[:, :k], load
+    return torch.softmax(top_values[:, :k], dim=1), top_idx[:, :k], load
 
 
 @dataclass

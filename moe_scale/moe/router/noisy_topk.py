@@ -1,6 +1,7 @@
 """Noisy top-k gating (Shazeer et al. 2017, eq. 3-5, 8-11; spec §1.2-1.4), as in t2t's ``noisy_top_k_gating``.
 
-Legend (docs/shapes.md): N tokens, D model dim, E experts, K top-k, M = min(K+1, E) logits kept for the load estimator.
+Legend (docs/shapes.md): N tokens, D model width, E experts, K experts per token, K1 = min(K+1, E) logits
+kept per token (the load estimator needs the (K+1)-th).
 
 The data-parallel sum of the balance statistics (``batch.sum``) and the noise (``noise_sampler``) are injected by
 the layer (moe/router/base.py).
@@ -20,16 +21,16 @@ from moe_scale.moe.losses import cv_squared
 _FUSED_GATE_MAX_EXPERTS = 16   # w_gate and w_noise multiply x as one matrix up to this many experts
 
 
-def prob_in_top_k(clean_NE: Tensor, noisy_NE: Tensor, std_NE: Tensor, top_values_NM: Tensor, k: int) -> Tensor:
+def prob_in_top_k(clean_NE: Tensor, noisy_NE: Tensor, std_NE: Tensor, top_values_NK1: Tensor, k: int) -> Tensor:
     """P(x, i): probability that expert i stays in the top k when only its own noise is redrawn (eq. 8-9).
 
     The numerator uses the *clean* logit; the thresholds are *noisy* order statistics: the (k+1)-th value for an
     expert that is in the top k, the k-th for one that is not (both equal "the k-th largest of the others").
     ``std_NE`` includes the 1e-2. The thresholds are deliberately not detached (t2t keeps their gradient).
-    Needs M >= k+1 columns in ``top_values_NM``, so the caller falls back to a hard count when k == E.
+    Needs K1 >= k+1 columns in ``top_values_NK1``, so the caller falls back to a hard count when k == E.
     """
-    thr_in_N1 = top_values_NM[:, k : k + 1]
-    thr_out_N1 = top_values_NM[:, k - 1 : k]
+    thr_in_N1 = top_values_NK1[:, k : k + 1]
+    thr_out_N1 = top_values_NK1[:, k - 1 : k]
     is_in_NE = noisy_NE > thr_in_N1  # strict, as t2t; equals "in the top k" apart from ties
     denom_NE = math.sqrt(2.0) * std_NE + 1e-20  # 1e-20: at std 0 this becomes a step, never NaN
     p_in_NE = 0.5 * (1.0 + torch.erf((clean_NE - thr_in_N1) / denom_NE))
@@ -103,12 +104,12 @@ class NoisyTopKRouter(Router):
         if noisy:
             clean_NE, raw_noise_NE = self._gate_and_noise_logits(x_ND)
             noise_NE = self._sample_noise(*clean_NE.shape, x_ND.device).to(x_ND.dtype)
-            top_values_NM, top_idx_NM, smooth_load_E = noisy_top_k(
+            top_values_NK1, top_idx_NK1, smooth_load_E = noisy_top_k(
                 clean_NE, raw_noise_NE, noise_NE, self.noise_epsilon, k, smooth_load=k < e)
         else:
-            top_values_NM, top_idx_NM = self.logits(x_ND, self.w_gate).topk(min(k + 1, e), dim=1)  # values keep
-        gates_NK = torch.softmax(top_values_NM[:, :k], dim=1)                                      # their gradient
-        experts_NK = top_idx_NM[:, :k]
+            top_values_NK1, top_idx_NK1 = self.logits(x_ND, self.w_gate).topk(min(k + 1, e), dim=1)  # values keep
+        gates_NK = torch.softmax(top_values_NK1[:, :k], dim=1)                                      # their gradient
+        experts_NK = top_idx_NK1[:, :k]
 
         # importance_E = sum over tokens of the dense gates, without building the dense [N, E] gates.
         importance_E = gates_NK.new_zeros(e).index_add(0, experts_NK.reshape(-1), gates_NK.reshape(-1))
