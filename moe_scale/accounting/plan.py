@@ -29,11 +29,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_scale.config import RunConfig
+from moe_scale.config import RunConfig, TrainConfig, choices
 from moe_scale.errors import UserError
 from moe_scale.accounting.flops import (SoftmaxCost, active_experts, lstm_layer_shape, lstm_lm_accounting, moe_gating,
                                         sharded_gating_params)
 from moe_scale.accounting.presets import get_preset, preset_config
+
+OPTIMIZERS = choices(TrainConfig, "optimizer")
+PRECISIONS = ("fp32", "bf16")   # what the planner counts bytes for
 
 GIB = 2**30
 MAX_NODES = 4096
@@ -60,7 +63,7 @@ def check_cluster(cluster: Cluster) -> None:
         raise UserError(f"--gpu-mem {cluster.gpu_mem_gib}: give the memory of one GPU in GiB, e.g. 80")
     if cluster.zero_stage not in (0, 1, 2, 3):
         raise UserError(f"--zero {cluster.zero_stage}: ZeRO stages are 0, 1, 2 and 3")
-    if cluster.optimizer not in ("adam", "factored") or cluster.precision not in ("fp32", "bf16"):
+    if cluster.optimizer not in OPTIMIZERS or cluster.precision not in PRECISIONS:
         raise UserError("--optimizer must be adam or factored, --precision fp32 or bf16")
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from moe_scale.accounting.flops import (MoATransformer, SoftmaxCost, lstm_lm_accounting, moa_layer_macs,
-                                     moa_layer_params)
+from moe_scale.accounting.flops import (SOFTMAX_KINDS, MoATransformer, SoftmaxCost, lstm_lm_accounting,
+                                     moa_layer_macs, moa_layer_params)
 from moe_scale.models.meta_build import build_lstm_lm_on_meta, parameters_per_child
 from moe_scale.errors import UserError
 from moe_scale.accounting.presets import PRESETS, get_preset, preset_config
@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("flops", help="parameters, ops/timestep and training FLOPs of a paper preset")
     p.add_argument("--preset", help="preset name (see --list)")
     p.add_argument("--list", action="store_true", help="list the presets")
-    p.add_argument("--softmax", choices=("full", "sampled"), help="count this softmax instead of the preset's")
+    p.add_argument("--softmax", choices=SOFTMAX_KINDS, help="count this softmax instead of the preset's")
     p.add_argument("--softmax-samples", type=int, default=0, help="samples of a sampled softmax")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run_command=run)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from moe_scale.accounting.plan import GIB, MAX_NODES, Cluster, plan, smallest_fitting
+from moe_scale.accounting.plan import GIB, MAX_NODES, OPTIMIZERS, PRECISIONS, Cluster, plan, smallest_fitting
 
 
 def add_parser(sub) -> None:
@@ -16,9 +16,9 @@ def add_parser(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-mem", type=float, default=80.0, metavar="GIB", help="memory of one GPU in GiB")
     p.add_argument("--zero", type=int, default=2, metavar="STAGE", help="DeepSpeed ZeRO stage (0, 1, 2)")
-    p.add_argument("--optimizer", choices=("adam", "factored"), default="adam",
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
                    help="expert optimizer: Adam, or App. D's β1=0 factored second moment")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--batch-tokens", type=int, default=None,
                    help="tokens per global batch (default: the paper's batch for the preset)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
