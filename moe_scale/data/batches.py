@@ -74,10 +74,12 @@ def row_bounds(sentences: Dataset, rows: int, batch_size: int = 1 << 16) -> np.n
 
 
 class LMWindows:
-    """Token windows for a causal LM: `batch(step)` gives this rank's (inputs_BT, targets_BT), int64."""
+    """Token windows for a causal LM: `batch(step)` gives this rank's (inputs_BT, targets_BT), int64. A
+    TrainingSource (data/source.py): epochs repeat without end, and the position is a function of the step."""
 
     # How rows are cut, recorded in every checkpoint: a resume from one cut otherwise reads another text order.
     row_layout = "tokens"
+    last_step = None
 
     def __init__(self, sentences: Dataset, vocab: Vocab, seq_len: int, global_rows: int,
                  rank: int = 0, world_size: int = 1, min_over_ranks: Callable[[int], int] = lambda n: n,
@@ -123,6 +125,10 @@ class LMWindows:
         available = sum(max(len(r) - 1, 0) for r in self.rows)
         return self.rows_per_rank * self.num_windows * self.seq_len / available
 
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_windows
+
     def describe(self) -> str:
         whose = "the training tokens" if self.world_size == 1 else "the tokens in this rank's rows"
         return (f"{self.num_windows} steps per epoch ({self.epoch_share:.0%} of {whose}: the shortest of the "
@@ -149,6 +155,13 @@ class LMWindows:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         return self._window(self.window_index(step, shuffle_seed))
+
+    def state_dict(self) -> None:
+        """Nothing for a checkpoint: the step says which window comes next."""
+        return None
+
+    def load_state_dict(self, state: None) -> None:
+        """Nothing to restore (see `state_dict`)."""
 
     def all_windows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every window in order (for evaluation): (inputs_BT, targets_BT) per window."""

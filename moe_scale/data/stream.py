@@ -88,7 +88,11 @@ class ShuffledReader:
 
 
 class StreamBatches:
-    """This rank's (inputs_BT, targets_BT) for consecutive steps, read from the shards once."""
+    """This rank's (inputs_BT, targets_BT) for consecutive steps, read from the shards once. A TrainingSource
+    (data/source.py) of one pass, no epochs and a position of its own; its rows are each reader's windows."""
+
+    row_layout = None
+    steps_per_epoch = None
 
     def __init__(self, files: list[Path], vocab: Vocab, seq_len: int, global_rows: int, rank: int, world_size: int,
                  readers_per_rank: int, shuffle_buffer: int, seed: int,

@@ -4,9 +4,10 @@ A checkpoint is written under a temporary name and renamed once every rank has f
 every file's size and CRC-32, and `checkpoints/complete` names the newest complete one, so a run killed mid-save
 resumes from the previous complete checkpoint, and a file cut short or corrupted later is caught before it is
 loaded (resume, eval, prune-heads), with the older checkpoints that can be used instead. Checkpoints written
-before the manifest existed load unchecked. Random streams, and the in-memory data position, are functions of
-the step number; a streamed data source (`--stream`) also saves its position, one file per rank
-(`data_stream_rank<r>.pt` in the checkpoint's directory), so a resumed run reads on exactly where it stopped.
+before the manifest existed load unchecked. The training state (train/state.py) is saved and restored whole:
+its step as DeepSpeed's client state, and the position of a data source that has one of its own (`--stream`),
+one file per rank (`data_stream_rank<r>.pt` in the checkpoint's directory), so a resumed run reads on exactly
+where it stopped; random streams, and the in-memory data position, are functions of the step.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_scale.data.source import TrainingSource
 from moe_scale.deepspeed_internals import MODEL_STATES_FILE
 from moe_scale.errors import UserError
-
 from moe_scale.files import write_json_atomic
 from moe_scale.train.reshard import has_portable, load_portable, save_portable
+from moe_scale.train.state import TrainState
 
 MANIFEST = "manifest.json"
 LAYOUT = "layout.json"
@@ -33,22 +35,25 @@ _SHAPE_SECTIONS = ("model", "moe", "attention", "softmax")
 _CHUNK = 1 << 22
 
 
-def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None, *, keep: int) -> None:
-    """DeepSpeed's files go to checkpoints/.partial-<tag>; once every rank has written, rank 0 adds a manifest
-    (each file's size and CRC-32), renames the directory to <tag> and points checkpoints/complete at it, then
-    deletes all but the newest `keep` checkpoints (0: none). A run killed (or a disk full) before that leaves the
-    previous complete checkpoint as it was."""
+def save_checkpoint(engine, run: Path, state: TrainState, rank: int, *, rows: str | None, keep: int) -> None:
+    """The engine and `state` after its step: DeepSpeed's files go to checkpoints/.partial-<tag>; once every rank
+    has written, rank 0 adds the layout (processes, --ep-size, how `rows` were cut: the source's row_layout), a
+    manifest (each file's size and CRC-32), renames the directory to <tag> and points checkpoints/complete at it,
+    then deletes all but the newest `keep` checkpoints (0: none). A run killed (or a disk full) before that leaves
+    the previous complete checkpoint as it was."""
     directory = run / "checkpoints"
+    step = state.step
     tag = f"step{step:08d}"
     partial = directory / f".partial-{tag}"
     if rank == 0 and partial.exists():   # a save killed earlier
         shutil.rmtree(partial)
     dist.barrier()
     try:
-        engine.save_checkpoint(str(directory), tag=partial.name, client_state={"step": step}, save_latest=False)
+        engine.save_checkpoint(str(directory), tag=partial.name, client_state=state.client_state(),
+                               save_latest=False)
         save_portable(engine, partial, rank)   # the same state by name, for a resume with another layout
-        if hasattr(data_source, "state_dict"):
-            _save_stream_state(partial / f"data_stream_rank{rank}.pt", data_source.state_dict())
+        if state.data_position is not None:
+            _save_stream_state(partial / f"data_stream_rank{rank}.pt", state.data_position)
     except (OSError, RuntimeError) as e:
         if (failure := _write_failed(e, run, tag)) is None:
             raise
@@ -60,8 +65,8 @@ def save_checkpoint(engine, run: Path, step: int, rank: int, data_source=None, *
                 shutil.copyfile(run / "config.json", partial / "config.json")
             layout = {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
                       "ep_size": _ep_size(engine.module)}
-            if hasattr(data_source, "row_layout"):
-                layout["rows"] = data_source.row_layout
+            if rows is not None:
+                layout["rows"] = rows
             write_json_atomic(partial / LAYOUT, layout)
             write_json_atomic(partial / MANIFEST, _manifest(partial))
         except OSError as e:
@@ -267,8 +272,9 @@ def _instead(run: Path, flag: str, skip: str | None = None) -> str:
     return f"; use {which} with {flag} {usable[0]}" if usable else "; no other complete checkpoint"
 
 
-def load_checkpoint(engine, run: Path, tag: str, data_source=None) -> int:
-    """Restore checkpoint `tag` (one checkpoint_to_resume verified); returns the number of steps already done."""
+def load_checkpoint(engine, run: Path, tag: str, state: TrainState, source: TrainingSource) -> None:
+    """Restore checkpoint `tag` (one checkpoint_to_resume verified) into the engine, `state` (the run's step 0,
+    its schedule set) and the training data `source`."""
     directory = run / "checkpoints"
     saved = saved_layout(directory / tag)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -278,25 +284,29 @@ def load_checkpoint(engine, run: Path, tag: str, data_source=None) -> int:
         load_weights(engine, run, tag, module_only=True)
         load_portable(engine, directory / tag)
         step = int(tag.removeprefix("step"))
-    _warn_if_rows_changed(tag, saved["rows"] if saved else "lines", data_source, step)
-    if hasattr(data_source, "load_state_dict"):
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        path = directory / tag / f"data_stream_rank{rank}.pt"
-        if not path.is_file():
-            raise UserError(f"{path} is missing: checkpoint {tag} was not written by a streamed run "
-                            "with this many processes; resume without --stream, or with the original layout")
-        state = torch.load(path, weights_only=False)
-        if state["step"] != step:
-            raise UserError(f"{path} is at step {state['step']} but the checkpoint at step {step}; "
-                            "the checkpoint directory is inconsistent, start a new run")
-        data_source.load_state_dict(state)
-    return step
+    _warn_if_rows_changed(tag, saved["rows"] if saved else "lines", source.row_layout, step)
+    # a source with a position of its own has one at step 0 too
+    state.resume(step, _data_position(directory / tag, step) if state.data_position is not None else None)
+    source.load_state_dict(state.data_position)
 
 
-def _warn_if_rows_changed(tag: str, saved: str, data_source, step: int) -> None:
+def _data_position(checkpoint: Path, step: int) -> dict:
+    """This rank's position in the training data as the checkpoint after `step` saved it."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = checkpoint / f"data_stream_rank{rank}.pt"
+    if not path.is_file():
+        raise UserError(f"{path} is missing: checkpoint {checkpoint.name} was not written by a streamed run "
+                        "with this many processes; resume without --stream, or with the original layout")
+    position = torch.load(path, weights_only=False)
+    if position["step"] != step:
+        raise UserError(f"{path} is at step {position['step']} but the checkpoint at step {step}; "
+                        "the checkpoint directory is inconsistent, start a new run")
+    return position
+
+
+def _warn_if_rows_changed(tag: str, saved: str, rows: str | None, step: int) -> None:
     """A checkpoint written before rows were cut by tokens (they were cut by lines) resumes exactly, but the text
     is read in another order from there on: said once, by rank 0."""
-    rows = getattr(data_source, "row_layout", None)
     if rows is None or saved == rows or (dist.is_initialized() and dist.get_rank() != 0):
         return
     print(f"moe-scale: warning: checkpoint {tag} was trained on rows cut by {saved}, this version cuts them by "

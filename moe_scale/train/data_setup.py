@@ -14,6 +14,7 @@ from moe_scale.data import (LMWindows, Vocab, load_sentences, load_splits, resol
                             split_files)
 from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.data.shards import LineReader, plan_pieces
+from moe_scale.data.source import TrainingSource
 from moe_scale.data.stream import StreamBatches
 from moe_scale.data.subwords import SubwordTokenizer, load_run_tokenizer
 from moe_scale.data.vocab import unigram_perplexity
@@ -26,7 +27,7 @@ from moe_scale.errors import UserError
 @dataclass
 class LMData:
     vocab: Vocab | SubwordTokenizer
-    train: LMWindows | StreamBatches
+    train: TrainingSource            # LMWindows, or StreamBatches when streaming
     valid: EvalWindows
     valid_sentences: object
     train_sentences: object          # None when streaming
@@ -132,10 +133,3 @@ def build_stream_data(config: DataConfig, seed: int, env: DistEnv, global_rows: 
     return LMData(vocab, train, EvalWindows(sentence_texts(valid), vocab, config.seq_len, global_rows, env.rank,
                                             env.world_size, what="the validation data"), valid, None)
 
-
-def apply_token_budget(config) -> None:
-    """--token-budget: the number of steps that reads that many training tokens (rounded up)."""
-    data = config.data
-    if data.stream and data.token_budget:
-        tokens_per_step = config.train.batch_size * data.seq_len
-        config.train.max_steps = -(-data.token_budget // tokens_per_step)

@@ -42,9 +42,9 @@ def main(argv: list[str]) -> int:
 
     real_save_checkpoint = loop.save_checkpoint
 
-    def save_checkpoint(engine, run, done, *args, **kwargs):
-        armed[0] = done == step
-        real_save_checkpoint(engine, run, done, *args, **kwargs)
+    def save_checkpoint(engine, run, state, *args, **kwargs):
+        armed[0] = state.step == step
+        real_save_checkpoint(engine, run, state, *args, **kwargs)
         armed[0] = False
 
     loop.save_checkpoint = save_checkpoint

@@ -15,10 +15,12 @@ import torch
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 from moe_scale.train import checkpoint as ckpt
+from moe_scale.train.state import TrainState
 from tests.cli_runs import TINY, assert_one_line_error, run_cli, run_eval, run_train, step_log
 
 SETTINGS = [*TINY, "--num-experts", "4", "--checkpoint-interval", "3", "--eval-interval", "100"]
 OLD, NEW = "step00000003", "step00000006"
+STEP_9 = TrainState(seed=1234, tokens_per_step=8 * 16, max_steps=9, step=9)
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +131,11 @@ def test_a_failed_or_killed_save_leaves_the_previous_checkpoint_in_use(run, monk
     monkeypatch.setattr(ckpt, "_ep_size", lambda model: 1)
     marker = (run / "checkpoints" / "complete").read_text()
     with pytest.raises(UserError, match=f"No space left on device.*previous complete checkpoint {NEW} is intact"):
-        ckpt.save_checkpoint(_FullDisk(), run, step=9, rank=0, keep=2)
+        ckpt.save_checkpoint(_FullDisk(), run, STEP_9, rank=0, rows="tokens", keep=2)
     assert (run / "checkpoints" / "complete").read_text() == marker
     assert ckpt.choose_checkpoint(run, None, "--resume-from") == (NEW, 6)
     # the next save (after a resume) clears the killed one's leftovers and writes the checkpoint whole
-    ckpt.save_checkpoint(_Writes(), run, step=9, rank=0, keep=2)
+    ckpt.save_checkpoint(_Writes(), run, STEP_9, rank=0, rows="tokens", keep=2)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["complete", NEW, "step00000009"]
     assert ckpt.choose_checkpoint(run, None, "--resume-from") == ("step00000009", 9)
 
@@ -164,12 +166,12 @@ def test_a_full_disk_inside_torch_save_is_the_same_one_line(run, monkeypatch):
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage._replace(free=3 << 20))
     with pytest.raises(UserError, match=f"writing checkpoint step00000009 to {run / 'checkpoints'} failed \\(No "
                        f"space left on device: 3 MiB free\\); the previous complete checkpoint {NEW} is intact"):
-        ckpt.save_checkpoint(_TorchWriterFails(), run, step=9, rank=0, keep=2)
+        ckpt.save_checkpoint(_TorchWriterFails(), run, STEP_9, rank=0, rows="tokens", keep=2)
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage._replace(free=50 << 30))
     with pytest.raises(UserError, match="failed \\(torch could not write the file: .*unexpected pos"):
-        ckpt.save_checkpoint(_TorchWriterFails(), run, step=9, rank=0, keep=2)
+        ckpt.save_checkpoint(_TorchWriterFails(), run, STEP_9, rank=0, rows="tokens", keep=2)
     with pytest.raises(RuntimeError, match="^a bug, not the disk$"):
-        ckpt.save_checkpoint(_Bug(), run, step=9, rank=0, keep=2)
+        ckpt.save_checkpoint(_Bug(), run, STEP_9, rank=0, rows="tokens", keep=2)
     assert ckpt.choose_checkpoint(run, None, "--resume-from") == (NEW, 6)
 
 
@@ -183,7 +185,7 @@ def test_a_full_disk_while_rank_0_writes_the_manifest_is_the_same_one_line(run, 
 
     monkeypatch.setattr(ckpt, "write_json_atomic", full)
     with pytest.raises(UserError, match=f"No space left on device\\); the previous complete checkpoint {NEW}"):
-        ckpt.save_checkpoint(_Writes(), run, step=9, rank=0, keep=2)
+        ckpt.save_checkpoint(_Writes(), run, STEP_9, rank=0, rows="tokens", keep=2)
     assert ckpt.choose_checkpoint(run, None, "--resume-from") == (NEW, 6)
 
 

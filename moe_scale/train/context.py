@@ -1,0 +1,31 @@
+"""What the training loop's steps and report points share: built once by run_training, never changed by a step
+(what a step changes is the TrainState, train/state.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moe_scale.config import RunConfig
+from moe_scale.distributed.launch import DistEnv
+from moe_scale.moe.router import GlobalTokenNoise
+from moe_scale.train.data_setup import LMData
+from moe_scale.train.engine import TrainingEngine
+from moe_scale.train.mae_bcd import MAEBlockCoordinateDescent
+from moe_scale.train.preemption import StopRequests
+
+
+@dataclass
+class TrainContext:
+    config: RunConfig
+    env: DistEnv
+    data: LMData
+    model: torch.nn.Module
+    trainer: TrainingEngine
+    noises: list[GlobalTokenNoise]            # --noise-rng global: the gates' samplers, told each step
+    mae: MAEBlockCoordinateDescent | None     # --attention mae with --mae-training bcd: the G steps
+    run: Path
+    ds_config: dict
+    stop_requests: StopRequests
