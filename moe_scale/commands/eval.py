@@ -50,7 +50,6 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
     from moe_scale.train.data_setup import load_run_splits
     from moe_scale.train.evaluate import evaluate
     from moe_scale.train.expert_tokens import ExpertTokenStats
-    from moe_scale.models.build_softmax import build_softmax
     from moe_scale.train.checkpoint import choose_checkpoint, load_weights
 
     run = Path(run_dir)
@@ -78,8 +77,8 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
 
     torch.manual_seed(config.train.seed)
     ep_size = env.world_size   # evaluation spreads the experts over all processes
-    model = build_model(config, len(vocab), ep_size=ep_size, ep_rank=env.rank, seed=config.train.seed)
-    model.softmax = build_softmax(config.softmax, model.softmax, vocab.counts)
+    model = build_model(config, len(vocab), ep_size=ep_size, ep_rank=env.rank, seed=config.train.seed,
+                        counts=vocab.counts)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
     load_weights(engine, run, tag, module_only=True)

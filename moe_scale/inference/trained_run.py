@@ -31,7 +31,6 @@ def load_model(run: Path, config: RunConfig, tag: str, command: str):
     from moe_scale.data.subwords import load_run_tokenizer
     from moe_scale.distributed.launch import init_distributed
     from moe_scale.models.build import build_model
-    from moe_scale.models.build_softmax import build_softmax
     from moe_scale.train.checkpoint import load_weights
 
     vocab = load_run_tokenizer(run)
@@ -39,8 +38,7 @@ def load_model(run: Path, config: RunConfig, tag: str, command: str):
     if env.world_size != 1:
         raise UserError(f"{command} runs in one process; start it without a launcher")
     torch.manual_seed(config.train.seed)
-    model = build_model(config, len(vocab), seed=config.train.seed)
-    model.softmax = build_softmax(config.softmax, model.softmax, vocab.counts)
+    model = build_model(config, len(vocab), seed=config.train.seed, counts=vocab.counts)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
     load_weights(engine, run, tag, module_only=True)
