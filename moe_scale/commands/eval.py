@@ -37,37 +37,22 @@ def run(args: argparse.Namespace) -> None:
 
 def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = False,
              top_tokens: int = 0, checkpoint: str | None = None) -> dict | None:
-    """Evaluates checkpoint `checkpoint` (default: the newest complete one) after checking its files; returns the
-    result on rank 0 (None elsewhere)."""
-    import deepspeed   # here: flag errors come back before these slow imports
-    import torch
-
+    """Evaluates checkpoint `checkpoint` (default: the newest complete one) on every process of the launch (the
+    experts spread over them); returns the result on rank 0 (None elsewhere)."""
     from moe_scale.data import load_sentences, resolve_text_files, sentence_texts
-    from moe_scale.data.subwords import load_run_tokenizer
     from moe_scale.data.eval_windows import EvalWindows
-    from moe_scale.distributed.launch import init_distributed
-    from moe_scale.models.build import build_model
+    from moe_scale.inference.trained_run import open_trained_run
     from moe_scale.train.data_setup import load_run_splits
     from moe_scale.train.evaluate import evaluate
     from moe_scale.train.expert_tokens import ExpertTokenStats
-    from moe_scale.models.build_softmax import build_softmax
-    from moe_scale.train.checkpoint import choose_checkpoint, load_weights
 
-    run = Path(run_dir)
-    if not (run / "config.json").exists() or not (run / "checkpoints").is_dir():
-        raise UserError(f"--run {run_dir}: no trained run there (config.json and a complete checkpoint are "
-                        f"needed); pass the --out directory of a finished `moe-scale train`")
     if top_tokens < 0:
         raise UserError(f"--top-tokens must be 0 or more (got {top_tokens})")
-    config = RunConfig.load(run / "config.json")
-    tag, _ = choose_checkpoint(run, checkpoint, "--checkpoint", config)
-    vocab = load_run_tokenizer(run)
-    env = init_distributed()
-    if config.moe.experts.num_experts % env.world_size:
-        raise UserError(f"{config.moe.experts.num_experts} experts cannot be split over {env.world_size} processes; "
-                        f"launch a number of processes that divides it")
-    if data is not None:
-        files = resolve_text_files(data, "--data")
+    files = resolve_text_files(data, "--data") if data is not None else None
+    run = Path(run_dir)
+    trained = open_trained_run(run, checkpoint, "eval", experts_over_processes=True)
+    config, vocab, model, env, tag = trained.config, trained.tokenizer, trained.model, trained.env, trained.checkpoint
+    if files is not None:
         sentences, source = load_sentences(files), [str(f) for f in files]
     else:
         _, valid, test = load_run_splits(config.data)
@@ -75,14 +60,6 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
     rows = config.train.batch_size if config.train.batch_size % env.world_size == 0 else env.world_size
     windows = EvalWindows(sentence_texts(sentences), vocab, seq_len=config.data.seq_len, global_rows=rows,
                           rank=env.rank, world_size=env.world_size, what=f"the {split} data")
-
-    torch.manual_seed(config.train.seed)
-    ep_size = env.world_size   # evaluation spreads the experts over all processes
-    model = build_model(config, len(vocab), ep_size=ep_size, ep_rank=env.rank, seed=config.train.seed)
-    model.softmax = build_softmax(config.softmax, model.softmax, vocab.counts)
-    engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
-                                      config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
-    load_weights(engine, run, tag, module_only=True)
     observer = ExpertTokenStats(model.moe_layers(), vocab, windows.tokens, top_tokens) \
         if expert_stats or top_tokens else None
     result = evaluate(model, windows, device=env.device, observer=observer, describe=True)

@@ -72,30 +72,34 @@ def _prompt_words(prompt: str | None, prompt_file: str | None) -> list[str]:
 
 def run_generate(run: Path, prompt: list[str], max_new: int, num_samples: int, sampling, seed: int,
                  show_experts: bool, checkpoint: str | None) -> str:
-    from moe_scale.inference.trained_run import trained_config
+    from moe_scale.inference.trained_run import open_trained_run
 
-    from moe_scale.data.subwords import load_run_tokenizer
-
-    config, tag = trained_config(run, checkpoint)
-    tokenizer = load_run_tokenizer(run)
-    prompt_ids = tokenizer.encode(" ".join(prompt))
-    unit = "words" if config.data.tokenizer == "words" else "tokens"
-    if config.model.kind == "transformer":
-        context, used = config.data.seq_len, 1 + len(prompt_ids)   # <S> + the prompt
-        if used > context:
-            raise UserError(f"the prompt ({len(prompt_ids)} {unit} after <S>) is longer than the model's context of "
-                            f"{context} positions (--seq-len it was trained with); shorten it")
-        fed = max_new if show_experts else max_new - 1   # the last token is read back only to show its routing
-        if used + fed > context:
-            raise UserError(f"<S>, the {len(prompt_ids)}-{unit[:-1]} prompt and --max-new-tokens {max_new} need "
-                            f"{used + fed} positions, more than the model's context of {context}; "
-                            f"pass --max-new-tokens {context - used + max_new - fed} or less")
+    text = " ".join(prompt)
+    trained = open_trained_run(run, checkpoint, "generate", check=lambda config, tokenizer: _check_context(
+        config, len(tokenizer.encode(text)), max_new, show_experts))
     import torch
 
     from moe_scale.inference.generate import format_samples, generate
-    from moe_scale.inference.trained_run import load_model
 
-    _, model, device = load_model(run, config, tag, "generate")
+    tokenizer = trained.tokenizer
+    prompt_ids = tokenizer.encode(text)
     generator = torch.Generator().manual_seed(seed)
-    samples = generate(model, tokenizer, prompt_ids, num_samples, max_new, sampling, generator, device, show_experts)
+    samples = generate(trained.model, tokenizer, prompt_ids, num_samples, max_new, sampling, generator,
+                       trained.env.device, show_experts)
     return format_samples(tokenizer, prompt_ids, samples, show_experts)
+
+
+def _check_context(config, prompt_tokens: int, max_new: int, show_experts: bool) -> None:
+    """A transformer's <S>, prompt and new tokens must fit the context it was trained with."""
+    if config.model.kind != "transformer":
+        return
+    unit = "words" if config.data.tokenizer == "words" else "tokens"
+    context, used = config.data.seq_len, 1 + prompt_tokens   # <S> + the prompt
+    if used > context:
+        raise UserError(f"the prompt ({prompt_tokens} {unit} after <S>) is longer than the model's context of "
+                        f"{context} positions (--seq-len it was trained with); shorten it")
+    fed = max_new if show_experts else max_new - 1   # the last token is read back only to show its routing
+    if used + fed > context:
+        raise UserError(f"<S>, the {prompt_tokens}-{unit[:-1]} prompt and --max-new-tokens {max_new} need "
+                        f"{used + fed} positions, more than the model's context of {context}; "
+                        f"pass --max-new-tokens {context - used + max_new - fed} or less")

@@ -13,7 +13,6 @@ fraction pruned) to --out (default DIR/pruning), only once everything is compute
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from moe_scale.models.softmax import IGNORE
 from moe_scale.errors import UserError
 from moe_scale.models.build import parameter_counts
 from moe_scale.train.data_setup import load_run_splits, min_over_ranks
-from moe_scale.inference.trained_run import load_model, trained_config
+from moe_scale.inference.trained_run import open_trained_run
 from moe_scale.train.evaluate import evaluate
 from moe_scale.files import write_json_atomic
 
@@ -60,16 +59,11 @@ def run(args: argparse.Namespace) -> None:
                                         args.checkpoint)))
 
 
-def load_trained(run: Path, checkpoint: str | None = None):
-    """(config, vocab, model on checkpoint `checkpoint` (default: the newest complete one), tag, device), in one
-    process."""
-    config, tag = trained_config(run, checkpoint)
+def _require_prunable(run: Path, config) -> None:
     if config.model.kind != "transformer" or config.attention.kind == "moa":
         what = "an LSTM" if config.model.kind != "transformer" else "an MoA"
         raise UserError(f"--run {run} holds {what} model; prune-heads works on transformer runs with "
                         f"--attention mha or mae")
-    vocab, model, device = load_model(run, config, tag, "prune-heads")
-    return config, vocab, model, tag, device
 
 
 def run_prune_heads(run_dir: str, data: str | None, steps: int, fraction_per_step: float, max_batches: int,
@@ -81,7 +75,9 @@ def run_prune_heads(run_dir: str, data: str | None, steps: int, fraction_per_ste
     out_dir = Path(out) if out else run / "pruning"
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir} is a file; choose a directory")
-    config, vocab, model, tag, device = load_trained(run, checkpoint)
+    trained = open_trained_run(run, checkpoint, "prune-heads", check=lambda config, _: _require_prunable(run, config))
+    config, vocab, model, tag, device = (trained.config, trained.tokenizer, trained.model, trained.checkpoint,
+                                         trained.env.device)
     sentences = load_sentences(resolve_text_files(data, "--data")) if data else load_run_splits(config.data)[1]
     windows = LMWindows(sentences, vocab, seq_len=config.data.seq_len, global_rows=config.train.batch_size,
                         rank=0, world_size=1, min_over_ranks=min_over_ranks,
@@ -92,7 +88,8 @@ def run_prune_heads(run_dir: str, data: str | None, steps: int, fraction_per_ste
     total = len(layers) * num_heads
     schedule = prune_schedule(total, fraction_per_step, steps)
     scores = head_importance(model, batches, num_heads, abs_granularity, device)
-    unpruned = copy.deepcopy(model)
+    # the unpruned model to time against, opened again: copy.deepcopy cannot copy an MoE layer's process groups
+    unpruned = open_trained_run(run, tag, "prune-heads").model
     pruned: list[tuple[int, int]] = []
     rows = []
     for target in schedule:

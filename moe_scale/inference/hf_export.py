@@ -33,16 +33,15 @@ def check_target(out: Path) -> None:
 
 def export_hf(run: Path, out: Path, checkpoint: str | None) -> str:
     """Writes the model directory; returns the checkpoint tag exported."""
-    from moe_scale.inference.trained_run import load_model, trained_config
+    from moe_scale.inference.trained_run import open_trained_run
 
     check_target(out)
-    config, tag = trained_config(run, checkpoint)
-    vocab, model, _ = load_model(run, config, tag, "export")
+    trained = open_trained_run(run, checkpoint, "export")
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     try:
         partial.mkdir()
-        _write(partial, config, vocab, model, run, tag)
+        _write(partial, trained.config, trained.tokenizer, trained.model, run, trained.checkpoint)
         partial.rename(out)
     except OSError as e:
         shutil.rmtree(partial, ignore_errors=True)
@@ -50,7 +49,7 @@ def export_hf(run: Path, out: Path, checkpoint: str | None) -> str:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return tag
+    return trained.checkpoint
 
 
 def _write(target: Path, config, vocab, model, run: Path, tag: str) -> None:

@@ -1,47 +1,70 @@
-"""A trained run loaded into this one process (generate, prune-heads): its configuration and vocabulary, and
-its model on a verified checkpoint, whatever number of processes and --ep-size trained it (DeepSpeed's files
-hold one file per global expert)."""
+"""A trained run opened for a command (eval, generate, prune-heads, export): its configuration, tokenizer and
+model on a verified checkpoint, whatever number of processes and --ep-size trained it (DeepSpeed's files hold
+one file per global expert). Every command opens a run here, so they all read it the same way."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 
+if TYPE_CHECKING:
+    from torch import nn
 
-def trained_config(run: Path, checkpoint: str | None) -> tuple[RunConfig, str]:
-    """(the run's configuration, the checkpoint to load: `checkpoint`, else the newest complete one), checked
-    before anything slow is imported."""
+    from moe_scale.data.subwords import SubwordTokenizer
+    from moe_scale.data.vocab import Vocab
+    from moe_scale.distributed.launch import DistEnv
+
+
+@dataclass
+class TrainedRun:
+    path: Path
+    config: RunConfig
+    checkpoint: str                        # the tag loaded, e.g. step00000400
+    tokenizer: Vocab | SubwordTokenizer
+    model: nn.Module                       # in eval mode, on env.device, its softmax the run's --softmax
+    env: DistEnv                           # this process: rank, world size, device
+
+
+def open_trained_run(run: Path | str, checkpoint: str | None, command: str, *, experts_over_processes: bool = False,
+                     check: Callable[[RunConfig, Vocab | SubwordTokenizer], None] | None = None) -> TrainedRun:
+    """Checkpoint `checkpoint` of `run` (default: its newest complete one). Its files and config are checked,
+    and then `check(config, tokenizer)` (the command's own checks: the model kind, a prompt against the context),
+    before anything slow is imported. One process, unless `experts_over_processes`: then every process of the
+    launch holds its share of the experts (expert parallelism over all of them, as eval runs)."""
+    from moe_scale.data.subwords import load_run_tokenizer
     from moe_scale.train.checkpoint import choose_checkpoint
 
+    run = Path(run)
     if not (run / "config.json").exists() or not (run / "checkpoints").is_dir():
         raise UserError(f"--run {run}: no trained run there (config.json and a complete checkpoint are needed); "
                         f"pass the --out directory of a finished `moe-scale train`")
     config = RunConfig.load(run / "config.json")
     tag, _ = choose_checkpoint(run, checkpoint, "--checkpoint", config)
-    return config, tag
+    tokenizer = load_run_tokenizer(run)
+    if check is not None:
+        check(config, tokenizer)
 
-
-def load_model(run: Path, config: RunConfig, tag: str, command: str):
-    """(vocab, model in eval mode with checkpoint `tag`'s weights and the run's softmax, device)."""
     import deepspeed   # here, not at the top: flag errors come back before this slow import
     import torch
 
-    from moe_scale.data.subwords import load_run_tokenizer
     from moe_scale.distributed.launch import init_distributed
     from moe_scale.models.build import build_model
-    from moe_scale.models.build_softmax import build_softmax
     from moe_scale.train.checkpoint import load_weights
 
-    vocab = load_run_tokenizer(run)
     env = init_distributed()
-    if env.world_size != 1:
+    if not experts_over_processes and env.world_size != 1:
         raise UserError(f"{command} runs in one process; start it without a launcher")
+    if config.moe.experts.num_experts % env.world_size:
+        raise UserError(f"{config.moe.experts.num_experts} experts cannot be split over {env.world_size} processes; "
+                        f"launch a number of processes that divides it")
     torch.manual_seed(config.train.seed)
-    model = build_model(config, len(vocab), seed=config.train.seed)
-    model.softmax = build_softmax(config.softmax, model.softmax, vocab.counts)
+    model = build_model(config, len(tokenizer), ep_size=env.world_size, ep_rank=env.rank, seed=config.train.seed,
+                        counts=tokenizer.counts)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
     load_weights(engine, run, tag, module_only=True)
-    return vocab, model.eval(), env.device
+    return TrainedRun(run, config, tag, tokenizer, model.eval(), env)

@@ -8,7 +8,10 @@ from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 
 
-def build_model(config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0) -> nn.Module:
+def build_model(config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
+                counts: list[int] | None = None) -> nn.Module:
+    """The model with its --softmax; `counts`: the vocabulary's training counts (vocab.counts), which the unigram
+    sampler needs."""
     if config.model.kind == "transformer":
         from moe_scale.models.transformer_lm import TransformerLM
 
@@ -16,10 +19,10 @@ def build_model(config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: i
         if config.attention.kind == "moa" and moa_experts % ep_size:
             raise UserError(f"{moa_experts} attention experts cannot be split over {ep_size} expert-parallel "
                             f"processes; launch a number of processes that divides --moa-num-experts")
-        return TransformerLM(config, vocab_size, ep_size=ep_size, ep_rank=ep_rank, seed=seed)
+        return TransformerLM(config, vocab_size, ep_size=ep_size, ep_rank=ep_rank, seed=seed, counts=counts)
     from moe_scale.models.lstm_lm import LSTMMoELM
 
-    return LSTMMoELM(config, vocab_size, ep_size=ep_size, ep_rank=ep_rank, seed=seed)
+    return LSTMMoELM(config, vocab_size, ep_size=ep_size, ep_rank=ep_rank, seed=seed, counts=counts)
 
 
 def forward_macs_per_token(config: RunConfig, vocab_size: int, seq_len: int) -> dict[str, int]:

@@ -23,7 +23,7 @@ from torch import nn
 
 from moe_scale.config import RunConfig
 from moe_scale.models.dense_ffn import ReLUStack
-from moe_scale.models.softmax import FullSoftmax
+from moe_scale.models.build_softmax import build_softmax
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 from moe_scale.moe.build import build_moe_layer
 from moe_scale.moe.layer import MoELayer
@@ -37,10 +37,12 @@ class LMOutput:
 
 
 class LSTMMoELM(nn.Module):
-    def __init__(self, config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0):
-        """Built from config.model (width, dropout, config.model.lstm) and config.moe. `ep_rank` selects which
-        slice of the experts this process holds; `seed` seeds the experts' init (the rest uses the global RNG,
-        which the caller seeds identically on every rank)."""
+    def __init__(self, config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
+                 counts: list[int] | None = None):
+        """Built from config.model (width, dropout, config.model.lstm), config.moe and config.softmax (`counts`:
+        the vocabulary's training counts, models/build_softmax.py). `ep_rank` selects which slice of the experts
+        this process holds; `seed` seeds the experts' init (the rest uses the global RNG, which the caller seeds
+        identically on every rank)."""
         super().__init__()
         model, lstm = config.model, config.model.lstm
         d = model.d_model
@@ -56,7 +58,7 @@ class LSTMMoELM(nn.Module):
         if lstm.layout != "lstm":
             self.lstm2 = _lstm(d, lstm.hidden)
         self.dropout = nn.Dropout(model.dropout)
-        self.softmax = FullSoftmax(d, vocab_size)
+        self.softmax = build_softmax(config.softmax, d, vocab_size, counts)
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, ExpertParallelModule)]

@@ -20,9 +20,9 @@ from moe_scale.attention.mae import MAEAttention
 from moe_scale.attention.mha import MultiHeadAttention
 from moe_scale.attention.moa import MoAAttention
 from moe_scale.config import RouterConfig, RunConfig
+from moe_scale.models.build_softmax import build_softmax
 from moe_scale.models.dense_ffn import GELUFFN
 from moe_scale.models.lstm_lm import LMOutput
-from moe_scale.models.softmax import FullSoftmax
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 from moe_scale.moe.build import build_moe_layer
 from moe_scale.moe.layer import MoELayer
@@ -93,9 +93,11 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    def __init__(self, config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0):
-        """`ep_rank` selects which experts (attention and FFN) this process holds; `seed` seeds the experts'
-        init (the rest uses the global RNG, which the caller seeds identically on every rank)."""
+    def __init__(self, config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
+                 counts: list[int] | None = None):
+        """Its softmax from config.softmax (`counts`: the vocabulary's training counts, models/build_softmax.py).
+        `ep_rank` selects which experts (attention and FFN) this process holds; `seed` seeds the experts' init
+        (the rest uses the global RNG, which the caller seeds identically on every rank)."""
         super().__init__()
         self.d_model = d = config.model.d_model
         self.embedding = nn.Embedding(vocab_size, d)
@@ -103,7 +105,7 @@ class TransformerLM(nn.Module):
                                     for i in range(config.model.transformer.num_layers))
         self.final_norm = nn.LayerNorm(d)
         self.dropout = nn.Dropout(config.model.dropout)
-        self.softmax = FullSoftmax(d, vocab_size)
+        self.softmax = build_softmax(config.softmax, d, vocab_size, counts)
 
     def moe_layers(self) -> list[MoELayer]:
         """Every expert layer (MoA attention and MoE FFNs), in forward order."""

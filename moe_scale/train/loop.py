@@ -32,7 +32,6 @@ from moe_scale.train.factored_optimizer import check_optimizer_fits
 from moe_scale.files import write_json_atomic
 from moe_scale.train.report import RunReport
 from moe_scale.train.run_dir import check_run_dir, claim_run_dir
-from moe_scale.models.build_softmax import build_softmax
 from moe_scale.train.preemption import StopRequests
 from moe_scale.train.state import TrainState
 
@@ -82,9 +81,8 @@ def run_training(config: RunConfig) -> dict:
     if env.device.type == "cuda":   # float32 products on TF32 tensor cores (bf16 runs are unaffected)
         torch.set_float32_matmul_precision("high")
     def build():
-        model = build_model(config, len(data.vocab), ep_size=ep_size, ep_rank=env.rank % ep_size, seed=t.seed)
-        model.softmax = build_softmax(config.softmax, model.softmax, data.vocab.counts)   # full|sampled|adaptive
-        return model
+        return build_model(config, len(data.vocab), ep_size=ep_size, ep_rank=env.rank % ep_size, seed=t.seed,
+                           counts=data.vocab.counts)
 
     check_model_fits(build, ds_config, t.optimizer, env.world_size, ep_size, env.device)   # on the meta device
     torch.manual_seed(t.seed)

@@ -19,6 +19,7 @@ from moe_scale.train.run_lock import LOCK_NAME, _process_start
 from tests.cli_runs import FAST, assert_one_line_error, run_cli
 
 NEW, OLD = "step00000004", "step00000002"
+NO_RUN = ["--run", "missing: no trained run there", "pass the --out directory of a finished `moe-scale train`"]
 LINES = "the cat sat on the mat .\n" * 400
 
 
@@ -187,7 +188,7 @@ CASES = [
     ("resume-empty-checkpoint-file", lambda w: ["train", "--resume", "--out", w.run(_damage("empty"))],
      ["has 0 bytes", f"--resume-from {OLD}"]),
     # eval and prune-heads
-    ("eval-no-run", lambda w: ["eval", "--run", str(w.root / "missing")], ["--run"]),
+    ("eval-no-run", lambda w: ["eval", "--run", str(w.root / "missing")], NO_RUN),
     ("eval-config-dropout-null", lambda w: ["eval", "--run", w.run(_edit_config("model", "dropout", None))],
      ["'model.dropout' must be float"]),
     ("eval-config-other-d-model", lambda w: ["eval", "--run", w.run(_edit_config("model", "d_model", 48))],
@@ -200,12 +201,15 @@ CASES = [
      ["checksum", f"--checkpoint {OLD}"]),
     ("eval-unknown-checkpoint", lambda w: ["eval", "--run", w.run(), "--checkpoint", "nope"], ["nope"]),
     ("prune-lstm-run", lambda w: ["prune-heads", "--run", w.run()], ["holds an LSTM model", "transformer"]),
+    ("prune-no-run", lambda w: ["prune-heads", "--run", str(w.root / "missing")], NO_RUN),
     # export
     ("export-target-exists", lambda w: ["export", "--run", w.run(), "--out", str(Path(w.text("x/keep.txt")).parent)],
      ["--out", "already exists"]),
     ("export-target-parent-missing", lambda w: ["export", "--run", w.run(), "--out", str(w.root / "no" / "hf")],
      ["parent directory", "does not exist"]),
+    ("export-no-run", lambda w: ["export", "--run", str(w.root / "missing"), "--out", str(w.root / "hf")], NO_RUN),
     # generate
+    ("generate-no-run", lambda w: ["generate", "--run", str(w.root / "missing")], NO_RUN),
     ("generate-no-checkpoint", lambda w: ["generate", "--run", w.run(
         lambda r: [shutil.rmtree(p) if p.is_dir() else p.unlink() for p in (r / "checkpoints").iterdir()])],
      ["no complete checkpoint"]),

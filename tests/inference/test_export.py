@@ -1,7 +1,7 @@
 """`moe-scale export --format hf`: transformers loads the directory (AutoModelForCausalLM with remote code,
 the word-level tokenizer), its logits equal moe_scale's on real text, and greedy `generate` picks the words
-`moe-scale generate --greedy` picks; runs trained on real text (WikiText-2 sentences), LSTM-MoE and a
-transformer with MoA attention and an MoE FFN."""
+`moe-scale generate --greedy` picks; runs trained on real text (WikiText-2 sentences), LSTM-MoE (with each
+--softmax) and a transformer with MoA attention and an MoE FFN."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ MODELS = {
     "lstm-moe": [],
     "transformer-moa-moe": ["--model", "transformer", "--attention", "moa", "--moa-num-experts", "4",
                             "--moa-top-k", "2", "--ffn", "moe", "--num-layers", "2"],
+    "lstm-moe-sampled-unigram": ["--softmax", "sampled", "--sampler", "unigram", "--num-sampled", "50"],
+    "lstm-moe-adaptive": ["--softmax", "adaptive", "--adaptive-cutoffs", "50,200"],
 }
 
 
@@ -36,14 +38,16 @@ def test_exported_model_loads_in_transformers_and_matches(tmp_path, embedded_cac
     model = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
 
-    from moe_scale.inference.trained_run import load_model, trained_config
-    config, tag = trained_config(run, None)
+    from moe_scale.inference.trained_run import open_trained_run
     environment = dict(os.environ)   # the in-process load sets RANK, MASTER_PORT, ...: keep them from the CLI
     try:
-        vocab, ours, _ = load_model(run, config, tag, "test")
+        trained = open_trained_run(run, None, "test")
+        vocab, ours = trained.tokenizer, trained.model
     finally:
         os.environ.clear()
         os.environ.update(environment)
+    exported_softmax = "AdaptiveSoftmax" if "adaptive" in name else "FullSoftmax"   # sampled: the full one at eval
+    assert type(model.lm.softmax).__name__ == exported_softmax
     text = " ".join(wikitext_sentences("test")[0].split()[:14])
     ids = tokenizer(text, return_tensors="pt").input_ids
     assert ids[0].tolist() == [vocab.BOS_ID, *vocab.encode(text)]

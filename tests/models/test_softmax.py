@@ -147,17 +147,16 @@ def test_adaptive_softmax_is_a_distribution_and_counts_its_macs():
 
 def test_build_softmax_choices_and_their_errors():
     config = RunConfig()
-    full = FullSoftmax(8, 100)
-    assert build_softmax(config.softmax, full, None) is full
+    assert isinstance(build_softmax(config.softmax, 8, 100, None), FullSoftmax)
     config.softmax.kind, config.softmax.num_sampled = "sampled", 10
-    sampled = build_softmax(config.softmax, full, None)
-    assert isinstance(sampled, SampledSoftmax) and sampled.proj is full.proj
+    sampled = build_softmax(config.softmax, 8, 100, None)
+    assert isinstance(sampled, SampledSoftmax) and sampled.proj.weight.shape == (100, 8)
     config.softmax.sampler = "unigram"
     with pytest.raises(UserError, match="--sampler unigram needs"):
-        build_softmax(config.softmax, full, None)
-    assert isinstance(build_softmax(config.softmax, full, list(range(100))).sampler, UnigramSampler)
+        build_softmax(config.softmax, 8, 100, None)
+    assert isinstance(build_softmax(config.softmax, 8, 100, list(range(100))).sampler, UnigramSampler)
     config.softmax.kind, config.softmax.adaptive_cutoffs = "adaptive", "10,50"
-    assert isinstance(build_softmax(config.softmax, full, None), AdaptiveSoftmax)
+    assert isinstance(build_softmax(config.softmax, 8, 100, None), AdaptiveSoftmax)
     for cutoffs in ("10,5", "a,b", "10,20000"):
         config.softmax.adaptive_cutoffs = cutoffs
         with pytest.raises(UserError, match="--adaptive-cutoffs"):
@@ -165,3 +164,65 @@ def test_build_softmax_choices_and_their_errors():
     config.softmax.kind, config.softmax.num_sampled = "sampled", 20000
     with pytest.raises(UserError, match="--num-sampled"):
         config.validate()
+
+
+def _swapped_in(config: RunConfig, vocab_size: int, counts: list[int]):
+    """The model as it was built before it took its softmax from the config: a full softmax, then the configured
+    layer put in its place (the sampled one on the full one's projection, the adaptive one drawn after it)."""
+    from moe_scale.config import parse_cutoffs
+    from moe_scale.models.build import build_model
+    from moe_scale.models.softmax import cluster_shares_from_counts
+
+    settings = config.softmax
+    kind = settings.kind
+    settings.kind = "full"
+    model = build_model(config, vocab_size)
+    settings.kind = kind
+    full = model.softmax
+    d_model = full.proj.in_features
+    if kind == "sampled":
+        sampler = UnigramSampler(torch.tensor(counts)) if settings.sampler == "unigram" \
+            else LogUniformSampler(vocab_size)
+        model.softmax = SampledSoftmax(d_model, vocab_size, settings.num_sampled, sampler, proj=full.proj)
+    elif kind == "adaptive":
+        cutoffs = parse_cutoffs(settings.adaptive_cutoffs)
+        model.softmax = AdaptiveSoftmax(d_model, vocab_size, cutoffs,
+                                        cluster_shares=cluster_shares_from_counts(counts, cutoffs))
+    return model
+
+
+@pytest.mark.parametrize("model", ["lstm", "transformer"])
+@pytest.mark.parametrize("softmax", [
+    dict(softmax="full"),
+    dict(softmax="sampled", num_sampled=10),
+    dict(softmax="sampled", num_sampled=10, sampler="unigram"),
+    dict(softmax="adaptive", adaptive_cutoffs="10,40"),
+], ids=["full", "sampled", "sampled-unigram", "adaptive"])
+def test_the_softmax_from_the_config_equals_the_one_swapped_in_after_the_build(model, softmax):
+    """build_model builds the configured softmax itself; from the same seed the model has the same layer, the
+    same weights, and gives the same losses, distributions and FLOP count as when a caller swapped it in."""
+    from moe_scale.models.build import build_model
+
+    V = 100
+    counts = [1000 // (i + 1) for i in range(V)]
+    config = RunConfig.from_settings(model=model, d_model=16, num_experts=4, top_k=2, expert_hidden=16,
+                                     num_layers=1, ffn="moe", **softmax) if model == "transformer" else \
+        RunConfig.from_settings(model=model, d_model=16, num_experts=4, top_k=2, expert_hidden=16, **softmax)
+    torch.manual_seed(3)
+    built = build_model(config, V, counts=counts)
+    torch.manual_seed(3)
+    swapped = _swapped_in(config, V, counts)
+    assert type(built.softmax) is type(swapped.softmax)
+    assert built.state_dict().keys() == swapped.state_dict().keys()
+    for key, value in built.state_dict().items():
+        assert torch.equal(value, swapped.state_dict()[key]), key
+    assert built.softmax.forward_macs_per_token() == swapped.softmax.forward_macs_per_token()
+    inputs_BT = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(0))
+    for mode in ("eval", "train"):
+        outputs = []
+        for lm in (built, swapped):
+            lm.train(mode == "train")
+            torch.manual_seed(5)   # dropout, gate noise and the sampled softmax's draws
+            outputs.append(lm(inputs_BT[:, :-1], inputs_BT[:, 1:]).nll_sum)
+        assert torch.equal(*outputs), mode
+    assert torch.equal(built.eval().decode(inputs_BT)[0], swapped.eval().decode(inputs_BT)[0])

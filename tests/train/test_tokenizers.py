@@ -100,11 +100,10 @@ def test_bpe_run_end_to_end(tmp_path, raw_text, embedded_cache):
         generated = generated[:generated.index(Vocab.EOS_ID)]
     assert ours.removesuffix(" ...") == bpe.decode(bpe.encode(" ".join(prompt)) + generated)
 
-    from moe_scale.inference.trained_run import load_model, trained_config
-    config, tag = trained_config(run, None)
+    from moe_scale.inference.trained_run import open_trained_run
     environment = dict(os.environ)
     try:
-        _, lm, _ = load_model(run, config, tag, "test")
+        lm = open_trained_run(run, None, "test").model
     finally:
         os.environ.clear()
         os.environ.update(environment)

@@ -21,12 +21,11 @@ class MoEScaleForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         from moe_scale.config import RunConfig
         from moe_scale.models.build import build_model
-        from moe_scale.models.build_softmax import build_softmax
 
         run_config = RunConfig.from_dict(config.run_config, "the exported config.json's run_config")
+        if run_config.softmax.kind == "sampled":   # the full one at eval (its sampler's training counts stay behind)
+            run_config.softmax.kind = "full"
         self.lm = build_model(run_config, config.vocab_size)
-        if run_config.softmax.kind == "adaptive":   # its own parameters; a sampled softmax is the full one at eval
-            self.lm.softmax = build_softmax(run_config.softmax, self.lm.softmax, None)
         for layer in self.lm.moe_layers():   # weights stored by module path, as transformers loads them
             layer.use_module_path_keys()
         self.post_init()
