@@ -4,6 +4,7 @@ checks every test passes through (no command left running, no /dev/shm segment l
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -153,6 +154,35 @@ def _deepspeed_shm_segments() -> set[Path]:
     return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
 
 
+def _not_another_sessions(segments: set[Path]) -> set[Path]:
+    """The segments that are not another test session's: a session beside this one (another pytest on the same
+    machine) may be setting up its ranks, whose processes map their segments until they release the names."""
+    if not segments:
+        return segments
+    mappers: dict[str, set[int]] = {}
+    parents: dict[int, int] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            for line in (proc / "maps").read_text().splitlines():
+                if "deepspeed_allreduce_buffer_" in line:
+                    mappers.setdefault(line.rsplit(" ", 1)[-1].strip(), set()).add(int(proc.name))
+        except (OSError, ValueError, IndexError):   # the process ended, or is not ours to read
+            continue
+
+    def ours(pid: int) -> bool:
+        seen = set()
+        while pid > 1 and pid not in seen:
+            if pid == os.getpid():
+                return True
+            seen.add(pid)
+            pid = parents.get(pid, 0)
+        return False
+
+    return {path for path in segments
+            if not mappers.get(str(path)) or any(ours(pid) for pid in mappers[str(path)])}
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_deepspeed_shm():
     """DeepSpeed's CPU all-reduce never unlinks its 66 MB /dev/shm segment per rank: memory lost until reboot.
@@ -160,7 +190,7 @@ def no_leaked_deepspeed_shm():
     whose processes leave a segment behind fails here (and its segments are removed)."""
     before = _deepspeed_shm_segments()
     yield
-    leaked = sorted(_deepspeed_shm_segments() - before)
+    leaked = sorted(_not_another_sessions(_deepspeed_shm_segments() - before))
     for path in leaked:
         path.unlink(missing_ok=True)
     assert not leaked, (f"left DeepSpeed's all-reduce segments in /dev/shm: {[p.name for p in leaked]}; call "
