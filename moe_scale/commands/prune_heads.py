@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from moe_scale.attention.prune_schedule import prune_schedule
-from moe_scale.attention.pruning import apply_pruning, head_importance, heads_to_prune, prunable_layers
+from moe_scale.attention.pruning import (ABS_GRANULARITIES, apply_pruning, head_importance, heads_to_prune,
+                                         prunable_layers)
 from moe_scale.data import LMWindows, load_sentences, resolve_text_files
 from moe_scale.models.softmax import IGNORE
 from moe_scale.errors import UserError
@@ -43,7 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=10, help="pruning steps (the first prunes nothing)")
     p.add_argument("--fraction-per-step", type=float, default=0.1, help="share of all heads removed per step")
     p.add_argument("--max-batches", type=int, default=0, help="cap on batches of the data (0: all)")
-    p.add_argument("--abs-granularity", choices=("token", "example"), default="token",
+    p.add_argument("--abs-granularity", choices=ABS_GRANULARITIES, default="token",
                    help="|A·dL/dA| per token (released code) or per sequence (paper)")
     p.add_argument("--recompute-importance", action="store_true", help="re-score the pruned model every step")
     p.add_argument("--checkpoint", metavar="TAG", help="checkpoint to prune, e.g. step00000400 (default: the newest "

@@ -18,53 +18,35 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-class RowGatherer:
-    """t -> the rows of t from every rank of `group`, in rank order (detached: for selections over the global
-    batch). Ranks may hold different numbers of rows; `position()` gives (this rank's first row in the last
-    gathered batch, its total rows)."""
+class BatchCollectives:
+    """What a gate needs from its data-parallel group (None: one process, where each is the identity).
 
-    def __init__(self, group):
+    `sum`: t summed over the group, with a backward that sums too (so every rank gets the full gradient; a
+    detached all-reduce would make router gradients too small by world_size). `gather`: the rows of every rank
+    in rank order (detached: for selections over the global batch; ranks may hold different numbers of rows)
+    and where this rank's rows start among them."""
+
+    def __init__(self, group=None):
         self.group = group
-        self.rank = dist.get_rank(group) if world_size(group) > 1 else 0
-        self._position = (0, 0)
+        self._several = group is not None and world_size(group) > 1   # None is one process, not the world
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().contiguous()
-        if world_size(self.group) == 1:
-            self._position = (0, t.shape[0])
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._several:
             return t
+        return dist_autograd.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+
+    def gather(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(rows of every rank in rank order, the index of this rank's first row among them)."""
+        t = t.detach().contiguous()
+        if not self._several:
+            return t, 0
+        rank = dist.get_rank(self.group)
         rows_per_rank = torch.zeros(world_size(self.group), dtype=torch.int64, device=t.device)
-        rows_per_rank[self.rank] = t.shape[0]
+        rows_per_rank[rank] = t.shape[0]
         dist.all_reduce(rows_per_rank, group=self.group)
         sizes = rows_per_rank.tolist()
         padded = t.new_zeros((max(sizes), *t.shape[1:]))
         padded[: t.shape[0]] = t
         pieces = [torch.empty_like(padded) for _ in sizes]
         dist.all_gather(pieces, padded, group=self.group)
-        self._position = (sum(sizes[: self.rank]), sum(sizes))
-        return torch.cat([piece[:size] for piece, size in zip(pieces, sizes)])
-
-    def position(self) -> tuple[int, int]:
-        return self._position
-
-
-class BatchCollectives:
-    """What a gate needs from its data-parallel group (None: one process, where each is the identity).
-
-    `sum`: t summed over the group, with a backward that sums too (so every rank gets the full gradient; a
-    detached all-reduce would make router gradients too small by world_size). `gather`: the rows of every rank
-    (detached, see `RowGatherer`) and where this rank's rows start among them."""
-
-    def __init__(self, group=None):
-        self.group = group
-        self._gatherer = RowGatherer(group)
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        if world_size(self.group) == 1:
-            return t
-        return dist_autograd.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-
-    def gather(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(rows of every rank in rank order, the index of this rank's first row among them)."""
-        rows = self._gatherer(t)
-        return rows, self._gatherer.position()[0]
+        return torch.cat([piece[:size] for piece, size in zip(pieces, sizes)]), sum(sizes[:rank])

@@ -19,6 +19,7 @@ from moe_scale.moe.deepspeed_adapter import ExpertShard
 from moe_scale.moe.experts.grouped_gemm import BlockCounts
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.layer import MoELayer
+from moe_scale.moe.router import HierarchicalRouter
 
 
 class HierarchicalMoELayer(MoELayer):
@@ -27,9 +28,16 @@ class HierarchicalMoELayer(MoELayer):
 
     routes_around_the_exchange = True
 
+    def __init__(self, d_model: int, d_hidden: int, num_experts: int, k: int, ep_size: int = 1, ep_rank: int = 0,
+                 *, router: HierarchicalRouter, **settings):
+        """As MoELayer's; `router` keeps only this rank's groups' secondary gates (a router built whole is
+        sharded here)."""
+        if isinstance(router, HierarchicalRouter):   # MoELayer refuses any other router, in one line
+            router.shard(ep_size, ep_rank)
+        super().__init__(d_model, d_hidden, num_experts, k, ep_size, ep_rank, router=router, **settings)
+
     def dispatch_units(self) -> tuple[int, int]:
-        """The groups: every rank keeps the secondary gates of its experts' groups."""
-        self.router.shard(self.ep_size, self.ep_rank)
+        """The groups: tokens travel once per chosen group, to the rank that holds it."""
         return self.router.num_groups, self.router.num_local_groups
 
     def expert_shards(self) -> dict[str, ExpertShard]:
