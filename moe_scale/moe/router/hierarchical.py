@@ -63,16 +63,16 @@ class _PickedGroupProduct(torch.autograd.Function):
 
 def _top_k(clean: Tensor, raw_noise: Optional[Tensor], noise: Optional[Tensor], k: int, eps: float,
            row_group: Optional[Tensor] = None, num_groups: int = 0):
-    """Noisy (with noise given) or clean top-k gating of R rows over C choices: (gates, idx, load). The
-    load is the smooth in-top-k probability (eq. 8-9) summed over rows (per group of rows with `row_group`),
-    computed in the memory-lean fused op; None without noise or when k == C (the caller counts instead)."""
+    """Noisy (with noise given) or clean top-k gating of rows over choices (``clean`` [rows, choices]):
+    (gates, idx, load). The load is the smooth in-top-k probability (eq. 8-9) summed over rows (per group of rows
+    with `row_group`), computed in the memory-lean fused op; None without noise or when k is the number of choices
+    (the caller counts instead)."""
     c = clean.shape[1]
     if noise is None:
         top_values, top_idx = clean.topk(min(k + 1, c), dim=1)
         load = None
     else:
-        top_values, top_idx, load = noisy_top_k(clean, raw_noise, noise, eps, k, k < c,
-                                                       row_group, num_groups)
+        top_values, top_idx, load = noisy_top_k(clean, raw_noise, noise, eps, k, k < c, row_group, num_groups)
         load = load if k < c else None
     return torch.softmax(top_values[:, :k], dim=1), top_idx[:, :k], load
 
