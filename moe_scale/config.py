@@ -69,6 +69,19 @@ _SAMPLED = Needs(lambda c: c.softmax.kind == "sampled", "--softmax sampled")
 _STREAM = Needs(lambda c: c.data.stream, "--stream")
 
 
+# Auxiliary-loss weights beyond this outweigh the language-model loss by orders of magnitude: clipping then spends
+# the whole gradient on balance and the LM trains nothing (the papers use 0.001-0.1; Shazeer Table 6 tries 1).
+MAX_AUX_WEIGHT = 10.0
+
+
+def _aux_weights(**weights: float) -> None:
+    for name, value in weights.items():
+        if not 0.0 <= value <= MAX_AUX_WEIGHT:
+            raise UserError(f"--{name.replace('_', '-')} {value:g} is outside [0, {MAX_AUX_WEIGHT:g}]: a balance "
+                            f"loss weighted past {MAX_AUX_WEIGHT:g} outweighs the language-model loss and the model "
+                            f"trains nothing; the papers use 0.001 to 0.1")
+
+
 def _positive(**values: int | float) -> None:
     for name, value in values.items():
         if value < 1:
@@ -149,6 +162,9 @@ class SoftmaxTopKConfig:
                                   "divide by their detached sum (paper eq. 9)", ("none", "detached"),
                           key="moa_renormalize")
 
+    def validate(self) -> None:
+        _aux_weights(moa_aux_weight=self.aux_weight, moa_z_weight=self.z_weight)
+
 
 @dataclass
 class RouterConfig:
@@ -171,8 +187,8 @@ class RouterConfig:
 
     def validate(self, num_experts: int, ep_size: int) -> None:
         _positive(top_k=self.top_k)
-        if min(self.w_importance, self.w_load) < 0:
-            raise UserError("--w-importance and --w-load must not be negative")
+        _aux_weights(w_importance=self.w_importance, w_load=self.w_load)
+        self.softmax_topk.validate()
         if self.top_k > num_experts:
             raise UserError(f"--top-k {self.top_k} is larger than --num-experts {num_experts}; "
                             f"choose k <= number of experts")
@@ -425,6 +441,9 @@ class RunDirConfig:
                                  needs=Needs(lambda c: c.run.resume, "--resume"))
     keep_checkpoints: int = _f(2, "complete checkpoints kept in --out/checkpoints, the newest (each save deletes "
                                   "older ones); 0: keep them all")
+    accept_changed_data: bool = _f(False, "with --resume: go on although the data files differ from those the run "
+                                          "started on (recorded in data_files.json; the log says so)",
+                                   needs=Needs(lambda c: c.run.resume, "--resume"))
 
     def validate(self) -> None:
         _positive(log_interval=self.log_interval, eval_interval=self.eval_interval)

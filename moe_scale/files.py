@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -42,3 +43,16 @@ def write_json_atomic(path: Path, data) -> None:
 def is_partial_write(name: str) -> bool:
     """What a write killed before its rename leaves behind."""
     return name.startswith(".") and _TMP in name
+
+
+_SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"))
+
+
+def special_kind(path: Path) -> str | None:
+    """What `path` is when it exists but is neither a regular file nor a directory ("a named pipe (FIFO)", ...)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return next((name for test, name in _SPECIAL if test(mode)), None)

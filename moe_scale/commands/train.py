@@ -48,7 +48,7 @@ _DEST = "setting:"
 # run's own (its config.json): a resume that silently trained on other data or with another learning rate would
 # report numbers of a run that never happened.
 RESUMABLE_CHANGES = ("max_steps", "token_budget", "log_interval", "eval_interval", "eval_max_batches",
-                     "checkpoint_interval", "keep_checkpoints", "resume_from", "ep_size")
+                     "checkpoint_interval", "keep_checkpoints", "resume_from", "ep_size", "accept_changed_data")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -85,6 +85,7 @@ def _resumed_config(args: argparse.Namespace, given: dict) -> RunConfig:
         raise UserError(f"--resume: {saved_path} is missing, so there is no run to resume in --out {out}; start "
                         f"without --resume")
     config = RunConfig.load(saved_path)
+    config.run.accept_changed_data = False   # an earlier resume's consent is not this one's
     for key, value in given.items():
         if key in RESUMABLE_CHANGES or key in ("resume", "out"):
             config.set(key, value)

@@ -23,6 +23,9 @@ from moe_scale.files import write_text_atomic
 
 TOKENIZER_FILE = "tokenizer.json"   # in the run directory, for subword runs (word runs keep `vocab`)
 _BYTES = 256
+MIN_TOKENS_PER_WORD = 0.5   # fewer: the tokenizer drops text it has no token for
+# Characters outside most tokenizers' alphabets: each must come out as tokens (bytes, pieces or the unknown token).
+_PROBE = "Zürich ÿ ß 漢字 🙂 ∑ ж"
 
 
 class SubwordTokenizer:
@@ -84,6 +87,28 @@ class SubwordTokenizer:
         if [tokenizer.id_to_token(i) for i in range(3)] == list(cls.SPECIALS):
             return cls(tokenizer)
         return cls(Tokenizer.from_str(json.dumps(_with_our_specials(spec, path))))
+
+    def check_user_file(self, path: str, sentences: list[str]) -> None:
+        """--tokenizer PATH must turn text into tokens without losing any: it encodes a sample of the training text
+        (`sentences`) without an error, at MIN_TOKENS_PER_WORD or more tokens per word, and characters outside
+        its alphabet become bytes or its unknown token, not nothing."""
+        fix = "use a tokenizer.json with an unknown token or byte fallback, or --tokenizer bpe"
+        try:
+            encoded = self.tokenizer.encode_batch(sentences, add_special_tokens=False)
+            probe = self.tokenizer.encode(_PROBE, add_special_tokens=False)
+        except Exception as e:   # tokenizers raises its own Exception types (a WordLevel without its unk token)
+            raise UserError(f"--tokenizer {path} cannot encode the training text (tokenizers: "
+                            f"{str(e).splitlines()[0]}); {fix}") from None
+        words = sum(len(sentence.split()) for sentence in sentences)
+        per_word = sum(len(e.ids) for e in encoded) / max(words, 1)
+        if per_word < MIN_TOKENS_PER_WORD:
+            raise UserError(f"--tokenizer {path} gives {per_word:.2f} tokens per word of the training text (at "
+                            f"least {MIN_TOKENS_PER_WORD} expected): it drops the text it has no tokens for; {fix}")
+        covered = {i for start, end in probe.offsets for i in range(start, end)}
+        dropped = [c for i, c in enumerate(_PROBE) if not c.isspace() and i not in covered]
+        if dropped:
+            raise UserError(f"--tokenizer {path} has no token for {', '.join(repr(c) for c in dropped[:4])} and no "
+                            f"unknown token, so such characters would vanish from training and evaluation; {fix}")
 
     @classmethod
     def load(cls, path: Path) -> "SubwordTokenizer":

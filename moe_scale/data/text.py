@@ -12,6 +12,7 @@ from datasets import Dataset
 
 from moe_scale.data.embedded import EMBEDDED_NAME, cache_root, embedded_corpus_dir
 from moe_scale.errors import UserError
+from moe_scale.files import special_kind
 
 SPLITS = ("train", "valid", "test")
 # A file or subdirectory name with one of these words (split at . _ -) belongs to that split.
@@ -55,6 +56,9 @@ def resolve_text_files(spec: str, what: str = "--data") -> list[Path]:
                             "(one sentence per line) or point to another directory")
     elif path.is_file():
         files = [path]
+    elif kind := special_kind(path):
+        raise UserError(f"{what} {spec} is {kind}, not a regular file: training reads its text more than once "
+                        f"(the vocabulary, then the batches); save the text to a file and pass that")
     else:
         raise UserError(f"{what} {spec}: no such file or directory; check the path")
     if not any(_has_words(f) for f in files):
@@ -94,6 +98,9 @@ def split_files(spec: str) -> dict[str, list[Path]]:
                 out[split] += resolve_text_files(str(entry), f"--data {split} directory")
             elif split is not None and entry.is_file():
                 out[split].append(entry)
+            elif split is not None and (kind := special_kind(entry)):
+                raise UserError(f"--data {spec}: {entry.name} is {kind}, not a regular file: training reads its "
+                                f"text more than once; save the text to a file and pass that")
         named = sorted((f for files in out.values() for f in files), key=lambda f: f.name)
         unnamed = sorted(p.name for p in path.iterdir() if not p.name.startswith(".") and _split_of(p.name) is None
                          and not _is_documentation(p.name))

@@ -12,7 +12,10 @@ where it stopped; random streams, and the in-memory data position, are functions
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 import shutil
 import sys
 import zlib
@@ -23,6 +26,7 @@ import torch.distributed as dist
 
 from moe_scale.data.source import TrainingSource
 from moe_scale.deepspeed_internals import MODEL_STATES_FILE
+from moe_scale.distributed.comm import collective_device
 from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
 from moe_scale.train.reshard import has_portable, load_portable, save_portable
@@ -39,73 +43,139 @@ def save_checkpoint(engine, run: Path, state: TrainState, rank: int, *, rows: st
     """The engine and `state` after its step: DeepSpeed's files go to checkpoints/.partial-<tag>; once every rank
     has written, rank 0 adds the layout (processes, --ep-size, how `rows` were cut: the source's row_layout), a
     manifest (each file's size and CRC-32), renames the directory to <tag> and points checkpoints/complete at it,
-    then deletes all but the newest `keep` checkpoints (0: none). A run killed (or a disk full) before that leaves
-    the previous complete checkpoint as it was."""
+    then deletes all but the newest `keep` checkpoints (0: none). A write that fails (a full disk, a read-only
+    directory) on any rank stops every rank with one line, the partial directory removed; a run killed before the
+    rename leaves the previous complete checkpoint as it was."""
     directory = run / "checkpoints"
-    step = state.step
-    tag = f"step{step:08d}"
+    tag = f"step{state.step:08d}"
     partial = directory / f".partial-{tag}"
     if rank == 0 and partial.exists():   # a save killed earlier
         shutil.rmtree(partial)
     dist.barrier()
-    try:
+
+    def write_rank_files() -> None:
         engine.save_checkpoint(str(directory), tag=partial.name, client_state=state.client_state(),
                                save_latest=False)
         save_portable(engine, partial, rank)   # the same state by name, for a resume with another layout
         if state.data_position is not None:
             _save_stream_state(partial / f"data_stream_rank{rank}.pt", state.data_position)
-    except (OSError, RuntimeError) as e:
-        if (failure := _write_failed(e, run, tag)) is None:
-            raise
-        raise failure from None
-    dist.barrier()
-    if rank == 0:
-        try:
-            if (run / "config.json").is_file():   # what the weights were trained as, checked on every load
-                shutil.copyfile(run / "config.json", partial / "config.json")
-            layout = {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                      "ep_size": _ep_size(engine.module)}
-            if rows is not None:
-                layout["rows"] = rows
-            write_json_atomic(partial / LAYOUT, layout)
-            write_json_atomic(partial / MANIFEST, _manifest(partial))
-        except OSError as e:
-            raise _write_failed(e, run, tag) from None
+
+    def finish() -> None:   # rank 0, once every rank's files are there
+        if (run / "config.json").is_file():   # what the weights were trained as, checked on every load
+            shutil.copyfile(run / "config.json", partial / "config.json")
+        layout = {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                  "ep_size": _ep_size(engine.module)}
+        if rows is not None:
+            layout["rows"] = rows
+        write_json_atomic(partial / LAYOUT, layout)
+        write_json_atomic(partial / MANIFEST, _manifest(partial))
         if (directory / tag).exists():
             shutil.rmtree(directory / tag)
         partial.replace(directory / tag)
-        write_json_atomic(directory / "complete", {"tag": tag, "step": step, "manifest": f"{tag}/{MANIFEST}"})
+        write_json_atomic(directory / "complete", {"tag": tag, "step": state.step, "manifest": f"{tag}/{MANIFEST}"})
+
+    _stop_if_any_failed(_attempt(write_rank_files, run, tag), run, partial, tag, rank)
+    _stop_if_any_failed(_attempt(finish, run, tag) if rank == 0 else None, run, partial, tag, rank)
+    if rank == 0:
         tags = sorted(p.name for p in directory.glob("step*") if p.is_dir())
         for old in tags[:-keep] if keep else []:
             shutil.rmtree(directory / old, ignore_errors=True)
     dist.barrier()
 
 
-# torch.save's zip writer reports a failed write (a full disk: ENOSPC) as a RuntimeError with one of these.
-_TORCH_WRITER_ERRORS = ("inline_container.cc", "iostream error", "PytorchStreamWriter", "file write failed")
+def _attempt(write, run: Path, tag: str) -> UserError | None:
+    """Runs `write`; the one line for a write the file system refused, None when it worked. Any other error
+    surfaces as it is."""
+    try:
+        write()
+    except (OSError, RuntimeError) as e:
+        if (failure := _write_failed(e, run, tag)) is None:
+            raise
+        return failure
+    return None
+
+
+def _stop_if_any_failed(failure: UserError | None, run: Path, partial: Path, tag: str, rank: int) -> None:
+    """Every rank learns whether any rank's write failed (one all-reduce), so all stop together rather than
+    leaving the others waiting in the next collective; rank 0 removes the partial checkpoint."""
+    failed = failure is not None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([int(failed)], device=collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    if not failed:
+        return
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    raise failure or UserError(f"writing checkpoint {tag} to {run / 'checkpoints'} failed on another process; "
+                               f"{_after_failure(run)}")
+
+
+# torch.save's zip writer reports a failed write as a RuntimeError with one of these (and the C library's reason
+# after "strerror: " where it has one).
+_TORCH_WRITER_ERRORS = ("inline_container.cc", "iostream error", "PytorchStreamWriter", "file write failed",
+                        "cannot be opened")
 _NEARLY_FULL = 256 << 20
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def _write_failed(e: Exception, run: Path, tag: str) -> UserError | None:
-    """The one line for a checkpoint that could not be written (a full disk, from Python or from torch's writer);
-    None for any other error, which surfaces as it is."""
+    """The one line for a checkpoint the file system would not take (a full disk or quota, a read-only or
+    unwritable directory; from Python or from torch's writer), with advice that works; None for any other error."""
+    where = run / "checkpoints"
     if isinstance(e, OSError):
-        reason = e.strerror or str(e)
+        code, reason = e.errno, e.strerror or str(e)
     elif any(marker in str(err) for err in (e, e.__context__) for marker in _TORCH_WRITER_ERRORS):
-        try:
-            free = shutil.disk_usage(run / "checkpoints").free
-        except OSError:
-            free = None
-        if free is not None and free < _NEARLY_FULL:
-            reason = f"No space left on device: {free >> 20} MiB free"
-        else:
-            reason = f"torch could not write the file: {' '.join(str(e).split())[:200]}"
+        code, reason = _torch_writer_errno(str(e)), None
+        if code is None and _nearly_full(where):
+            code = errno.ENOSPC
+        reason = os.strerror(code) if code is not None else \
+            f"torch could not write the file: {' '.join(str(e).split())[:200]}"
     else:
         return None
+    if code in _NO_SPACE:
+        free = _free_bytes(where)
+        reason += f": {free >> 20} MiB free" if free is not None and ": " not in reason else ""
+        fix = "free space on that file system"
+    elif code in _NOT_WRITABLE:
+        fix = "make that directory writable"
+    else:
+        fix = "check that directory and its file system"
     previous = latest_complete_tag(run)
-    return UserError(f"writing checkpoint {tag} to {run / 'checkpoints'} failed ({reason}); "
+    return UserError(f"writing checkpoint {tag} to {where} failed ({reason}); "
                      + (f"the previous complete checkpoint {previous} is intact" if previous else
-                        "no earlier checkpoint exists") + "; free space and continue with --resume")
+                        "no earlier checkpoint exists") + f"; {fix}, then {_after_failure(run)}")
+
+
+def _after_failure(run: Path) -> str:
+    """What a run stopped by a failed checkpoint does next: resume from its last complete checkpoint, or (none
+    yet) start again, as check_run_dir will ask."""
+    if latest_complete_tag(run):
+        return "continue with --resume"
+    return "start the run again with --overwrite (there is no checkpoint to resume from)"
+
+
+def _torch_writer_errno(message: str) -> int | None:
+    """The errno named by torch's 'open file failed with strerror: ...', where it names one."""
+    found = re.search(r"strerror: ([^\n.]+)", message)
+    if found is None:
+        return None
+    return next((code for code in (*_NO_SPACE, *_NOT_WRITABLE, errno.ENOENT)
+                 if os.strerror(code) == found.group(1).strip()), None)
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _nearly_full(path: Path) -> bool:
+    """torch reports a write cut short by a full disk only as 'unexpected pos': tell it by the free space."""
+    free = _free_bytes(path)
+    return free is not None and free < _NEARLY_FULL
 
 
 def _manifest(directory: Path) -> dict:

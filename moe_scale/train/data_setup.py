@@ -3,6 +3,7 @@ tokenizer.json), shard rows by rank."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,9 @@ def _saved_tokenizer(run: Path):
     return load_run_tokenizer(run)
 
 
+_SAMPLE = 2000   # training sentences a --tokenizer file is checked on
+
+
 def user_tokenizer(config: DataConfig) -> SubwordTokenizer | None:
     """--tokenizer PATH, loaded; None for words and bpe (built from the training text)."""
     return None if config.tokenizer in ("words", "bpe") else SubwordTokenizer.from_user_file(Path(config.tokenizer))
@@ -89,6 +93,8 @@ def build_lm_data(config: DataConfig, env: DistEnv, global_rows: int, saved_run:
         return build_stream_data(config, seed, env, global_rows, saved_run)
     vocab = _saved_tokenizer(saved_run) if saved_run is not None else user_tokenizer(config)
     train, valid, _ = load_run_splits(config)
+    if vocab is not None and saved_run is None:
+        vocab.check_user_file(config.tokenizer, sentence_texts(train.select(range(min(len(train), _SAMPLE)))))
     if vocab is None and config.tokenizer == "bpe":
         vocab = trained_bpe(lambda: sentence_texts(train), config)
     elif vocab is None:
@@ -119,6 +125,9 @@ def build_stream_data(config: DataConfig, seed: int, env: DistEnv, global_rows: 
     others load the cache after a barrier), a BPE learned in one pass on rank 0, or reloaded from a resumed run."""
     train_files, valid = stream_files(config)
     vocab = _saved_tokenizer(saved_run) if saved_run is not None else user_tokenizer(config)
+    if vocab is not None and saved_run is None:
+        vocab.check_user_file(config.tokenizer, list(itertools.islice(LineReader(plan_pieces(train_files, 1)[0]),
+                                                                      _SAMPLE)))
     if vocab is None and config.tokenizer == "bpe":
         vocab = trained_bpe(lambda: (line for line in LineReader(plan_pieces(train_files, 1)[0])), config)
     elif vocab is None:

@@ -22,6 +22,8 @@ from moe_scale.models.build import build_model
 from moe_scale.moe.router import GlobalTokenNoise
 from moe_scale.train.memory_check import check_model_fits
 from moe_scale.train.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
+from moe_scale.data.fingerprint import DATA_FILES, check_resumed_data, fingerprint, read_record
+from moe_scale.data.source import TrainingSource
 from moe_scale.data.subwords import save_run_tokenizer
 from moe_scale.train.context import TrainContext
 from moe_scale.train.data_setup import build_lm_data
@@ -75,6 +77,8 @@ def run_training(config: RunConfig) -> dict:
     micro_batch = check_parallel_layout(config, env)
     resume_tag = checkpoint_to_resume(run, run_dir.resume_from, config) if run_dir.resume else None   # files verified
     ds_config = complete_ds_config(user_ds_config, micro_batch, t.grad_accum, env.world_size, ds_source)
+    data_record = fingerprint(config.data)
+    changed = check_resumed_data(run, data_record, run_dir.accept_changed_data) if run_dir.resume else []
     data = build_lm_data(config.data, env, global_rows=t.batch_size,
                          saved_run=run if run_dir.resume else None, seed=t.seed)
 
@@ -93,11 +97,13 @@ def run_training(config: RunConfig) -> dict:
     state = TrainState.planned(config, data.train.state_dict())
     if run_dir.resume:
         load_checkpoint(trainer.engine, run, resume_tag, state, data.train)
+        _check_steps_left(config, state, data.train, resume_tag)
     # Only now, with every input checked and the engine built, does the run directory change.
     lock = claim_run_dir(run, run_dir.resume, run_dir.overwrite) if env.rank == 0 else None
     try:
         if env.rank == 0:
             save_run_tokenizer(data.vocab, run)
+            _record_data(run, data_record, changed, state.step)
             _as_planned(config, state).save(run / "config.json")
             write_json_atomic(run / "ds_config.json", ds_config)
         dist.barrier()
@@ -112,6 +118,37 @@ def run_training(config: RunConfig) -> dict:
             lock.release()
 
 
+def _check_steps_left(config: RunConfig, state: TrainState, source: TrainingSource, tag: str) -> None:
+    """A resume of a run that has nothing left to train (its schedule, or its streamed pass, is done) is refused
+    before the run directory is touched: a finished run's summary, logs and plots are its results."""
+    if source.last_step is not None:   # a streamed pass that ended: no batch after it
+        state.end_with_the_data(source.last_step)
+    if state.step < state.max_steps:
+        return
+    out = config.run.out
+    if source.last_step is not None and state.max_steps == source.last_step + 1:
+        more = "its streamed training data ended there (one pass over --data); start a new run to train on more data"
+    elif config.data.stream and config.data.token_budget:
+        more = "pass a larger --token-budget with --resume to train on"
+    else:
+        more = "pass a larger --max-steps with --resume to train on"
+    raise UserError(f"--resume: the run in {out} has finished (checkpoint {tag} is after step {state.step} of "
+                    f"{state.max_steps}), so there is nothing to train and its results stay as they are; {more}, "
+                    f"or start a new run with another --out")
+
+
+def _record_data(run, record: dict, changed: list[str], step: int) -> None:
+    """data_files.json: the files this run trains on; a resume that accepted changed data says so, in the log and
+    in the record's history."""
+    previous = read_record(run) or {}
+    accepted = previous.get("accepted", [])
+    if changed:
+        print(f"moe-scale: resuming at step {step} on changed data (--accept-changed-data): {'; '.join(changed)}",
+              flush=True)
+        accepted = [*accepted, {"step": step, "changes": changed}]
+    write_json_atomic(run / DATA_FILES, {**record, **({"accepted": accepted} if accepted else {})})
+
+
 def _as_planned(config: RunConfig, state: TrainState) -> RunConfig:
     """What config.json records: the run's settings with the steps it plans (--token-budget's, where given)."""
     return dataclasses.replace(config, train=dataclasses.replace(config.train, max_steps=state.max_steps))
@@ -120,9 +157,6 @@ def _as_planned(config: RunConfig, state: TrainState) -> RunConfig:
 def _train(ctx: TrainContext, state: TrainState) -> dict:
     """The steps from the state's to the end of its schedule, each followed by its points (_points); the summary,
     or what stopped the run early."""
-    source = ctx.data.train
-    if source.last_step is not None:   # resumed a streamed run whose one pass was done
-        state.end_with_the_data(source.last_step)
     report = RunReport(ctx, state)
     while state.step < state.max_steps:
         _step(ctx, state, report)

@@ -4,6 +4,7 @@
     lock                host and PID of the live run writing here (removed when it ends)
     config.json         resolved run configuration (reload with --config)
     ds_config.json      the DeepSpeed JSON as used (batch keys filled in)
+    data_files.json     each data file's size and fingerprint (a resume on changed text is refused)
     vocab               one word per line (vocab.counts: the training counts); word runs
     tokenizer.json      the BPE or --tokenizer file (ids 0-2: <UNK> <S> </S>); subword runs
     train_log.jsonl     one record per optimizer step (loss, aux loss, lr)
@@ -21,6 +22,7 @@ is one of them, and never while the run's lock is live.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -31,7 +33,7 @@ from moe_scale.train.run_lock import LOCK_NAME, RunLock, live_owner
 
 MARKER = "moe_scale_run.json"
 RUN_FILES = ("config.json", "summary.json", "checkpoints", "train_log.jsonl")   # any of these: a run is here
-OWNED = frozenset({MARKER, LOCK_NAME, "config.json", "ds_config.json", "vocab", "vocab.counts", "tokenizer.json",
+OWNED = frozenset({MARKER, LOCK_NAME, "config.json", "ds_config.json", "data_files.json", "vocab", "vocab.counts", "tokenizer.json",
                    "train_log.jsonl", "summary.json", "tb", "checkpoints", "pruning", "expert_load.jsonl", "plots"})
 
 
@@ -45,8 +47,12 @@ def check_run_dir(out: str, resume: bool, overwrite: bool, resume_from: str | No
     if not out.strip():
         raise UserError("--out is empty; name the run directory, e.g. --out runs/lstm-moe")
     run = Path(out)
+    if run.is_symlink() and not run.exists():
+        raise UserError(f"--out {out} is a symbolic link to {os.readlink(run)}, which does not exist; create that "
+                        f"directory first, or choose another --out")
     if run.exists() and not run.is_dir():
         raise UserError(f"--out {out} exists and is not a directory; choose another --out")
+    _check_writable(run)
     has_run = holds_run(run)
     owner = live_owner(run)
     if owner is not None:
@@ -67,7 +73,6 @@ def check_run_dir(out: str, resume: bool, overwrite: bool, resume_from: str | No
                         f"replace it, or choose another --out")
     if overwrite and run.is_dir():
         _check_deletable(out, run, has_run)
-    _check_writable(run)
     return run
 
 
@@ -129,7 +134,8 @@ def _check_writable(run: Path) -> None:
         probe = probe.parent
     problem = f"--out {run}: cannot create files in {probe}; choose a writable --out"
     if not probe.is_dir():
-        raise UserError(f"--out {run}: {probe} is a file, not a directory; choose another --out")
+        raise UserError(f"--out {run}: {probe} is a file, not a directory, so nothing can be created under it; "
+                        f"choose another --out")
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass

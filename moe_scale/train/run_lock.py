@@ -42,7 +42,7 @@ def _alive(pid: int) -> bool:
 def _read(path: Path) -> dict | None:
     try:
         owner = json.loads(path.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, ValueError):
         return {}   # unreadable or half-written: its writer may still be starting

@@ -184,7 +184,8 @@ def test_a_full_disk_while_rank_0_writes_the_manifest_is_the_same_one_line(run, 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ckpt, "write_json_atomic", full)
-    with pytest.raises(UserError, match=f"No space left on device\\); the previous complete checkpoint {NEW}"):
+    with pytest.raises(UserError, match=f"No space left on device: \\d+ MiB free\\); the previous complete checkpoint "
+                       f"{NEW} is intact; free space on that file system, then continue with --resume"):
         ckpt.save_checkpoint(_Writes(), run, STEP_9, rank=0, rows="tokens", keep=2)
     assert ckpt.choose_checkpoint(run, None, "--resume-from") == (NEW, 6)
 

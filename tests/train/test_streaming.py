@@ -150,5 +150,10 @@ def test_one_pass_stops_every_rank_after_the_last_full_batch(tmp_path):
     assert "the streamed training data ends at step 2" in proc.stdout + proc.stderr
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
     assert json.loads((run / "checkpoints" / "complete").read_text())["step"] == 2
-    run_train([*args, "--resume"], cwd=tmp_path, cache=tmp_path / "cache")    # nothing left: finishes at once
+    from tests.cli_runs import assert_one_line_error, run_cli
+    summary = (run / "summary.json").read_bytes()
+    proc = run_cli("train", *args, "--resume", cwd=tmp_path, cache=tmp_path / "cache")   # nothing left to train
+    assert_one_line_error(proc, "has finished (checkpoint step00000002 is after step 2 of 2)",
+                          "streamed training data ended there")
     assert [r["step"] for r in step_log(run)] == [1, 2]
+    assert (run / "summary.json").read_bytes() == summary

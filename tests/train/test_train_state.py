@@ -19,7 +19,7 @@ from moe_scale.errors import UserError
 from moe_scale.train import checkpoint as ckpt
 from moe_scale.train.data_setup import build_lm_data
 from moe_scale.train.state import TrainState
-from tests.cli_runs import TINY, run_cli, step_log
+from tests.cli_runs import TINY, assert_one_line_error, run_cli, step_log
 
 ONE_PROCESS = DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
 TAG = "step00000005"
@@ -159,14 +159,16 @@ def train_reporting_the_config(argv: list[str]) -> int:
 
 def test_a_run_leaves_its_config_as_given_and_its_checkpoints_in_their_format(tmp_path):
     """--token-budget sets the number of steps, the data ending first shortens it, and a resume of the finished
-    pass ends at once: the state's schedule, never the config's max_steps (config.json records the planned one)."""
+    pass is refused: the state's schedule, never the config's max_steps (config.json records the planned one)."""
     run = tmp_path / "run"
     args = ["train", *TINY, "--data", str(_data(tmp_path)), "--stream", "--token-budget", "100000",
             "--eval-interval", "100", "--checkpoint-interval", "100", "--out", str(run)]
-    for resume in ([], ["--resume"]):
-        proc = run_cli(*args, *resume, cwd=tmp_path, cache=tmp_path / "cache", entry=train_reporting_the_config,
-                       check=True)
-        assert "config unchanged: True" in proc.stdout
+    proc = run_cli(*args, cwd=tmp_path, cache=tmp_path / "cache", entry=train_reporting_the_config, check=True)
+    assert "config unchanged: True" in proc.stdout
+    config = (run / "config.json").read_bytes()
+    assert_one_line_error(run_cli(*args, "--resume", cwd=tmp_path, cache=tmp_path / "cache"),
+                          "has finished", "streamed training data ended there")
+    assert (run / "config.json").read_bytes() == config
     assert [r["step"] for r in step_log(run)] == [1, 2]
     assert json.loads((run / "config.json").read_text())["train"]["max_steps"] == -(-100000 // (8 * 16))
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
