@@ -98,6 +98,10 @@ CASES = [
                               *FAST], ["empty"]),
     ("data-not-utf8", lambda w: ["train", "--data", w.text("b.txt", b"ok .\n\xff\xfe abc\n"), "--out", w.out(), *FAST],
      ["b.txt", "not UTF-8", "offset 5"]),
+    ("data-fifo", lambda w: ["train", "--data", _fifo(w.root / "pipe.txt"), "--out", w.out(), *FAST],
+     ["pipe.txt is a named pipe (FIFO), not a regular file", "save the text to a file"]),
+    ("data-fifo-split", lambda w: ["train", "--data", str(Path(_fifo(w.root / "c" / "train.txt")).parent), "--out",
+                                   w.out(), *FAST], ["train.txt is a named pipe (FIFO)"]),
     ("data-unreadable", lambda w: ["train", "--data", str(_link(w.root / "c.txt", "/proc/self/mem")), "--out",
                                    w.out(), *FAST], ["c.txt", "cannot be read"]),
     ("data-heldout-without-train", lambda w: ["train", "--data", w.folder("h", "valid.txt", "test.txt"), "--out",
@@ -114,6 +118,11 @@ CASES = [
      ["--attention", "--model transformer"]),
     ("top-k-above-experts", lambda w: ["train", "--num-experts", "4", "--top-k", "5", "--out", w.out(), *FAST],
      ["--top-k 5", "--num-experts 4"]),
+    ("w-load-huge", lambda w: ["train", "--w-load", "1e30", "--out", w.out(), *FAST],
+     ["--w-load 1e+30 is outside [0, 10]", "outweighs the language-model loss"]),
+    ("moa-aux-weight-negative", lambda w: ["train", "--model", "transformer", "--attention", "moa",
+                                           "--moa-aux-weight", "-1", "--out", w.out(), *FAST],
+     ["--moa-aux-weight -1 is outside [0, 10]"]),
     ("w-importance-inf", lambda w: ["train", "--w-importance", "inf", "--out", w.out(), *FAST],
      ["--w-importance inf", "finite"]),
     ("lr-nan", lambda w: ["train", "--lr", "nan", "--out", w.out(), *FAST], ["--lr nan", "finite"]),
@@ -128,6 +137,12 @@ CASES = [
                                               "--out", w.out(), *FAST], ["--mae-g-unit epoch needs epochs"]),
     ("tokenizer-missing", lambda w: ["train", "--tokenizer", str(w.root / "tok.json"), "--out", w.out(), *FAST],
      ["--tokenizer", "tok.json", "no such file"]),
+    ("tokenizer-wordlevel-without-its-unk", lambda w: ["train", "--tokenizer", w.text("tok.json", _tokenizer(
+        "wordlevel-no-unk")), "--out", w.out(), *FAST], ["cannot encode the training text", "Missing [UNK]"]),
+    ("tokenizer-empty-bpe", lambda w: ["train", "--tokenizer", w.text("tok.json", _tokenizer("empty-bpe")),
+                                       "--out", w.out(), *FAST], ["0.00 tokens per word", "at least 0.5"]),
+    ("tokenizer-drops-characters", lambda w: ["train", "--tokenizer", w.text("tok.json", _tokenizer("char-bpe")),
+                                              "--out", w.out(), *FAST], ["has no token for", "no unknown token"]),
     ("tokenizer-not-json", lambda w: ["train", "--tokenizer", w.text("tok.json", "merges: a b"), "--out", w.out(),
                                       *FAST], ["--tokenizer", "not a tokenizer.json"]),
     ("bpe-vocab-below-bytes", lambda w: ["train", "--tokenizer", "bpe", "--vocab-size", "100", "--out", w.out(),
@@ -163,7 +178,9 @@ CASES = [
     # --out
     ("out-empty", lambda w: ["train", "--out", "", *FAST], ["--out is empty"]),
     ("out-under-a-file", lambda w: ["train", "--out", str(Path(w.text("a_file")) / "run"), *FAST],
-     ["--out", "a_file"]),
+     ["--out", "a_file is a file, not a directory"]),
+    ("out-dangling-link", lambda w: ["train", "--out", str(_link(w.root / "gone", str(w.root / "nowhere"))), *FAST],
+     ["symbolic link", "nowhere, which does not exist"]),
     ("out-in-proc", lambda w: ["train", "--out", "/proc/moe_scale_run", *FAST], ["--out"]),
     ("overwrite-not-a-run", lambda w: ["train", "--overwrite", "--out", str(Path(w.text("d/mine.txt")).parent),
                                        *FAST], ["does not hold a moe_scale run"]),
@@ -176,6 +193,12 @@ CASES = [
      ["--lr 0.1", "trained with --lr", "--max-steps"]),
     ("resume-other-experts", lambda w: ["train", "--resume", "--num-experts", "4", "--out", w.run()],
      ["--num-experts 4", "trained with --num-experts 8"]),
+    ("resume-a-finished-run", lambda w: ["train", "--resume", "--out", w.run()],
+     ["has finished (checkpoint step00000004 is after step 4 of 4)", "nothing to train", "larger --max-steps"]),
+    ("resume-on-changed-data", lambda w: ["train", "--resume", "--max-steps", "6", "--out", w.run(_other_data)],
+     ["the training data changed since this run started", "train file", "--accept-changed-data"]),
+    ("accept-changed-data-without-resume", lambda w: ["train", "--accept-changed-data", "--out", w.out(), *FAST],
+     ["--accept-changed-data does nothing here: it needs --resume"]),
     ("resume-from-without-resume", lambda w: ["train", "--resume-from", OLD, "--out", w.run()],
      ["--resume-from", "--resume"]),
     ("resume-from-unknown-tag", lambda w: ["train", "--resume", "--resume-from", "step00000099", "--out", w.run()],
@@ -226,6 +249,36 @@ CASES = [
 ]
 
 
+def _fifo(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    return str(path)
+
+
+def _other_data(run: Path) -> None:
+    """As if the training file had been replaced after the run started: the run's record says other bytes."""
+    record = json.loads((run / "data_files.json").read_text())
+    record["splits"]["train"][0]["bytes"] += 1
+    (run / "data_files.json").write_text(json.dumps(record))
+
+
+def _tokenizer(kind: str) -> str:
+    """A tokenizer.json a user might bring: a WordLevel whose unknown token is missing from its vocabulary, a BPE
+    with no merges or vocabulary, a character BPE without an unknown token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    if kind == "wordlevel-no-unk":
+        tokenizer = Tokenizer(models.WordLevel({"the": 0, "cat": 1}, unk_token="[UNK]"))
+    elif kind == "empty-bpe":
+        tokenizer = Tokenizer(models.BPE())
+    else:
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer.train_from_iterator(LINES.splitlines(), trainers.BpeTrainer(vocab_size=40, show_progress=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tokenizer.to_str()
+
+
 def _link(path: Path, target: str) -> Path:
     path.symlink_to(target)
     return path
@@ -242,6 +295,8 @@ def _snapshot(root: Path) -> dict[str, str]:
                 out[rel] = "-> " + os.readlink(p)
             elif p.is_dir():
                 out[rel] = "dir"
+            elif not p.is_file():   # a FIFO: reading it would wait for a writer
+                out[rel] = "special"
             else:
                 out[rel] = hashlib.sha1(p.read_bytes()).hexdigest()
     return out
