@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def _stop_if_any_failed(failure: UserError | None, run: Path, partial: Path, tag
 # torch.save's zip writer reports a failed write as a RuntimeError with one of these (and the C library's reason
 # after "strerror: " where it has one).
 _TORCH_WRITER_ERRORS = ("inline_container.cc", "iostream error", "PytorchStreamWriter", "file write failed",
-                        "cannot be opened")
+                        "cannot be opened", "Parent directory")
 _NEARLY_FULL = 256 << 20
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
@@ -127,7 +128,7 @@ def _write_failed(e: Exception, run: Path, tag: str) -> UserError | None:
     if isinstance(e, OSError):
         code, reason = e.errno, e.strerror or str(e)
     elif any(marker in str(err) for err in (e, e.__context__) for marker in _TORCH_WRITER_ERRORS):
-        code, reason = _torch_writer_errno(str(e)), None
+        code = _torch_writer_errno(str(e)) or _probe_errno(where)
         if code is None and _nearly_full(where):
             code = errno.ENOSPC
         reason = os.strerror(code) if code is not None else \
@@ -163,6 +164,16 @@ def _torch_writer_errno(message: str) -> int | None:
         return None
     return next((code for code in (*_NO_SPACE, *_NOT_WRITABLE, errno.ENOENT)
                  if os.strerror(code) == found.group(1).strip()), None)
+
+
+def _probe_errno(directory: Path) -> int | None:
+    """Why a file cannot be created in `directory` (torch's writer does not always say: a directory DeepSpeed
+    could not create is 'Parent directory ... does not exist'); None where one can."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return None
+    except OSError as e:
+        return e.errno
 
 
 def _free_bytes(path: Path) -> int | None:

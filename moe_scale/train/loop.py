@@ -150,8 +150,10 @@ def _record_data(run, record: dict, changed: list[str], step: int) -> None:
 
 
 def _as_planned(config: RunConfig, state: TrainState) -> RunConfig:
-    """What config.json records: the run's settings with the steps it plans (--token-budget's, where given)."""
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, max_steps=state.max_steps))
+    """What config.json records: the run's settings with the steps it plans (--token-budget's, where given); a
+    resume's consent to changed data is recorded in data_files.json, not carried to the next resume."""
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, max_steps=state.max_steps),
+                               run=dataclasses.replace(config.run, accept_changed_data=False))
 
 
 def _train(ctx: TrainContext, state: TrainState) -> dict:
