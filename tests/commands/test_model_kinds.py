@@ -53,10 +53,10 @@ EXPORT_SECTION = "Exporting to HuggingFace transformers"
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """train.txt, valid.txt and test.txt: WikiText-2 sentences, small enough for a full eval in a second."""
+    """train.txt, valid.txt and test.txt: WikiText-2 sentences, small enough for a full evaluation in a moment."""
     root = tmp_path_factory.mktemp("kinds_corpus")
     valid, test = wikitext_sentences("valid"), wikitext_sentences("test")
-    for name, sentences in (("train.txt", valid[:600]), ("valid.txt", valid[600:660]), ("test.txt", test[:60])):
+    for name, sentences in (("train.txt", valid[:600]), ("valid.txt", valid[600:624]), ("test.txt", test[:24])):
         (root / name).write_text("\n".join(sentences) + "\n", encoding="utf-8")
     return root
 
@@ -98,6 +98,16 @@ def opened(trained):
         return models[kind]
 
     return open_run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The models this process runs use one thread, as each command does (OMP_NUM_THREADS=1): two threads on a
+    shared 2-core machine wait for each other at every operation."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _tiny(flags: list[str]) -> list[str]:
