@@ -23,13 +23,19 @@ def _umask() -> int:
     return mask
 
 
+def new_file_mode() -> int:
+    """The permissions open() gives a new file here: 0666 less the umask (for files a library writes owner-only,
+    e.g. safetensors' save_file)."""
+    return 0o666 & ~_umask()
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{_TMP}", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

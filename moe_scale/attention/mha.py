@@ -37,6 +37,13 @@ class MultiHeadAttention(nn.Module):
     def num_heads(self) -> int:
         return len(self.head_ids)
 
+    @torch.no_grad()
+    def reset_unsaved_buffers(self) -> None:
+        """head_mask_H back to all ones (no head masked). It is not saved with the weights (persistent=False), so a
+        loader that builds the model empty and fills in only the saved tensors (transformers 5's from_pretrained)
+        calls this."""
+        self.head_mask_H.fill_(1.0)
+
     def forward(self, x_BTD: torch.Tensor, head_weights_BTH: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim

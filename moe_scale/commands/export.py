@@ -14,7 +14,8 @@ def add_parser(sub) -> None:
     p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
     p.add_argument("--format", choices=("hf",), default="hf", help="hf: transformers' from_pretrained with "
                                                                  "trust_remote_code=True")
-    p.add_argument("--out", required=True, metavar="DIR", help="the directory to create (must not exist)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to create (must not exist; missing "
+                                                             "parents are created)")
     p.add_argument("--checkpoint", metavar="TAG", help="export this checkpoint (default: the newest complete one)")
     p.set_defaults(run_command=run)
 

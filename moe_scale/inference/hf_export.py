@@ -1,5 +1,7 @@
 """A trained run as a HuggingFace model directory: `AutoModelForCausalLM.from_pretrained(DIR,
-trust_remote_code=True)` and `AutoTokenizer.from_pretrained(DIR)` load it (moe_scale must be installed there).
+trust_remote_code=True)` and `AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)` load it (moe_scale must
+be installed there; transformers 5's AutoTokenizer reads config.json, whose model type is remote code, so without
+trust_remote_code=True it asks [y/N]).
 
     config.json                 transformers' config: model_type moe_scale, auto_map, the run's configuration
     configuration_moe_scale.py  modeling_moe_scale.py   the remote code (hf_remote/)
@@ -7,7 +9,9 @@ trust_remote_code=True)` and `AutoTokenizer.from_pretrained(DIR)` load it (moe_s
     tokenizer.json              the run's tokenizer (word-level over its vocabulary, or its BPE), <S> prepended
     tokenizer_config.json  special_tokens_map.json  README.md
 
-Written under a temporary name beside --out and renamed when complete; an existing --out is refused.
+Written under a temporary name beside --out and renamed when complete, every file with the permissions a new
+file gets (0666 less the umask); an existing --out is refused, missing parent directories are created (and
+removed again if the export fails).
 """
 
 from __future__ import annotations
@@ -18,38 +22,66 @@ import shutil
 from pathlib import Path
 
 from moe_scale.errors import UserError
+from moe_scale.files import new_file_mode
 
 REMOTE = Path(__file__).with_name("hf_remote")
 REMOTE_FILES = ("configuration_moe_scale.py", "modeling_moe_scale.py")
+CARD_PROMPT = "the company said"   # what the README's example continues
 
 
 def check_target(out: Path) -> None:
     if out.exists() or out.is_symlink():
         raise UserError(f"--out {out} already exists; export writes a new directory: choose another --out or "
                         f"remove it")
-    if not out.parent.is_dir():
-        raise UserError(f"--out {out}: its parent directory {out.parent} does not exist; create it first")
+    existing = out.parent
+    while not (existing.exists() or existing.is_symlink()):
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"--out {out}: {existing} is not a directory; choose an --out inside a directory")
 
 
 def export_hf(run: Path, out: Path, checkpoint: str | None) -> str:
-    """Writes the model directory; returns the checkpoint tag exported."""
+    """Writes the model directory (and its missing parents); returns the checkpoint tag exported."""
     from moe_scale.inference.trained_run import open_trained_run
 
     check_target(out)
     trained = open_trained_run(run, checkpoint, "export")
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
+    created: list[Path] = []
     try:
+        _make_parents(out.parent, created)
+        shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
         _write(partial, trained.config, trained.tokenizer, trained.model, run, trained.checkpoint)
         partial.rename(out)
     except OSError as e:
-        shutil.rmtree(partial, ignore_errors=True)
+        _remove(partial, created)
         raise UserError(f"writing {out} failed ({e.strerror or e}); nothing was left behind") from None
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        _remove(partial, created)
         raise
     return trained.checkpoint
+
+
+def _make_parents(directory: Path, created: list[Path]) -> None:
+    """Creates the missing directories down to `directory`, recording each in `created` as it is made."""
+    missing = []
+    while not (directory.exists() or directory.is_symlink()):
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        path.mkdir()
+        created.append(path)
+
+
+def _remove(partial: Path, created: list[Path]) -> None:
+    """A failed export leaves nothing: its partial directory, then the parents it created, innermost first."""
+    shutil.rmtree(partial, ignore_errors=True)
+    for path in reversed(created):
+        try:
+            path.rmdir()
+        except OSError:
+            pass
 
 
 def _write(target: Path, config, vocab, model, run: Path, tag: str) -> None:
@@ -57,6 +89,7 @@ def _write(target: Path, config, vocab, model, run: Path, tag: str) -> None:
 
     state = {f"lm.{name}": t.detach().cpu().clone().contiguous() for name, t in _tensors_by_module_path(model)}
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(target / "model.safetensors", new_file_mode())   # save_file writes it owner-only
     context = config.data.seq_len if config.model.kind == "transformer" else 0
     hf_config = {
         "model_type": "moe_scale", "architectures": ["MoEScaleForCausalLM"],
@@ -70,7 +103,7 @@ def _write(target: Path, config, vocab, model, run: Path, tag: str) -> None:
     for name in REMOTE_FILES:
         shutil.copyfile(REMOTE / name, target / name)
     _write_tokenizer(target, vocab, context)
-    (target / "README.md").write_text(_model_card(config, len(vocab), tag))
+    (target / "README.md").write_text(_model_card(config, vocab, tag))
 
 
 def _tensors_by_module_path(model):
@@ -101,24 +134,29 @@ def _write_tokenizer(target: Path, vocab, context: int) -> None:
     (target / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def _model_card(config, vocab_size: int, tag: str) -> str:
+def _model_card(config, vocab, tag: str) -> str:
+    """The README: what the model is and Python that loads it and generates (within a transformer's context)."""
     kind = "an LSTM-MoE" if config.model.kind == "lstm" else f"a transformer ({config.attention.kind} attention)"
     text = "Text is split at whitespace into the run's words; others become `<UNK>`." \
         if config.data.tokenizer == "words" else \
-        f"Text is encoded with the run's tokenizer ({config.data.tokenizer}), {vocab_size} tokens."
+        f"Text is encoded with the run's tokenizer ({config.data.tokenizer}), {len(vocab)} tokens."
+    context = config.data.seq_len if config.model.kind == "transformer" else 0
+    new_tokens = max(1, min(20, context - len(vocab.encode(CARD_PROMPT)))) if context else 20
+    positions = f", {context} positions at most (the context it was trained with)" if context else ""
     return f"""# moe_scale export
 
-{kind} language model trained with moe_scale (checkpoint {tag}), a vocabulary of {vocab_size}.
+{kind} language model trained with moe_scale (checkpoint {tag}), a vocabulary of {len(vocab)}.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained(".", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained(".")
-ids = tokenizer("the company said", return_tensors="pt").input_ids        # <S> is prepended
-print(tokenizer.decode(model.generate(ids, do_sample=False, max_new_tokens=20)[0]))
+tokenizer = AutoTokenizer.from_pretrained(".", trust_remote_code=True)   # config.json names the remote code
+ids = tokenizer("{CARD_PROMPT}", return_tensors="pt").input_ids        # <S> is prepended
+print(tokenizer.decode(model.generate(ids, do_sample=False, max_new_tokens={new_tokens})[0]))
 ```
 
 Inference only, one device, float32; needs `moe_scale` installed (the remote code builds its model). The logits
-are log-probabilities of the next token. `generate` re-reads the whole prefix each step (no cache is handed to
-transformers). {text}
+are log-probabilities of the next token{positions}. `generate` re-reads the whole prefix each step (no cache is
+handed to transformers). {text} Per-word perplexity as `moe-scale eval` computes it: moe_scale's docs/training.md,
+"Exporting to HuggingFace transformers".
 """

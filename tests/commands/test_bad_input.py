@@ -228,9 +228,11 @@ CASES = [
     # export
     ("export-target-exists", lambda w: ["export", "--run", w.run(), "--out", str(Path(w.text("x/keep.txt")).parent)],
      ["--out", "already exists"]),
-    ("export-target-parent-missing", lambda w: ["export", "--run", w.run(), "--out", str(w.root / "no" / "hf")],
-     ["parent directory", "does not exist"]),
+    ("export-target-inside-a-file", lambda w: ["export", "--run", w.run(), "--out", w.text("f.txt") + "/a/hf"],
+     ["f.txt is not a directory", "inside a directory"]),
     ("export-no-run", lambda w: ["export", "--run", str(w.root / "missing"), "--out", str(w.root / "hf")], NO_RUN),
+    ("export-no-run-parents-missing", lambda w: ["export", "--run", str(w.root / "missing"), "--out",
+                                                str(w.root / "no" / "hf")], NO_RUN),   # and no/ is not created
     # generate
     ("generate-no-run", lambda w: ["generate", "--run", str(w.root / "missing")], NO_RUN),
     ("generate-no-checkpoint", lambda w: ["generate", "--run", w.run(

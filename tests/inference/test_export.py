@@ -1,15 +1,19 @@
 """`moe-scale export --format hf`: transformers loads the directory (AutoModelForCausalLM with remote code,
 the word-level tokenizer), its logits equal moe_scale's on real text, and greedy `generate` picks the words
 `moe-scale generate --greedy` picks; runs trained on real text (WikiText-2 sentences), LSTM-MoE (with each
---softmax) and a transformer with MoA attention and an MoE FFN."""
+--softmax) and a transformer with MoA attention and an MoE FFN. The directory itself: missing parents of --out
+are created (and removed again when the export fails), every file gets the mode the umask gives a new file."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
+from moe_scale.cli import main as cli_main
+from moe_scale.errors import UserError
 from tests.wikitext import wikitext_sentences
 from tests.cli_runs import TINY, run_cli, run_train
 
@@ -65,3 +69,39 @@ def test_exported_model_loads_in_transformers_and_matches(tmp_path, embedded_cac
     assert [w for w in shown[3:] if w != "..."] == words
     assert shown[:3] == [w if vocab.id(w) != vocab.UNK_ID else "<unk>" for w in prompt.split()]
     assert len(words) == 6 or generated[len(words)] == vocab.EOS_ID   # six words, or the sentence ended
+
+
+def export_under_umask_027(argv: list[str]) -> int:
+    """`moe-scale ARGS` in a shell whose umask is 027 (group: no write; others: nothing)."""
+    os.umask(0o027)
+    return cli_main(argv)
+
+
+def test_export_creates_missing_parents_and_gives_every_file_the_umasks_mode(tmp_path, lstm_run, embedded_cache):
+    out = tmp_path / "exported" / "deeper" / "lstm-moe"
+    run_cli("export", "--run", str(lstm_run), "--out", str(out), cwd=tmp_path, cache=embedded_cache, check=True,
+            entry=export_under_umask_027)
+    files = sorted(p for p in out.iterdir())
+    assert "model.safetensors" in [p.name for p in files] and all(p.is_file() for p in files)
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: 0o640 for p in files}
+    for directory in (out, out.parent, out.parent.parent):
+        assert directory.stat().st_mode & 0o777 == 0o750, directory
+
+
+def test_a_failed_export_removes_the_parents_it_created(tmp_path, lstm_run, monkeypatch):
+    from moe_scale.inference import hf_export
+
+    def disk_full(target: Path, *args) -> None:
+        (target / "config.json").write_text("{}")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf_export, "_write", disk_full)
+    (tmp_path / "exported").mkdir()
+    environment = dict(os.environ)   # the in-process load sets RANK, MASTER_PORT, ...: keep them from the CLI
+    try:
+        with pytest.raises(UserError, match="No space left on device.*nothing was left behind"):
+            hf_export.export_hf(lstm_run, tmp_path / "exported" / "a" / "b" / "hf", None)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    assert list((tmp_path / "exported").iterdir()) == []

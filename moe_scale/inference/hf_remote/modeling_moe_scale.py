@@ -31,7 +31,11 @@ class MoEScaleForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _init_weights(self, module):
-        pass   # every weight comes from model.safetensors
+        """Every weight comes from model.safetensors. transformers 5 builds the model empty and leaves the buffers
+        that are not saved (an attention layer's head mask) uninitialised, so they get their built values here."""
+        reset = getattr(module, "reset_unsaved_buffers", None)
+        if reset is not None:
+            reset()
 
     def forward(self, input_ids: torch.Tensor, attention_mask=None, labels: torch.Tensor | None = None, **kwargs):
         if self.config.context and input_ids.shape[1] > self.config.context:
