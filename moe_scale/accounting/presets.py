@@ -3,6 +3,7 @@
     lm1b-*      Shazeer et al. 2017, Table 7 (1B-word benchmark, App. C): 16 K40s, ~300k words per batch
     news100b-*  Shazeer et al. 2017, Table 8 (100B-word Google News, App. D): 32 K40s (64 and 128 for the
                 two largest), ~2.5M words per batch, expert recompute, factored Adam (β1 = 0) on experts
+    news1t-*    Shazeer et al. 2017 §3.1's goal, a trillion parameters: Table 8's family (App. D) at 2^20 experts
     moa-*       MoA (Zhang et al. 2022) Table 1/3, WMT14 En-De: base 8K8E128D, big 16K32E256D
 
 Each preset carries the paper's published numbers (`PaperRow`) so `moe-scale flops` can print them beside
@@ -73,6 +74,17 @@ def _news(name, paper, gpus=32, **model):
                   cluster_gpus=gpus, batch_words=2_500_000, optimizer="factored")
 
 
+def _news1t(groups: int, per_group: int) -> Preset:
+    """§3.1: "It is our goal to train a trillion-parameter model on a trillion-word corpus." Table 8's model
+    (d 512, experts of 1024 hidden units, hierarchical top-2 of top-2, recompute, factored Adam) at
+    groups x per_group experts, with the two-stage (hierarchical) all-to-all a cluster of nodes needs."""
+    return Preset(f"news1t-moe-{groups * per_group}-h", "Shazeer et al. 2017 §3.1 (goal; Table 8's family)", "lstm",
+                  model={"d_model": 512, "expert_hidden": 1024, "expert_recompute": True, "dropout": 0.1,
+                         "all_to_all": "hierarchical", **_hier(groups, per_group)},
+                  data={"vocab_size": NEWS100B_VOCAB}, train={"warmup_steps": 1000}, optimizer="factored",
+                  gpu_mem_gib=80.0, batch_words=2_500_000)
+
+
 def _moa(name, k, experts, d_head, paper):
     return Preset(f"moa-{name}", "Zhang et al. 2022 (MoA), Tables 1 and 3", "moa",
                   model={"gate": "softmax_topk", "top_k": k, "num_experts": experts, "d_model": 512},
@@ -101,6 +113,7 @@ _PRESETS = [
     _news("moe-16384-h", PaperRow(8.8, 17201.0, 17.3, 0.96), **_hier(128, 128)),
     _news("moe-65536-h", PaperRow(9.2, 68791.0, 68.9, 0.72), gpus=64, **_hier(256, 256)),
     _news("moe-131072-h", PaperRow(9.7, 137577.6, 137.7, 0.30), gpus=128, **_hier(256, 512)),
+    _news1t(1024, 1024),
     _moa("base", 8, 8, 128, PaperRow(628.0, None, 0.065)),
     _moa("big", 16, 32, 256, PaperRow(1220.0, None, 0.200)),
 ]
