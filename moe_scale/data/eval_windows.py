@@ -68,6 +68,10 @@ class EvalWindows:
         pos_BT = windows_B[:, None] * T + torch.arange(T)[None, :]
         return torch.where(pos_BT < len(self.tokens) - 1, pos_BT, torch.full_like(pos_BT, -1))
 
+    def real_tokens(self, batch: int) -> torch.Tensor:
+        """[B, T] bool: True where this rank's input in global batch `batch` is text, False on padding."""
+        return self.batch_positions(batch) >= 0
+
     def counted_words(self, batch: int) -> int:
         """Words (and </S>) whose targets this rank counts in global batch `batch`: the perplexity's denominator."""
         pos_BT = self.batch_positions(batch)

@@ -1,5 +1,9 @@
 """Per-word perplexity of a model over a split (data/eval_windows.py says what is counted), summed over
-all data-parallel ranks, with the MoE balance statistics of the pass."""
+all data-parallel ranks, with the MoE balance statistics of the pass (real tokens only: the padding rows of
+the last windows are routed, but left out of the balance).
+
+Legend (docs/shapes.md): B sequences (evaluation windows), T positions.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.distributed.comm import collective_device
 from moe_scale.metrics.balance import MoEMetrics
 from moe_scale.models.softmax import IGNORE
+from moe_scale.moe.routed_layer import real_tokens
 
 COUNTED = ("every word (out-of-vocabulary ones as <UNK>) and each sentence's </S>; <S> is never predicted; "
            "perplexity per word: exp(total NLL / (words + sentences)), for subword tokenizers too")
@@ -32,7 +37,9 @@ def evaluate(model, windows: EvalWindows, max_batches: int = 0, device=None, obs
             break
         if observer is not None:
             observer.begin_batch(windows.batch_positions(index))
-        out = model(inputs.to(device), targets.to(device))
+        real_BT = windows.real_tokens(index)
+        with real_tokens(balance.layers, None if real_BT is None else real_BT.reshape(-1).to(device)):
+            out = model(inputs.to(device), targets.to(device))
         counted = int((targets != IGNORE).sum())
         totals += torch.tensor([out.nll_sum.item(), counted, windows.counted_words(index)], dtype=torch.float64,
                                device=totals.device)

@@ -39,7 +39,7 @@ class RunReport:
         self.flops_per_step = training_flops_per_token(
             {**forward_macs_per_token(config, len(data.vocab), config.data.seq_len),
              "softmax": model.softmax.forward_macs_per_token()}) * config.train.batch_size * config.data.seq_len
-        self.interval, self.interval_moe = MeanTracker(), MoEMetrics(model.moe_layers())
+        self.interval, self.interval_moe = MeanTracker(), MoEMetrics(model.moe_layers(), router_load=True)
         interval_start = state.step - state.step % config.run.log_interval
         for record in self.logger.resumed_records:   # a resume mid-interval: the interval's earlier steps count too
             if record["step"] > interval_start:
