@@ -22,12 +22,18 @@ COUNTED = ("every word (out-of-vocabulary ones as <UNK>) and each sentence's </S
            "perplexity per word: exp(total NLL / (words + sentences)), for subword tokenizers too")
 
 
+def oov_rate(counts: dict) -> float:
+    """The share of the text's words that became <UNK>: they cost the model little, so a word run's perplexity
+    compares with another's only at about the same rate (docs/training.md#which-perplexities-compare)."""
+    return counts["oov_words"] / counts["words"] if counts["words"] else 0.0
+
+
 @torch.no_grad()
 def evaluate(model, windows: EvalWindows, max_batches: int = 0, device=None, observer=None,
              describe: bool = False) -> dict:
     """exp(total NLL / counted words) over the split (every rank runs the same number of batches, which
     expert-parallel all-to-alls need). `observer` (e.g. ExpertTokenStats) is told each batch's positions;
-    `describe` adds what was counted (word, sentence and OOV counts of a complete pass)."""
+    `describe` adds what was counted (word, sentence and OOV counts and the OOV rate of a complete pass)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=collective_device())   # [NLL sum, counted targets, words]
@@ -52,5 +58,6 @@ def evaluate(model, windows: EvalWindows, max_batches: int = 0, device=None, obs
     ppl = math.exp(min(nll / words, 709.0)) if math.isfinite(nll) else float("nan")   # exp(709): float's top
     return {"ppl": ppl, "nll_per_token": nll / tokens, "tokens": int(tokens), "words_predicted": int(words),
             **({"words": windows.counts["words"], "sentences": windows.counts["sentences"],
-                "oov_words": windows.counts["oov_words"], "counted": COUNTED} if described else {}),
+                "oov_words": windows.counts["oov_words"], "oov_rate": oov_rate(windows.counts),
+                "counted": COUNTED} if described else {}),
             **balance.values()}
