@@ -13,9 +13,9 @@ weights is the same in every row (the seed included), so the rows differ only by
 The metrics come from each run's summary.json:
   valid_ppl            perplexity on test.txt (passed as --valid-data) at the end of training
   cv_importance        CV (coefficient of variation, not CV^2; population std) of Importance,
-  cv_load              CV of Load (smooth estimator) and
-  max_over_mean_load   max(Load)/mean(Load), each the mean over the steps of the last logging interval
-                       of training (global-batch vectors of that step).
+  cv_load              CV of Load (the paper's smooth estimator: summary.json cv_router_load) and
+  max_over_mean_load   max(Load)/mean(Load) (summary.json max_over_mean_router_load), each over the steps of
+                       the last logging interval of training (the vectors summed over its steps).
 
 Outputs in --out: table6.md (caption + Markdown table, also printed on stdout), table6.json (the rows),
 runs/row<i>_wi<w_importance>_wl<w_load>/ (the run directories), logs/row<i>.{stdout,stderr}.
@@ -206,7 +206,8 @@ def collect(args: argparse.Namespace) -> dict:
         wi, wl = ROWS[i]
         rows.append({"row": i, "w_importance": wi, "w_load": wl,
                      "valid_ppl": summary["valid_ppl"], "cv_importance": summary["cv_importance"],
-                     "cv_load": summary["cv_load"], "max_over_mean_load": summary["max_over_mean_load"],
+                     "cv_load": summary["cv_router_load"],
+                     "max_over_mean_load": summary["max_over_mean_router_load"],
                      "train_ppl": summary.get("train_ppl"), "steps": summary.get("steps"),
                      "run_dir": str(run)})
     config = RunConfig.from_dict(configs[0], "config.json")
@@ -221,8 +222,8 @@ def collect(args: argparse.Namespace) -> dict:
         f"{t.max_steps} steps of {t.batch_size}x{d.seq_len} tokens = {tokens:,} training tokens "
         f"of WikiText-2 valid.txt, lr {t.lr}, seed {t.seed}. Valid PPL: perplexity on WikiText-2 test.txt "
         f"after training (summary.json valid_ppl). CV(Importance), CV(Load) (coefficient of variation, not "
-        f"squared; smooth load estimator) and max(Load)/mean(Load): summary.json cv_importance, cv_load, "
-        f"max_over_mean_load, means over the last logging interval of training (the last "
+        f"squared; smooth load estimator) and max(Load)/mean(Load): summary.json cv_importance, cv_router_load, "
+        f"max_over_mean_router_load, over the last logging interval of training (the last "
         f"{config.run.log_interval} steps). Paper (MoE-256, 1B words): CVs 3.04/3.01 and max/mean 17.80 without "
         f"losses.")
     return {"caption": caption, "tokens": tokens, "config": configs[0], "rows": rows}

@@ -137,6 +137,10 @@ class _Replay:
     def counted_words(self, index: int) -> int:
         return int((self.batches[index][1] != IGNORE).sum())
 
+    def real_tokens(self, index: int) -> None:
+        """Training windows hold no padding: every input is a real token."""
+        return None
+
 
 @torch.no_grad()
 def _forward_seconds(models, batches, device, repeats: int = TIMING_REPEATS) -> list[list[float]]:

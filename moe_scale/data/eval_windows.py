@@ -10,7 +10,8 @@ targets, so no target is dropped: the last window is padded, and padded or `<S>`
 
 Whatever the tokenizer, perplexity is per word: exp(sum of NLL / (words + sentences)), each target token
 weighted by the whitespace words that begin at it (`word_starts`; every token for the word vocabulary, the
-first piece of each word for a subword tokenizer, 1 for each </S>), so subword and word runs compare.
+first piece of each word for a subword tokenizer, 1 for each </S>), so subword and word runs count in one
+unit (their numbers compare on the same text at an OOV rate near 0: docs/training.md#which-perplexities-compare).
 
 Global batch b holds windows b*R .. b*R+R-1 (R rows); rank r takes rows r*B .. r*B+B-1 (B = R / ranks),
 and every rank runs the same number of batches (all-to-all needs that); empty rows are all IGNORE. So the
@@ -67,6 +68,10 @@ class EvalWindows:
         windows_B = torch.arange(first_window, first_window + self.rows_per_rank)
         pos_BT = windows_B[:, None] * T + torch.arange(T)[None, :]
         return torch.where(pos_BT < len(self.tokens) - 1, pos_BT, torch.full_like(pos_BT, -1))
+
+    def real_tokens(self, batch: int) -> torch.Tensor:
+        """[B, T] bool: True where this rank's input in global batch `batch` is text, False on padding."""
+        return self.batch_positions(batch) >= 0
 
     def counted_words(self, batch: int) -> int:
         """Words (and </S>) whose targets this rank counts in global batch `batch`: the perplexity's denominator."""

@@ -2,8 +2,14 @@
 
 Legend (docs/shapes.md): E experts.
 
-CV is the coefficient of variation itself (not CV^2), population variance; importance and load are the
-global-batch vectors the router computed (load: smooth estimator in training, hard count at eval).
+CV is the coefficient of variation itself (not CV^2), population variance. One definition everywhere (the
+training log, `eval`, summary.json's train and valid_* numbers, `eval --expert-stats`' per-layer block): over
+the real tokens' routing, padding rows left out (moe/routed_layer.py), summed over every rank,
+  importance   the gates of the (token, expert) pairs, summed per expert
+  load         the pairs per expert: the tokens each expert received
+The router's own load is something else: in training under noise its smooth estimator (Shazeer et al.
+eq. 8-10), an expectation whose CV runs far below the counts'. Training reports its balance too, as
+`cv_router_load` / `max_over_mean_router_load` (what the load loss balances; the paper's Table 6 column).
 
 They are reported over all tokens of a logging interval (or of an evaluation pass), not per batch: with
 many experts a small batch gives each expert a handful of tokens, and the sampling noise alone would put
@@ -20,13 +26,16 @@ from moe_scale.distributed.comm import collective_device
 from moe_scale.moe.losses import cv_squared
 
 
-def balance_metrics(importance_E: torch.Tensor, load_E: torch.Tensor) -> dict[str, float]:
+def load_balance(load_E: torch.Tensor) -> tuple[float, float]:
+    """(CV, max / mean) of a load vector."""
     load = load_E.double()
-    return {
-        "cv_importance": float(cv_squared(importance_E.double()).sqrt()),
-        "cv_load": float(cv_squared(load).sqrt()),
-        "max_over_mean_load": float(load.max() / (load.mean() + 1e-10)),
-    }
+    return float(cv_squared(load).sqrt()), float(load.max() / (load.mean() + 1e-10))
+
+
+def balance_metrics(importance_E: torch.Tensor, load_E: torch.Tensor) -> dict[str, float]:
+    cv_load, max_over_mean = load_balance(load_E)
+    return {"cv_importance": float(cv_squared(importance_E.double()).sqrt()), "cv_load": cv_load,
+            "max_over_mean_load": max_over_mean}
 
 
 class MeanTracker:
@@ -49,58 +58,78 @@ class MeanTracker:
 
 
 class MoEMetrics:
-    """Per MoE layer: importance and load summed over the forwards seen since the last reset, and the
-    router's own metrics averaged over them. Keys are prefixed with `layer<i>_` when there are several
-    MoE layers. The sums stay on the layers' device between log points; `values()` reads them."""
+    """Per MoE layer: the routed pairs and their gates (real tokens only) summed over the forwards seen since
+    the last reset, their balance over every rank, and the router's own metrics averaged over the forwards;
+    with `router_load` (training), the balance of the router's own load too. Keys are prefixed with
+    `layer<i>_` when there are several MoE layers. The sums stay on the layers' device between log points;
+    `values()` and `relative_loads()` read them, with one all-reduce: call them on every rank."""
 
-    def __init__(self, layers):
-        self.layers = list(layers)
+    def __init__(self, layers, router_load: bool = False):
+        self.layers, self.router_load = list(layers), router_load
         self.reset()
 
     def reset(self) -> None:
-        self.importance: list[torch.Tensor | None] = [None] * len(self.layers)
-        self.load: list[torch.Tensor | None] = [None] * len(self.layers)
         self.routed: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.gates: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.load: list[torch.Tensor | None] = [None] * len(self.layers)
         self.router_sums: dict[str, torch.Tensor | float] = {}
         self.count = 0
+        self._summed: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def add(self) -> None:
         """Record the last forward of every layer (device additions only)."""
         for index, layer in enumerate(self.layers):
             stats = layer.stats
-            importance, load = stats.importance_E.detach().double(), stats.load_E.detach().double()
-            self.importance[index] = importance if self.importance[index] is None else \
-                self.importance[index] + importance
-            self.load[index] = load if self.load[index] is None else self.load[index] + load
             if stats.routed_E is not None:
-                routed = stats.routed_E.detach().double()
-                self.routed[index] = routed if self.routed[index] is None else self.routed[index] + routed
+                self.routed[index] = _plus(self.routed[index], stats.routed_E)
+                self.gates[index] = _plus(self.gates[index], stats.routed_gates_E)
+            if self.router_load:
+                self.load[index] = _plus(self.load[index], stats.load_E)
             for name, value in stats.metrics.items():
                 key = self._prefix(index) + name
                 value = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
                 self.router_sums[key] = self.router_sums.get(key, 0.0) + value
         self.count += 1
+        self._summed = None
 
     def values(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for index in range(len(self.layers)):
-            if self.importance[index] is not None:
-                balance = balance_metrics(self.importance[index], self.load[index])
-                out.update({self._prefix(index) + name: value for name, value in balance.items()})
+        for index, summed in enumerate(self._over_ranks()):
+            if summed is not None:
+                out.update({self._prefix(index) + name: value for name, value in balance_metrics(*summed).items()})
+            if self.load[index] is not None:   # the router's load: already over the whole batch
+                cv, max_over_mean = load_balance(self.load[index])
+                out.update({self._prefix(index) + "cv_router_load": cv,
+                            self._prefix(index) + "max_over_mean_router_load": max_over_mean})
         out.update({name: float(total) / max(self.count, 1) for name, total in self.router_sums.items()})
         return out
 
     def relative_loads(self) -> list[torch.Tensor]:
         """Per layer that routed since the last reset: the tokens each expert received over the mean [E] (1 =
-        even), summed over every rank (one all-reduce of all layers' counts; call it on every rank)."""
-        routed = [r for r in self.routed if r is not None]
-        if not routed:
-            return []
-        flat = torch.cat(routed)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flat = flat.to(collective_device())
-            dist.all_reduce(flat)
-        return [(r / r.mean().clamp_min(1e-12)).float().cpu() for r in flat.split([len(r) for r in routed])]
+        even), summed over every rank."""
+        return [(routed / routed.mean().clamp_min(1e-12)).float().cpu()
+                for _, routed in filter(None, self._over_ranks())]
+
+    def _over_ranks(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer (None where it did not route): (summed gates, pairs) over every rank, in one all-reduce of
+        all layers' vectors, kept until the next add() or reset()."""
+        if self._summed is None:
+            present = [i for i, routed in enumerate(self.routed) if routed is not None]
+            summed: list = [None] * len(self.layers)
+            if present:
+                flat = torch.cat([torch.cat([self.gates[i], self.routed[i]]) for i in present])
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    flat = flat.to(collective_device())
+                    dist.all_reduce(flat)
+                for i, part in zip(present, flat.split([2 * len(self.routed[i]) for i in present])):
+                    summed[i] = tuple(part.chunk(2))
+            self._summed = summed
+        return self._summed
 
     def _prefix(self, index: int) -> str:
         return "" if len(self.layers) == 1 else f"layer{index}_"
+
+
+def _plus(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    value = value.detach().double()
+    return value if total is None else total + value

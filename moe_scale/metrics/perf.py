@@ -1,8 +1,11 @@
 """Per-interval efficiency: MFU against a device's peak, and the share of step time spent in all-to-all.
 
 Peak: a table of dense matmul peaks keyed by GPU name (bf16/fp16 when the run trains in half precision,
-else fp32). On CPU, and on a GPU missing from the table, the peak is measured once per run: the best of
-a few large matmuls, on every rank at the same time (so processes sharing cores each see their share).
+else fp32). On CPU, and on a GPU missing from the table, the peak is measured once per machine: the best of a
+few large matmuls, on every rank at the same time (so processes sharing cores each see their share), kept in
+$MOE_SCALE_CACHE/peaks/ (default ~/.cache/moe_scale/peaks) under a key of what it depends on (device, dtype,
+torch version, threads, ranks on the machine). Timed again at every start, it swung with whatever else ran:
+one run's MFU read 1% to 36% on a busy machine. The source string says which peak, and when it was measured.
 
 All-to-all time: every exchange times its all-to-all calls (moe/dispatch/exchange.py), forward and backward; the
 time includes waiting for the slowest rank of the expert-parallel group, which is what a user pays.
@@ -11,12 +14,21 @@ Peak memory: the process's peak resident set.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
+import json
+import math
+import platform
 import resource
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
+
+from moe_scale.data.embedded import cache_root
+from moe_scale.files import write_json_atomic
 
 # Dense matmul peaks in TFLOPS (vendor datasheets, without sparsity): (name substring, bf16/fp16, fp32).
 # First match wins, so the more specific names come first.
@@ -71,15 +83,79 @@ def measured_matmul_tflops(device: torch.device, dtype: torch.dtype = torch.floa
     return 2 * n ** 3 / best / 1e12
 
 
-def device_peak_tflops(device: torch.device, half_precision: bool) -> tuple[float, str]:
-    """(peak TFLOPS of one device, where the number comes from)."""
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model (/proc/cpuinfo's "model name", else what platform knows)."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = table_peak_tflops(name, half_precision)
-        if peak is not None:
-            return peak, f"table: {name}"
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def peak_cache_key(device: torch.device, dtype: torch.dtype, ranks_on_machine: int) -> dict:
+    """What a measured peak depends on; under a different key it is measured again."""
+    return {"device": f"{device.type}: {device_name(device)}", "dtype": str(dtype).replace("torch.", ""),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "ranks_on_machine": ranks_on_machine}
+
+
+def peak_cache_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "peaks" / f"{digest}.json"
+
+
+def cached_peak(key: dict) -> tuple[float, str] | None:
+    """(TFLOPS, when measured) from the cache, or None: no file, or one that is unreadable, of another key or
+    without a positive number (then it is measured again and written over)."""
+    try:
+        entry = json.loads(peak_cache_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(entry.get("measured"), str):
+        return None
+    tflops = entry.get("tflops")
+    if isinstance(tflops, bool) or not isinstance(tflops, (int, float)) or not math.isfinite(tflops) or tflops <= 0:
+        return None
+    return float(tflops), entry["measured"]
+
+
+def store_peak(key: dict, tflops: float) -> str:
+    """Caches a measurement (whole or not at all); returns its date. A cache that cannot be written is a
+    warning: the run goes on with the number."""
+    measured = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    path = peak_cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"key": key, "tflops": tflops, "measured": measured})
+    except OSError as e:
+        print(f"moe-scale: warning: the measured matmul peak is not cached ({path}: {e.strerror or e}; set "
+              f"MOE_SCALE_CACHE); the next start measures it again", file=sys.stderr)
+    return measured
+
+
+def device_peak_tflops(device: torch.device, half_precision: bool, ranks_on_machine: int = 1,
+                       all_found: Callable[[bool], bool] = lambda found: found) -> tuple[float, str]:
+    """(peak TFLOPS of one device, where the number comes from: the table, or a measurement, its date and its
+    cache file). `all_found(found)`: whether every rank found its peak in the cache (several ranks: an
+    all-reduce), so that either all read it or all measure at the same time."""
+    name = device_name(device)
+    table = table_peak_tflops(name, half_precision) if device.type == "cuda" else None
     dtype = torch.bfloat16 if half_precision and device.type == "cuda" else torch.float32
-    return measured_matmul_tflops(device, dtype), f"measured {str(dtype).replace('torch.', '')} matmul on {device.type}"
+    key = peak_cache_key(device, dtype, ranks_on_machine)
+    cached = None if table is not None else cached_peak(key)
+    if all_found(table is not None or cached is not None):   # asked on every path: a collective on every rank
+        if table is not None:
+            return table, f"table: {name}"
+        tflops, measured = cached
+    else:
+        tflops = measured_matmul_tflops(device, dtype)
+        measured = store_peak(key, tflops)
+    return tflops, (f"measured {key['dtype']} matmul on {device.type} on {measured}, cached in "
+                    f"{peak_cache_path(key)}; delete the file to measure again")
 
 
 def all_to_all_seconds(moe_layers) -> float:

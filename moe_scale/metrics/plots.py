@@ -50,16 +50,17 @@ def _valid_ppl(run: Path) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars("valid/ppl")]
 
 
-def write_run_plots(run: Path) -> list[Path]:
+def write_run_plots(run: Path, tokens_per_word: float = 1.0) -> list[Path]:
     """plots/curves.png and plots/expert_load_layer<i>.png from train_log.jsonl, the TensorBoard events and
-    expert_load.jsonl; returns the files written."""
+    expert_load.jsonl; returns the files written. `tokens_per_word`: the training text's (1 for a word
+    vocabulary), which turns the per-token training loss into the per-word perplexity validation reports."""
     plt = _pyplot()
     out_dir = run / "plots"
     out_dir.mkdir(exist_ok=True)
     written = []
     steps = _read_jsonl(run / "train_log.jsonl")
     if steps:
-        written.append(_curves(plt, steps, _valid_ppl(run), out_dir / "curves.png"))
+        written.append(_curves(plt, steps, _valid_ppl(run), tokens_per_word, out_dir / "curves.png"))
     loads = _read_jsonl(run / EXPERT_LOAD_LOG)
     if loads:
         for index in range(len(loads[0]["layers"])):
@@ -69,20 +70,39 @@ def write_run_plots(run: Path) -> list[Path]:
     return written
 
 
-def _curves(plt, steps: list[dict], valid: list[tuple[int, float]], path: Path) -> Path:
+def smoothed_loss(steps: list[dict]) -> tuple[np.ndarray, np.ndarray, int]:
+    """(steps, training loss per token as a running mean, its window): the mean of len/50 steps."""
     step = np.array([r["step"] for r in steps])
     loss = np.array([r["loss"] for r in steps])
     window = max(1, len(loss) // 50)
-    smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
+    return step[window - 1:], np.convolve(loss, np.ones(window) / window, mode="valid"), window
+
+
+def perplexity_lines(steps: list[dict], valid: list[tuple[int, float]],
+                     tokens_per_word: float) -> list[tuple[np.ndarray, np.ndarray, str]]:
+    """The perplexity panel's lines as (x, y, label), both per word: training exp(loss per token x tokens per
+    word), as the log line reports it; validation as evaluated (exp(total NLL / words))."""
+    step, smooth, window = smoothed_loss(steps)
+    lines = [(step, np.exp(smooth * tokens_per_word), f"training (mean of {window} steps)")]
+    if valid:
+        lines.append((np.array([s for s, _ in valid]), np.array([p for _, p in valid]), "validation"))
+    return lines
+
+
+def _curves(plt, steps: list[dict], valid: list[tuple[int, float]], tokens_per_word: float, path: Path) -> Path:
+    step = np.array([r["step"] for r in steps])
+    loss = np.array([r["loss"] for r in steps])
+    smooth_step, smooth, window = smoothed_loss(steps)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(step, loss, color="tab:blue", alpha=0.3, linewidth=0.8, label="per step")
-    left.plot(step[window - 1:], smooth, color="tab:blue", label=f"mean of {window} steps")
+    left.plot(smooth_step, smooth, color="tab:blue", label=f"mean of {window} steps")
     left.set(xlabel="step", ylabel="training loss (nats per token)", title="Training loss")
     left.legend()
-    right.plot(step[window - 1:], np.exp(smooth), color="tab:blue", label=f"training (mean of {window} steps)")
-    if valid:
-        right.plot(*zip(*valid), "o-", color="tab:orange", label="validation (per word)")
-    right.set(xlabel="step", ylabel="perplexity", yscale="log", title="Perplexity")
+    for (x, y, label), style in zip(perplexity_lines(steps, valid, tokens_per_word),
+                                    ({"color": "tab:blue"}, {"color": "tab:orange", "marker": "o"})):
+        right.plot(x, y, label=label, **style)
+    unit = "word" if tokens_per_word == 1.0 else f"word ({tokens_per_word:.3f} tokens per word)"
+    right.set(xlabel="step", ylabel=f"perplexity per {unit}", yscale="log", title="Perplexity per word")
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -19,6 +19,7 @@ from moe_scale.moe.deepspeed_adapter import ExpertShard
 from moe_scale.moe.experts.grouped_gemm import BlockCounts
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.layer import MoELayer
+from moe_scale.moe.routed_layer import routed_balance
 from moe_scale.moe.router import HierarchicalRouter
 
 
@@ -72,8 +73,9 @@ class HierarchicalMoELayer(MoELayer):
         gate_of_pair = within.gates_MKs.reshape(-1).index_select(0, by_expert)
         counts_L = count_per_bin(expert_MKs, self.num_local_experts)
         first = self.ep_rank * self.num_local_experts
-        self.keep_stats(importance_E, load_E, {},
-                        nn.functional.pad(counts_L, (first, self.num_experts - first - self.num_local_experts)))
+        self.keep_stats(importance_E, load_E, {}, *(
+            nn.functional.pad(local_L, (first, self.num_experts - first - self.num_local_experts))
+            for local_L in self._routed_balance(within, state, n)))
         self.keep_dropped_fraction(state)
         self.keep_routes(lambda: (state.local_row_tokens().index_select(0, row_of_pair),   # one process: arrived
                                   expert_MKs.index_select(0, by_expert) + first, gate_of_pair))  # rows are its own
@@ -82,3 +84,15 @@ class HierarchicalMoELayer(MoELayer):
         host = BlockCounts(router.experts_per_group, [rows * ks for rows in state.expert_counts()[1]])
         per_row_RD = self.experts(rows_RD, (counts_L, host), row_of_pair, gate_of_pair)
         return dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype), aux_loss
+
+    def _routed_balance(self, within, state, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pairs, summed gates) per local expert of the pairs that arrived here from real tokens: the mask
+        travels with the (token, group) rows (one more exchange, only while real_tokens() marks padding)."""
+        real_N = self.real_rows(num_tokens)
+        weight_MKs = None
+        if real_N is not None:
+            kp = self.router.k_primary
+            real_J = real_N.float().repeat_interleave(kp, output_size=num_tokens * kp)   # token_J's order
+            weight_MKs = self.dispatcher.follow_pairs(real_J, state)[:, None].expand_as(within.gates_MKs).reshape(-1)
+        return routed_balance(within.experts_MKs.reshape(-1), within.gates_MKs.reshape(-1), weight_MKs,
+                              self.num_local_experts)

@@ -164,10 +164,10 @@ def _train(ctx: TrainContext, state: TrainState) -> dict:
         _step(ctx, state, report)
         stop = ctx.stop_requests.agreed()   # SIGTERM / SIGINT / SIGUSR1 on any rank: checkpoint and stop
         if _points(ctx, state, report, stop):
-            _write_plots(ctx.run, ctx.env.rank)
+            _write_plots(ctx)
             return {"stopped_by": stop, "steps": state.step}
     summary = report.finish(state)
-    _write_plots(ctx.run, ctx.env.rank)
+    _write_plots(ctx)
     return summary
 
 
@@ -220,15 +220,15 @@ def _points(ctx: TrainContext, state: TrainState, report: RunReport, stop: str |
     return bool(stop)
 
 
-def _write_plots(run, rank: int) -> None:
+def _write_plots(ctx: TrainContext) -> None:
     """plots/ from the run's logs, drawn by rank 0 while the others wait, so every rank leaves together (a rank
     that exits while rank 0 is still busy can abort in gloo's teardown). A picture that cannot be drawn is a
     warning, never a failed run."""
-    if rank == 0:
+    if ctx.env.rank == 0:
         from moe_scale.metrics.plots import write_run_plots
 
         try:
-            write_run_plots(run)
+            write_run_plots(ctx.run, ctx.data.train.tokens_per_word)
         except Exception as e:   # noqa: BLE001 - after the training, nothing may fail the run
             print(f"moe-scale: warning: plots/ not written ({type(e).__name__}: {e})", file=sys.stderr)
     if dist.is_initialized():

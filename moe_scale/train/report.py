@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from moe_scale.accounting.flops import tflops_per_device, training_flops_per_token
 from moe_scale.distributed.comm import collective_device
-from moe_scale.distributed.launch import DistEnv
+from moe_scale.distributed.launch import DistEnv, ranks_per_node
 from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
 from moe_scale.metrics.balance import MeanTracker, MoEMetrics
@@ -39,7 +39,7 @@ class RunReport:
         self.flops_per_step = training_flops_per_token(
             {**forward_macs_per_token(config, len(data.vocab), config.data.seq_len),
              "softmax": model.softmax.forward_macs_per_token()}) * config.train.batch_size * config.data.seq_len
-        self.interval, self.interval_moe = MeanTracker(), MoEMetrics(model.moe_layers())
+        self.interval, self.interval_moe = MeanTracker(), MoEMetrics(model.moe_layers(), router_load=True)
         interval_start = state.step - state.step % config.run.log_interval
         for record in self.logger.resumed_records:   # a resume mid-interval: the interval's earlier steps count too
             if record["step"] > interval_start:
@@ -194,9 +194,20 @@ def _exp(nll: float) -> float:
 
 
 def _peak(env: DistEnv, ds_config: dict) -> tuple[float, str]:
-    """One device's peak, averaged over the ranks (each measures its share of a shared CPU)."""
+    """One device's peak, averaged over the ranks (each measures its share of a shared CPU, all at once, unless
+    every rank finds its measurement cached)."""
     half = any(ds_config.get(key, {}).get("enabled") for key in ("bf16", "fp16"))
-    peak, source = device_peak_tflops(env.device, half)
+
+    def all_found(found: bool) -> bool:
+        flag = torch.tensor([1.0 if found else 0.0], dtype=torch.float64, device=collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    try:
+        on_machine = ranks_per_node(0)
+    except ValueError:   # no launcher said: all ranks count as one machine's
+        on_machine = env.world_size
+    peak, source = device_peak_tflops(env.device, half, on_machine, all_found)
     peak_t = torch.tensor([peak], dtype=torch.float64, device=collective_device())
     dist.all_reduce(peak_t)
     return peak_t.item() / env.world_size, source

@@ -1,14 +1,17 @@
-"""Balance statistics over an interval: summed vectors, not averaged per-batch CVs."""
+"""Balance statistics over an interval: summed vectors, not averaged per-batch CVs, of the real tokens only."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from moe_scale.config import HierarchicalConfig, MoEConfig, RouterConfig
 from moe_scale.metrics.balance import MoEMetrics, balance_metrics
-from moe_scale.moe.routed_layer import MoEStats
+from moe_scale.moe.build import build_moe_layer
+from moe_scale.moe.routed_layer import MoEStats, real_tokens
 
 
 def fake_layer():
@@ -22,7 +25,7 @@ def test_cv_is_taken_over_the_summed_interval():
     for hot in (0, 1):
         vector = torch.zeros(2)
         vector[hot] = 4.0
-        layer.stats = MoEStats(vector, vector, {"agreement": float(hot)}, routed_E=vector)
+        layer.stats = MoEStats(vector, vector, {"agreement": float(hot)}, routed_E=vector, routed_gates_E=vector)
         metrics.add()
     values = metrics.values()
     assert values["cv_importance"] == pytest.approx(0.0, abs=1e-9)
@@ -40,7 +43,55 @@ def test_balance_metrics_by_hand_and_layer_prefixes():
     assert values["max_over_mean_load"] == pytest.approx(3.0)
     first, second = fake_layer(), fake_layer()
     for layer in (first, second):
-        layer.stats = MoEStats(torch.ones(2), torch.ones(2), {})
+        layer.stats = MoEStats(torch.ones(2), torch.ones(2), {}, torch.ones(2), torch.ones(2))
     metrics = MoEMetrics([first, second])
     metrics.add()
     assert {"layer0_cv_load", "layer1_cv_load"} <= set(metrics.values())
+
+
+GATES = {
+    "noisy_topk": RouterConfig(gate="noisy_topk", top_k=2),
+    "hierarchical": RouterConfig(gate="hierarchical", top_k=2,
+                                 hierarchical=HierarchicalConfig(num_groups=4, top_k_secondary=1)),
+    "batchwise": RouterConfig(gate="batchwise", top_k=2),
+    "softmax_topk": RouterConfig(gate="softmax_topk", top_k=3),
+}
+
+
+@pytest.mark.parametrize("gate", sorted(GATES))
+def test_padding_rows_leave_the_balance_as_the_real_tokens_alone_give_it(gate):
+    """Padding rows are routed like any row (here to one expert mostly, as evaluation's repeated </S> inputs
+    are), but with real_tokens() marking them the layer's routed statistics, and the interval's balance, equal
+    those of the real rows alone; without the mark they do not (the test can fail)."""
+    d = 16
+    torch.manual_seed(0)
+    layer = build_moe_layer(replace(MoEConfig(), router=GATES[gate]), d).eval()
+    with torch.no_grad():
+        for p in layer.router.parameters():
+            p.copy_(torch.randn(p.shape))
+    x = torch.randn(24, d)
+    real = torch.ones(40, dtype=torch.bool)
+    real[torch.randperm(40, generator=torch.Generator().manual_seed(1))[:16]] = False   # padding between tokens
+    padded = torch.empty(40, d)
+    padded[real], padded[~real] = x, torch.randn(d) * 3
+
+    def balance(rows, real_N):
+        metrics = MoEMetrics([layer])
+        with torch.no_grad(), real_tokens([layer], real_N):
+            layer(rows)
+        metrics.add()
+        return layer.stats, metrics.values()
+
+    alone, alone_values = balance(x, None)
+    marked, marked_values = balance(padded, real)
+    torch.testing.assert_close(marked.routed_E, alone.routed_E, rtol=0, atol=0)
+    torch.testing.assert_close(marked.routed_gates_E, alone.routed_gates_E)
+    with torch.no_grad():
+        assert alone.routed_E.sum() == len(layer.router(x).expert_C)             # every pair of a real token
+        assert len(layer.router(padded).expert_C) > alone.routed_E.sum()
+    assert marked_values == pytest.approx(alone_values, rel=1e-6)
+    unmarked, unmarked_values = balance(padded, None)
+    assert unmarked.routed_E.sum() > alone.routed_E.sum()
+    assert unmarked_values["cv_load"] != pytest.approx(alone_values["cv_load"], rel=1e-3)
+    with pytest.raises(ValueError, match="a mask of \\(24,\\) for 40 rows"):
+        balance(padded, real[:24])

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from moe_scale.metrics.plots import MAX_ROWS, heatmap_rows, write_expert_stats_plot
+from moe_scale.metrics.plots import MAX_ROWS, heatmap_rows, perplexity_lines, write_expert_stats_plot, write_run_plots
 from tests.cli_runs import TINY, run_eval, run_train
 
 PNG = b"\x89PNG"
@@ -44,6 +44,36 @@ def test_a_run_writes_its_plots_and_per_interval_loads(tmp_path, embedded_cache)
     result = run_eval(["--run", str(run), "--expert-stats"], cwd=tmp_path, cache=embedded_cache)
     assert result["expert_stats_plot"] == str(run / "plots" / "eval_valid_step00000008_experts.png")
     assert _is_png(run / "plots" / "eval_valid_step00000008_experts.png")
+
+
+def test_a_subword_run_draws_training_and_validation_perplexity_both_per_word(tmp_path, monkeypatch):
+    """A BPE run's loss is per token and its validation perplexity per word: the curves turn the training loss
+    into exp(loss x tokens per word) (what the log line prints), and the axis names the unit. Read back from
+    the figure drawn for a run directory (train_log.jsonl, TensorBoard's valid/ppl)."""
+    from matplotlib.figure import Figure
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.0 + 0.01 * s}) + "\n"
+                                                 for s in range(1, 101)))
+    with SummaryWriter(str(run / "tb")) as writer:
+        for step, ppl in ((50, 40.0), (100, 30.0)):
+            writer.add_scalar("valid/ppl", ppl, step)
+    figures = {}
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: figures.__setitem__(path.name, fig))
+    write_run_plots(run, tokens_per_word=1.5)
+    right = figures["curves.png"].axes[1]
+    assert right.get_ylabel() == "perplexity per word (1.500 tokens per word)"
+    training, validation = right.get_lines()
+    window = 2   # 100 steps / 50
+    losses = np.array([2.0 + 0.01 * s for s in range(1, 101)])
+    per_step_mean = (losses[1:] + losses[:-1]) / 2
+    np.testing.assert_allclose(training.get_ydata(), np.exp(per_step_mean * 1.5))     # not exp(loss per token)
+    np.testing.assert_allclose(training.get_xdata(), np.arange(window, 101))
+    assert list(validation.get_xdata()) == [50, 100] and list(validation.get_ydata()) == [40.0, 30.0]
+    (words_training,) = perplexity_lines([{"step": 1, "loss": 2.0}], [], 1.0)
+    np.testing.assert_allclose(words_training[1], [np.exp(2.0)])                   # a word vocabulary: as it was
 
 
 def test_the_heatmap_groups_thousands_of_experts_sorted_by_load():

@@ -94,6 +94,46 @@ def test_expert_token_stats_count_every_real_token_k_times():
         assert sum(c for _, c in e["top_words"]) <= e["load"]
 
 
+def test_oov_rate_is_the_share_of_words_that_became_unk_by_hand():
+    """Vocabulary a b c d: in "a x y b" / "<UNK> c q" / "d d" 3 of 9 words are out of it (x, y, q); the text's
+    own <UNK> is a word of the vocabulary, not one that became <UNK>."""
+    vocab = _vocab()
+    text = ["a x y b", "<UNK> c q", "d d"]
+    torch.manual_seed(0)
+    model = LSTMMoELM(RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=4, top_k=2), len(vocab))
+    result = evaluate(model, EvalWindows(text, vocab, 4, 2), describe=True)
+    assert (result["words"], result["oov_words"]) == (9, 3)
+    assert result["oov_rate"] == pytest.approx(3 / 9)
+    assert evaluate(model, EvalWindows(["a b", "c d a"], vocab, 4, 2), describe=True)["oov_rate"] == 0.0
+
+
+BALANCE = ("cv_importance", "cv_load", "max_over_mean_load")
+
+
+def test_padding_leaves_a_pass_balance_alone_and_it_equals_the_expert_stats_block():
+    """The 19-token stream in windows of 3 makes 6 windows: batches of 2 or 6 rows hold no padding, batches of 4
+    end in two rows of it (windows of 4 end in a padded tail). The pass's balance numbers are the real tokens'
+    whatever the padding, the same numbers as eval --expert-stats' per-layer block (one definition)."""
+    vocab = _vocab()
+    torch.manual_seed(0)
+    model = LSTMMoELM(RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=4, top_k=2), len(vocab))
+    with torch.no_grad():
+        model.moe.router.w_gate.normal_(0, 1.0)
+    results = {}
+    for seq_len, rows in ((3, 2), (3, 4), (3, 6), (4, 2)):
+        windows = EvalWindows(SENTENCES, vocab, seq_len, rows)
+        padded = any(not bool(windows.real_tokens(b).all()) for b in range(windows.num_batches))
+        assert padded == ((seq_len, rows) in ((3, 4), (4, 2)))
+        stats = ExpertTokenStats(model.moe_layers(), vocab, windows.tokens, top_n=0)
+        results[seq_len, rows] = result = evaluate(model, windows, observer=stats)
+        block = stats.report()["layer0"]
+        stats.close()
+        assert {key: result[key] for key in BALANCE} == pytest.approx({key: block[key] for key in BALANCE}, rel=1e-6)
+    for rows in (4, 6):
+        assert {key: results[3, rows][key] for key in BALANCE} == \
+            pytest.approx({key: results[3, 2][key] for key in BALANCE}, rel=1e-6)
+
+
 def test_lm1b_layout_uses_heldout_shard_00000_for_test(lm1b_benchmark):
     files = split_files(str(lm1b_benchmark))
     assert [f.name for f in files["test"]] == ["news.en.heldout-00000-of-00050"]
@@ -119,6 +159,10 @@ def test_eval_cli_on_the_lm1b_layout_with_expert_stats(tmp_path, lm1b_benchmark)
     assert result["sentences"] == len(lines)
     assert result["words"] == sum(len(line.split()) for line in lines)
     assert result["tokens"] == result["words"] + result["sentences"]
+    known = set((run / "vocab").read_text().splitlines())                  # a hand count of the OOV words
+    words = [w for line in lines for w in line.split()]
+    assert result["oov_rate"] == pytest.approx(sum(w not in known for w in words) / len(words))
+    assert 0 < result["oov_rate"] < 1
     layer = result["expert_stats"]["layer0"]
     assert len(layer["experts"]) == 8 and all(len(e["top_by_gate"]) == 3 for e in layer["experts"] if e["load"] >= 3)
     assert layer["tokens"] == 2 * (result["words"] + 2 * result["sentences"] - 1)   # inputs incl. <S>, x k

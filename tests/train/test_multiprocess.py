@@ -68,6 +68,9 @@ def test_every_gate_two_processes_equal_one_process(tmp_path, embedded_cache, ga
     first, second = (json.loads((run / "summary.json").read_text()) for run in (one, two))
     assert second["valid_ppl"] == pytest.approx(first["valid_ppl"], rel=1e-4)
     assert second["cv_load"] == pytest.approx(first["cv_load"], rel=1e-3, abs=1e-6)
+    # the validation pass's balance (real tokens only: the padding mask travels with the rows)
+    assert second["valid_cv_load"] == pytest.approx(first["valid_cv_load"], rel=1e-3, abs=1e-6)
+    assert second["valid_cv_importance"] == pytest.approx(first["valid_cv_importance"], rel=1e-3, abs=1e-6)
 
 
 def test_four_processes_ep4_hierarchical_and_ep2_by_dp2_equal_one_process(tmp_path, embedded_cache):

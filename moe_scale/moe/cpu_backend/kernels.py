@@ -284,15 +284,15 @@ def rows_outer(a_MO: torch.Tensor, b_RI: torch.Tensor, offsets_L1: torch.Tensor,
 def _noisy_top_k_forward_op(clean_NE, z_NE, noise_NE, eps, k, smooth_load):
     clean_NE, z_NE, noise_NE = clean_NE.contiguous(), z_NE.contiguous(), noise_NE.contiguous()
     (n, e), m = clean_NE.shape, min(k + 1, clean_NE.shape[1])
-    std_NE = torch.empty_like(clean_NE)
+    softplus_NE = torch.empty_like(clean_NE)
     top_values_NK1, top_idx_NK1 = clean_NE.new_empty(n, m), torch.empty(n, m, dtype=torch.int64)
     load_E = clean_NE.new_zeros(e)
     load_blocks = clean_NE.new_empty(-(-n // _GATE_ROWS_PER_BLOCK) if smooth_load else 0, e)
-    _library().noisy_top_k_forward(clean_NE.data_ptr(), z_NE.data_ptr(), noise_NE.data_ptr(), std_NE.data_ptr(),
+    _library().noisy_top_k_forward(clean_NE.data_ptr(), z_NE.data_ptr(), noise_NE.data_ptr(), softplus_NE.data_ptr(),
                                    top_values_NK1.data_ptr(), top_idx_NK1.data_ptr(), load_E.data_ptr(),
                                    load_blocks.data_ptr(), n, e, k, m, _GATE_ROWS_PER_BLOCK, eps, int(smooth_load),
                                    torch.get_num_threads())
-    return std_NE, top_values_NK1, top_idx_NK1, load_E
+    return softplus_NE, top_values_NK1, top_idx_NK1, load_E
 
 
 @_noisy_top_k_forward_op.register_fake
@@ -304,22 +304,22 @@ def _(clean_NE, z_NE, noise_NE, eps, k, smooth_load):
 
 def noisy_top_k_forward(clean_NE: torch.Tensor, z_NE: torch.Tensor, noise_NE: torch.Tensor, eps: float, k: int,
                         smooth_load: bool) -> tuple[torch.Tensor, ...]:
-    """(std_NE, top_values_NK1, top_idx_NK1, load_E): gating_ops.noisy_top_k's forward (load zeros unless
-    `smooth_load`), and the std it keeps for the backward."""
+    """(softplus_NE, top_values_NK1, top_idx_NK1, load_E): gating_ops.noisy_top_k's forward (load zeros unless
+    `smooth_load`), and softplus(z) (the std less eps), which it keeps for the backward."""
     return torch.ops.moe_scale.noisy_top_k_forward(clean_NE, z_NE, noise_NE, eps, k, smooth_load)
 
 
 @torch.library.custom_op("moe_scale::noisy_top_k_backward", mutates_args=(), device_types="cpu",
-                         schema="(Tensor clean_NE, Tensor noise_NE, Tensor std_NE, Tensor top_values_NK1, "
+                         schema="(Tensor clean_NE, Tensor noise_NE, Tensor softplus_NE, Tensor top_values_NK1, "
                                 "Tensor top_idx_NK1, Tensor grad_top_NK1, Tensor? grad_load_E, float eps, int k) "
                                 "-> (Tensor, Tensor)")
-def _noisy_top_k_backward_op(clean_NE, noise_NE, std_NE, top_values_NK1, top_idx_NK1, grad_top_NK1, grad_load_E,
+def _noisy_top_k_backward_op(clean_NE, noise_NE, softplus_NE, top_values_NK1, top_idx_NK1, grad_top_NK1, grad_load_E,
                              eps, k):
     grad_top_NK1 = grad_top_NK1.clone(memory_format=torch.contiguous_format)   # the thresholds' share is added
     grad_load_E = None if grad_load_E is None else grad_load_E.contiguous()
     grad_clean_NE, grad_z_NE = torch.empty_like(clean_NE), torch.empty_like(clean_NE)
     (n, e), m = clean_NE.shape, top_values_NK1.shape[1]
-    _library().noisy_top_k_backward(clean_NE.data_ptr(), noise_NE.data_ptr(), std_NE.data_ptr(),
+    _library().noisy_top_k_backward(clean_NE.data_ptr(), noise_NE.data_ptr(), softplus_NE.data_ptr(),
                                     top_values_NK1.data_ptr(), top_idx_NK1.data_ptr(), grad_top_NK1.data_ptr(),
                                     None if grad_load_E is None else grad_load_E.data_ptr(),
                                     grad_clean_NE.data_ptr(), grad_z_NE.data_ptr(), n, e, k, m, eps,
@@ -328,14 +328,14 @@ def _noisy_top_k_backward_op(clean_NE, noise_NE, std_NE, top_values_NK1, top_idx
 
 
 @_noisy_top_k_backward_op.register_fake
-def _(clean_NE, noise_NE, std_NE, top_values_NK1, top_idx_NK1, grad_top_NK1, grad_load_E, eps, k):
+def _(clean_NE, noise_NE, softplus_NE, top_values_NK1, top_idx_NK1, grad_top_NK1, grad_load_E, eps, k):
     return torch.empty_like(clean_NE), torch.empty_like(clean_NE)
 
 
-def noisy_top_k_backward(clean_NE, noise_NE, std_NE, top_values_NK1, top_idx_NK1, grad_top_NK1: torch.Tensor,
+def noisy_top_k_backward(clean_NE, noise_NE, softplus_NE, top_values_NK1, top_idx_NK1, grad_top_NK1: torch.Tensor,
                          grad_load_E: torch.Tensor | None, eps: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_clean_NE, grad_z_NE) from the gradients of the top values and (if not None) of the load."""
-    return torch.ops.moe_scale.noisy_top_k_backward(clean_NE, noise_NE, std_NE, top_values_NK1, top_idx_NK1,
+    return torch.ops.moe_scale.noisy_top_k_backward(clean_NE, noise_NE, softplus_NE, top_values_NK1, top_idx_NK1,
                                                     grad_top_NK1, grad_load_E, eps, k)
 
 

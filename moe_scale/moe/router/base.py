@@ -75,6 +75,8 @@ class RouterOutput:
 class Router(nn.Module):
     """Base of every gate: its size, its top-k, its precision, and its link to the data-parallel batch."""
 
+    takes_valid_rows = False   # route() takes valid_N [N] (False: a padding row, left out of its statistics)
+
     def __init__(self, d_model: int, num_experts: int, k: int):
         super().__init__()
         if not 1 <= k <= num_experts:

@@ -116,6 +116,8 @@ class BatchwiseRouter(Router):
       ``tokens_per_expert`` = m; ``threshold_loss`` = this rank's L_bw (training).
     """
 
+    takes_valid_rows = True
+
     def __init__(
         self,
         d_model: int,

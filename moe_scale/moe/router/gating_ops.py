@@ -6,12 +6,17 @@ the load estimator needs the (K+1)-th).
 With thousands of experts every [N, E] tensor is as large as the experts' whole working set (N=2048,
 E=4096: 32 MiB each). Plain autograd through softplus, the noise, top-k and the smooth load keeps about
 eight of them for the backward and creates as many again there. `noisy_top_k` is the same arithmetic as
-one function: it keeps the clean logits, the noise and the noise std, and recomputes the rest in the
-backward (in row chunks on CPU, where a chunk stays in cache; as whole tensors on a GPU, so the kernels
+one function: it keeps the clean logits, the noise and softplus(z) (the std less eps), and recomputes the rest in
+the backward (in row chunks on CPU, where a chunk stays in cache; as whole tensors on a GPU, so the kernels
 launched do not grow with the tokens), whose [N, E] outputs are only the two gradients autograd needs (for x @ W_g and
 x @ W_noise). Tests compare it with the plain-autograd reference (`routers.prob_in_top_k`) in value and
 gradient. On CPU in float32 the same arithmetic runs as one pass over each row per direction in C
 (cpu_gating.c, through moe/cpu_backend/kernels.py) when the native kernels are built.
+
+It keeps softplus(z), not the std: the backward needs softplus'(z) = 1 - exp(-softplus(z)), which std - eps
+gives only to the float32 spacing next to eps (1e-9 at eps = 1e-2; softplus(-16) = 1e-7: relative errors of
+1e-3 at z = -16, 0.1 at -20, 1 from -30 on), while std = softplus(z) + eps comes back from it bitwise (one
+rounded add, as in the forward).
 """
 
 from __future__ import annotations
@@ -34,19 +39,19 @@ class _NoisyTopK(torch.autograd.Function):
         ctx.eps, ctx.k, ctx.smooth_load = eps, k, smooth_load
         ctx.native = row_group_N is None and all(cpu_kernels.available(t) for t in (clean_NE, z_NE, noise_NE))
         if ctx.native:
-            std_NE, top_values_NK1, top_idx_NK1, load_E = cpu_kernels.noisy_top_k_forward(
+            softplus_NE, top_values_NK1, top_idx_NK1, load_E = cpu_kernels.noisy_top_k_forward(
                 clean_NE, z_NE, noise_NE, eps, k, smooth_load)
         else:
-            std_NE, top_values_NK1, top_idx_NK1, load_E = _forward(clean_NE, z_NE, noise_NE, eps, k, smooth_load,
-                                                                  row_group_N, num_groups)
+            softplus_NE, top_values_NK1, top_idx_NK1, load_E = _forward(clean_NE, z_NE, noise_NE, eps, k,
+                                                                       smooth_load, row_group_N, num_groups)
         ctx.row_group_N = row_group_N
-        ctx.save_for_backward(clean_NE, noise_NE, std_NE, top_values_NK1, top_idx_NK1)
+        ctx.save_for_backward(clean_NE, noise_NE, softplus_NE, top_values_NK1, top_idx_NK1)
         ctx.mark_non_differentiable(top_idx_NK1)
         return top_values_NK1, top_idx_NK1, load_E
 
     @staticmethod
     def backward(ctx, grad_top_NK1: Tensor, _grad_idx, grad_load_E: Tensor):
-        saved = ctx.saved_tensors   # clean, noise, std, top values, top indices
+        saved = ctx.saved_tensors   # clean, noise, softplus(z), top values, top indices
         grad_top_NK1 = torch.zeros_like(saved[3]) if grad_top_NK1 is None else grad_top_NK1
         grad_load = grad_load_E if ctx.smooth_load else None
         if ctx.native:
@@ -59,16 +64,19 @@ class _NoisyTopK(torch.autograd.Function):
 def _forward(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int, smooth_load: bool,
              row_group_N: Tensor | None = None, num_groups: int = 0):
     m = min(k + 1, clean_NE.shape[1])
-    std_NE = torch.nn.functional.softplus(z_NE).add_(eps)
-    noisy_NE = torch.addcmul(clean_NE, noise_NE, std_NE)
+    softplus_NE = torch.nn.functional.softplus(z_NE)
+    noisy_NE = softplus_NE + eps                                       # the std, then in place the noisy logits
+    torch.addcmul(clean_NE, noise_NE, noisy_NE, out=noisy_NE)
     top_values_NK1, top_idx_NK1 = noisy_NE.topk(m, dim=1)
     e = clean_NE.shape[1]
     if not smooth_load:
-        return std_NE, top_values_NK1, top_idx_NK1, clean_NE.new_zeros(e if row_group_N is None else (num_groups, e))
+        return (softplus_NE, top_values_NK1, top_idx_NK1,
+                clean_NE.new_zeros(e if row_group_N is None else (num_groups, e)))
     del noisy_NE
     load = None
-    for clean, noise, std, top_values, row_group in _blocks(clean_NE, noise_NE, std_NE, top_values_NK1, row_group_N):
-        z, _ = _standardised(clean, noise, std, top_values, k)
+    for clean, noise, softplus, top_values, row_group in _blocks(clean_NE, noise_NE, softplus_NE, top_values_NK1,
+                                                                 row_group_N):
+        z, _, _ = _standardised(clean, noise, softplus + eps, top_values, k)
         p = z.erf_().add_(1.0).mul_(0.5)
         if row_group_N is None:
             part = p.sum(0)
@@ -77,26 +85,26 @@ def _forward(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: in
             load = (clean_NE.new_zeros(num_groups, e) if load is None else load).index_add_(0, row_group, p)
     if load is None:   # no rows
         load = clean_NE.new_zeros(e if row_group_N is None else (num_groups, e))
-    return std_NE, top_values_NK1, top_idx_NK1, load
+    return softplus_NE, top_values_NK1, top_idx_NK1, load
 
 
-def _backward(clean_NE: Tensor, noise_NE: Tensor, std_NE: Tensor, top_values_NK1: Tensor, top_idx_NK1: Tensor,
+def _backward(clean_NE: Tensor, noise_NE: Tensor, softplus_NE: Tensor, top_values_NK1: Tensor, top_idx_NK1: Tensor,
               grad_top_NK1: Tensor, grad_load: Tensor | None, eps: float, k: int,
               row_group_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
     parts = [_backward_rows(*block, grad_load, eps, k) for block in _blocks(
-        clean_NE, noise_NE, std_NE, top_values_NK1, top_idx_NK1, grad_top_NK1, row_group_N)]
+        clean_NE, noise_NE, softplus_NE, top_values_NK1, top_idx_NK1, grad_top_NK1, row_group_N)]
     if len(parts) == 1:
         return parts[0]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def _backward_rows(clean, noise, std, top_values, top_idx, grad_top, row_group, grad_load, eps: float, k: int):
+def _backward_rows(clean, noise, softplus, top_values, top_idx, grad_top, row_group, grad_load, eps: float, k: int):
     """(gradient of the clean logits, of the noise logits) for one block of rows."""
-    grad_noisy = torch.zeros_like(std).scatter_(1, top_idx, grad_top)
+    grad_noisy = torch.zeros_like(softplus).scatter_(1, top_idx, grad_top)
     if grad_load is None:
         grad_clean, grad_std = grad_noisy, grad_noisy * noise
     else:
-        z, is_in = _standardised(clean, noise, std, top_values, k)
+        z, is_in, std = _standardised(clean, noise, softplus + eps, top_values, k)
         # each row's share of the load gradient: the whole [E] vector, or its group's row of [G, E]
         grad_load_rows = grad_load if row_group is None else grad_load.index_select(0, row_group)
         # Phi(z)' = exp(-z^2) / sqrt(pi) w.r.t. z * sqrt(2); z = (clean - threshold) / (sqrt(2) std)
@@ -109,7 +117,7 @@ def _backward_rows(clean, noise, std, top_values, top_idx, grad_top, row_group, 
         grad_clean = d_clean.add_(grad_noisy)
         grad_std.addcmul_(grad_noisy, noise)
     # noisy = clean + noise * std; std = softplus(z) + eps and softplus'(z) = 1 - exp(-softplus(z)).
-    return grad_clean, grad_std.mul_(torch.expm1(-(std - eps)).neg_())
+    return grad_clean, grad_std.mul_(_softplus_derivative(softplus))
 
 
 def noisy_top_k(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int, smooth_load: bool,
@@ -127,6 +135,16 @@ def noisy_top_k(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k:
 _GAUSSIAN_CUTOFF = 50.0
 
 
+# Below z = -60 the C kernel holds softplus(z) at softplus(-60) (cpu_gating.c: libmvec's fast path); softplus' is
+# held there too, here as there: 9e-27, never a denormal, where the true value is smaller still.
+_SOFTPLUS_FLOOR = math.log1p(math.exp(-60.0))
+
+
+def _softplus_derivative(softplus: Tensor) -> Tensor:
+    """softplus'(z) = sigmoid(z) = 1 - exp(-softplus(z)), to the precision of softplus(z) at every z."""
+    return torch.expm1(softplus.clamp(min=_SOFTPLUS_FLOOR).neg_()).neg_()
+
+
 def _gaussian(z: Tensor) -> Tensor:
     q = z * z
     return torch.exp(q.clamp(max=_GAUSSIAN_CUTOFF).neg_()).masked_fill_(q >= _GAUSSIAN_CUTOFF, 0.0)
@@ -136,12 +154,12 @@ def _denominator(std: Tensor) -> Tensor:
     return std * math.sqrt(2.0) + 1e-20
 
 
-def _standardised(clean, noise, std, top_values_NK1, k) -> tuple[Tensor, Tensor]:
-    """((clean - threshold) / (sqrt(2) std), is_in): the threshold is the noisy (K+1)-th value for an expert
-    in the noisy top k, the K-th for one outside it (routers.prob_in_top_k explains why)."""
+def _standardised(clean, noise, std, top_values_NK1, k) -> tuple[Tensor, Tensor, Tensor]:
+    """((clean - threshold) / (sqrt(2) std), is_in, std): the threshold is the noisy (K+1)-th value for an
+    expert in the noisy top k, the K-th for one outside it (routers.prob_in_top_k explains why)."""
     thr_in, thr_out = top_values_NK1[:, k:k + 1], top_values_NK1[:, k - 1:k]
     is_in = torch.addcmul(clean, noise, std) > thr_in      # bitwise the forward's noisy logits
-    return (clean - torch.where(is_in, thr_in, thr_out)).div_(_denominator(std)), is_in
+    return (clean - torch.where(is_in, thr_in, thr_out)).div_(_denominator(std)), is_in, std
 
 
 def _blocks(*tensors: Tensor | None):

@@ -1,6 +1,6 @@
 """MoA-style softmax top-k router (Zhang et al. 2022, Mixture of Attention Heads, eq. 7-9 and 13-16; spec §3.1-3.3).
 
-Legend (docs/shapes.md): N tokens, D model dim, E experts, K top-k.
+Legend (docs/shapes.md): N tokens, D model dim, E experts, K top-k, C (token, expert) pairs.
 
 The data-parallel sum of its statistics (``batch.sum``) is injected by the layer (moe/router/base.py).
 """
@@ -70,8 +70,11 @@ class SoftmaxTopKRouter(Router):
     bias and starts from ``N(0, (1e-2/√D)²)`` instead of zeros. Zero init makes every probability tie, so top-k
     would send every token to the same K experts at step 0; the small random init breaks the tie while keeping the
     initial router close to uniform (logits ~ 1e-2 for unit-scale inputs). The parameter name avoids the substring
-    "expert" (DeepSpeed treats such names as expert weights). No padding mask: callers pass only real tokens.
+    "expert" (DeepSpeed treats such names as expert weights). Padding rows (``valid_N`` False, evaluation's last
+    windows) are routed like any row but left out of every sum above, so its losses and metrics are the real tokens'.
     """
+
+    takes_valid_rows = True
 
     def __init__(
         self,
@@ -102,7 +105,7 @@ class SoftmaxTopKRouter(Router):
             f"aux_weight={self.aux_weight}, z_weight={self.z_weight}"
         )
 
-    def route(self, x_ND: Tensor) -> RouterOutput:
+    def route(self, x_ND: Tensor, valid_N: Tensor | None = None) -> RouterOutput:
         k, e = self.k, self.num_experts
         logits_NE = self.logits(x_ND, self.w_gate)
         probs_NE = torch.softmax(logits_NE, dim=1)
@@ -113,13 +116,23 @@ class SoftmaxTopKRouter(Router):
             gates_NK = top_p_NK
 
         flat_experts = experts_NK.reshape(-1)
-        importance_E = gates_NK.new_zeros(e).index_add(0, flat_experts, gates_NK.reshape(-1))
-        count_E = count_per_bin(flat_experts, e, x_ND.dtype)
-        lse2_sum = torch.logsumexp(logits_NE, dim=1).square().sum()
-        n_tokens_1 = logits_NE.new_full((1,), float(logits_NE.shape[0]))   # a fill, not a copy from the host
+        lse2_N = torch.logsumexp(logits_NE, dim=1).square()
+        if valid_N is None:
+            importance_E = gates_NK.new_zeros(e).index_add(0, flat_experts, gates_NK.reshape(-1))
+            count_E = count_per_bin(flat_experts, e, x_ND.dtype)
+            prob_sum_E, lse2_sum = probs_NE.sum(0), lse2_N.sum()
+            n_tokens_1 = logits_NE.new_full((1,), float(logits_NE.shape[0]))   # a fill, not a copy from the host
+        else:   # padding rows weigh 0
+            if valid_N.shape != (x_ND.shape[0],):
+                raise ValueError(f"valid_N must have shape ({x_ND.shape[0]},), got {tuple(valid_N.shape)}")
+            w_N = valid_N.to(x_ND.dtype)
+            w_C = w_N.repeat_interleave(k, output_size=w_N.shape[0] * k)
+            importance_E = gates_NK.new_zeros(e).index_add(0, flat_experts, gates_NK.reshape(-1) * w_C)
+            count_E = w_C.new_zeros(e).index_add_(0, flat_experts, w_C)
+            prob_sum_E, lse2_sum, n_tokens_1 = (probs_NE * w_N[:, None]).sum(0), (lse2_N * w_N).sum(), w_N.sum()[None]
 
         # One collective for everything the global means need.
-        stats = self.batch.sum(torch.cat([probs_NE.sum(0), importance_E, count_E, lse2_sum[None], n_tokens_1]))
+        stats = self.batch.sum(torch.cat([prob_sum_E, importance_E, count_E, lse2_sum[None], n_tokens_1]))
         prob_sum_E, importance_E, count_E = stats[:e], stats[e : 2 * e], stats[2 * e : 3 * e]
         lse2_sum, n_tokens = stats[3 * e], stats[3 * e + 1]
 

@@ -32,7 +32,7 @@ def test_every_kernel_is_a_registered_op_that_passes_opcheck():
     hidden = torch.relu(torch.randn(x.shape[0], w_in.shape[1]))
     n, e, k = 10, 6, 2
     clean, z, noise = torch.randn(n, e), torch.randn(n, e), torch.randn(n, e)
-    std, top_values, top_idx, _ = cpu_kernels.noisy_top_k_forward(clean, z, noise, 1e-2, k, True)
+    softplus, top_values, top_idx, _ = cpu_kernels.noisy_top_k_forward(clean, z, noise, 1e-2, k, True)
     ops = torch.ops.moe_scale
     cases = [
         (ops.rows_times_wt, (x, w_in, offsets, None, True)),
@@ -41,7 +41,7 @@ def test_every_kernel_is_a_registered_op_that_passes_opcheck():
         (ops.rows_times_w, (hidden, w_out, offsets)),
         (ops.rows_outer_, (x, hidden, offsets, torch.empty(len(COUNTS), x.shape[1], hidden.shape[1]), False, perm)),
         (ops.noisy_top_k_forward, (clean, z, noise, 1e-2, k, True)),
-        (ops.noisy_top_k_backward, (clean, noise, std, top_values, top_idx, torch.randn_like(top_values),
+        (ops.noisy_top_k_backward, (clean, noise, softplus, top_values, top_idx, torch.randn_like(top_values),
                                     torch.randn(e), 1e-2, k)),
         (ops.standard_normal, (torch.tensor(1234), [3, 5])),
     ]
