@@ -179,8 +179,28 @@ def _not_another_sessions(segments: set[Path]) -> set[Path]:
             pid = parents.get(pid, 0)
         return False
 
+    if any("pytest" in cmd and not ours(pid) and pid not in _ancestors(parents) for pid, cmd in _cmdlines()):
+        # Another pytest session on this machine: a segment its ranks have created but not mapped yet (or have
+        # just unmapped) cannot be told from ours, so only segments our own processes map are counted.
+        return {path for path in segments if any(ours(pid) for pid in mappers.get(str(path), ()))}
     return {path for path in segments
             if not mappers.get(str(path)) or any(ours(pid) for pid in mappers[str(path)])}
+
+
+def _ancestors(parents: dict[int, int]) -> set[int]:
+    pid, seen = os.getppid(), set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        pid = parents.get(pid, 0)
+    return seen
+
+
+def _cmdlines():
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            yield int(proc.name), (proc / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
 
 
 @pytest.fixture(autouse=True)
