@@ -410,11 +410,19 @@ class TrainConfig:
                                 "same noise (costs global tokens x experts memory)", ("rank", "global"))
     preset: str | None = _f(None, "start from a paper model's settings (`moe-scale flops --list`; NAME-mini for a "
                                   "CPU-sized miniature); other flags given override them")
+    upcycle_from: str | None = _f(None, "start this MoE run from a trained dense run (sparse upcycling: every expert "
+                                        "a copy of its FFN, a new router, the rest its weights and tokenizer)")
+    upcycle_noise: float = _f(0.0, "with --upcycle-from: multiply each copied expert weight by 1 + this x N(0, 1), "
+                                   "so the experts start apart", needs=Needs(lambda c: c.train.upcycle_from is not None,
+                                                                             "--upcycle-from RUN"))
 
     def validate(self) -> None:
         _positive(batch_size=self.batch_size, grad_accum=self.grad_accum, max_steps=self.max_steps)
         if min(self.lr, self.weight_decay, self.warmup_steps) < 0:
             raise UserError("--lr, --weight-decay and --warmup-steps must not be negative")
+        if not 0.0 <= self.upcycle_noise < 1.0:
+            raise UserError(f"--upcycle-noise must be in [0, 1) (got {self.upcycle_noise}); 0.01 makes the copies "
+                            f"differ by about 1%")
 
 
 @dataclass

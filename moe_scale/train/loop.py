@@ -36,6 +36,7 @@ from moe_scale.train.report import RunReport
 from moe_scale.train.run_dir import check_run_dir, claim_run_dir
 from moe_scale.train.preemption import StopRequests
 from moe_scale.train.state import TrainState
+from moe_scale.train.upcycle import dense_run_to_upcycle, upcycle
 
 
 def check_parallel_layout(config: RunConfig, env: DistEnv) -> int:
@@ -79,8 +80,9 @@ def run_training(config: RunConfig) -> dict:
     ds_config = complete_ds_config(user_ds_config, micro_batch, t.grad_accum, env.world_size, ds_source)
     data_record = fingerprint(config.data)
     changed = check_resumed_data(run, data_record, run_dir.accept_changed_data) if run_dir.resume else []
-    data = build_lm_data(config.data, env, global_rows=t.batch_size,
-                         saved_run=run if run_dir.resume else None, seed=t.seed)
+    upcycled = dense_run_to_upcycle(config) if t.upcycle_from and not run_dir.resume else None
+    data = build_lm_data(config.data, env, global_rows=t.batch_size, seed=t.seed,
+                         saved_run=run if run_dir.resume else upcycled[0] if upcycled else None)
 
     if env.device.type == "cuda":   # float32 products on TF32 tensor cores (bf16 runs are unaffected)
         torch.set_float32_matmul_precision("high")
@@ -91,6 +93,11 @@ def run_training(config: RunConfig) -> dict:
     check_model_fits(build, ds_config, t.optimizer, env.world_size, ep_size, env.device)   # on the meta device
     torch.manual_seed(t.seed)
     model = build()
+    if upcycled:
+        upcycle(model, *upcycled, noise=t.upcycle_noise, seed=t.seed)
+        if env.rank == 0:
+            print(f"upcycled from {upcycled[0]} (checkpoint {upcycled[1]}): every expert a copy of its FFN"
+                  + (f" with {t.upcycle_noise:g} noise" if t.upcycle_noise else "") + ", a new router", flush=True)
     mae = mae_schedule(model, config, data.train.steps_per_epoch)   # MAE's G steps, else None
     trainer = TrainingEngine(model.to(env.device), ds_config, t)
     noises = _install_noise(model, config, env)

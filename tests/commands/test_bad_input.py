@@ -199,6 +199,16 @@ CASES = [
      ["the training data changed since this run started", "train file", "--accept-changed-data"]),
     ("accept-changed-data-without-resume", lambda w: ["train", "--accept-changed-data", "--out", w.out(), *FAST],
      ["--accept-changed-data does nothing here: it needs --resume"]),
+    ("upcycle-no-run", lambda w: ["train", "--upcycle-from", str(w.root / "missing"), "--out", w.out(), *FAST],
+     ["--upcycle-from", "no trained run there"]),
+    ("upcycle-from-an-moe-run", lambda w: ["train", "--upcycle-from", w.run(), "--out", w.out(), *FAST],
+     ["it is a --layout lstm-moe-lstm run", "--layout lstm-ffn-lstm --ffn-layers 1"]),
+    ("upcycle-other-width", lambda w: ["train", "--upcycle-from", w.run(_dense), "--d-model", "48", "--out", w.out(),
+                                       *FAST], ["trained with --d-model 32, this run asks for 48", "pass --d-model 32"]),
+    ("upcycle-a-transformer", lambda w: ["train", "--model", "transformer", "--ffn", "moe", "--upcycle-from",
+                                         w.run(_dense), "--out", w.out(), *FAST], ["transformer's dense FFN"]),
+    ("upcycle-noise-alone", lambda w: ["train", "--upcycle-noise", "0.01", "--out", w.out(), *FAST],
+     ["--upcycle-noise does nothing here: it needs --upcycle-from RUN"]),
     ("resume-from-without-resume", lambda w: ["train", "--resume-from", OLD, "--out", w.run()],
      ["--resume-from", "--resume"]),
     ("resume-from-unknown-tag", lambda w: ["train", "--resume", "--resume-from", "step00000099", "--out", w.run()],
@@ -249,6 +259,13 @@ CASES = [
     ("generate-words-beyond-context", lambda w: ["generate", "--run", w.transformer_run(), "--prompt", "a b c",
                                                  "--max-new-tokens", "30"], ["--max-new-tokens 13 or less"]),
 ]
+
+
+def _dense(run: Path) -> None:
+    """The run's config as a dense one's (--layout lstm-ffn-lstm --ffn-layers 1): checked before its weights."""
+    config = json.loads((run / "config.json").read_text())
+    config["model"]["lstm"].update(layout="lstm-ffn-lstm", ffn_layers=1)
+    (run / "config.json").write_text(json.dumps(config))
 
 
 def _fifo(path: Path) -> str:
