@@ -55,6 +55,8 @@ class GPU:
     link_efficiency: float = LINK_EFFICIENCY
     hbm_efficiency: float = HBM_EFFICIENCY
     step_overhead_s: float = 0.0    # a fixed cost per step at this device's rate (CPU: measured; GPU: none assumed)
+    reduce_gbs: float | None = None         # a measured all-reduce (the CPU calibration's gloo); None: the links'
+    reduce_latency_s: float | None = None
 
     def peak_tflops(self, precision: str) -> float:
         if precision == "bf16":

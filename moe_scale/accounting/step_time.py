@@ -18,6 +18,10 @@ K and V over the group (forward and backward).
                  and a rank talks to Q peers instead of P, paying two latencies.
 Latency: the link's (inside a node, or across nodes) plus a small cost per peer.
 
+Small synchronisations (latency-bound): every router sums its balance statistics over the data-parallel group (2
+floats per unit, an all-reduce in the forward and its gradient's in the backward) per expert-parallel layer and
+micro-batch, and clipping sums the squared gradient norms once per step.
+
 Gradient synchronisation: dense gradients over all ranks, expert gradients over the expert-data-parallel group
 (world / ep). ZeRO-0 (moe_scale's in-place reduce after the backward): all-reduce, 2 (n-1)/n of the bytes;
 ZeRO-1/2: reduce-scatter of the gradients and all-gather of the updated weights, (n-1)/n each; over the network
@@ -26,7 +30,7 @@ when the group spans nodes. ZeRO-2 reduces every micro-batch's gradients, the ot
 Optimizer: memory-bound; bytes read and written per parameter this rank updates (Adam fp32 28 + 4 to clip, bf16
 with its master copy 30 + 2, factored 20 + 4) at the device's memory bandwidth.
 
-What overlaps: nothing, except that with ZeRO-1/2 and `"overlap_comm": true` in the DeepSpeed JSON the gradients'
+What overlaps: nothing (every collective above is blocking), except that with ZeRO-1/2 and `"overlap_comm": true` in the DeepSpeed JSON the gradients'
 reduce-scatter runs during the backward (2/3 of the compute) and only what exceeds it is paid. The all-to-alls
 are blocking (the experts need their rows), and the stage-0 reduce runs after the backward.
 
@@ -68,6 +72,9 @@ class Network:
         """A collective over `group` ranks moving `traffic` x (n-1)/n x nbytes per rank."""
         if group <= 1 or nbytes == 0:
             return 0.0
+        gpu = self.gpu
+        if gpu.reduce_gbs is not None:     # measured for this very collective (tools/calibrate_plan.py)
+            return gpu.reduce_latency_s + traffic * (group - 1) / group * nbytes / (gpu.reduce_gbs * 1e9)
         bandwidth = self.inter if spans_nodes else self.intra
         return self.latency(group, spans_nodes) + traffic * (group - 1) / group * nbytes / bandwidth
 
@@ -118,6 +125,15 @@ def gradient_sync(net: Network, model: PlannedModel, layout: Layout) -> tuple[fl
     return reduce, gather
 
 
+def small_syncs(net: Network, model: PlannedModel, layout: Layout) -> float:
+    """The routers' statistics (forward and backward, every micro-batch) and the gradient norm (once)."""
+    world, spans = layout.world, layout.world > layout.gpus_per_node
+    if world == 1:
+        return 0.0
+    routers = sum(2 * net.reduce(2 * layer.units * 4, world, spans, 2) for layer in model.expert_layers)
+    return model.config.train.grad_accum * routers + net.reduce(2 * 8, world, spans, 2)
+
+
 def optimizer_seconds(model: PlannedModel, layout: Layout, gpu: GPU) -> float:
     partitioned = layout.zero_stage >= 1
     dense = model.dense_params / (layout.world if partitioned else 1)
@@ -146,9 +162,10 @@ def step_time(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_c
     overlap = layout.zero_stage >= 1 and ds_config.get("zero_optimization", {}).get("overlap_comm", False)
     exposed = (max(0.0, reduce - compute * 2 / 3) if overlap else reduce) + gather
     optimizer = optimizer_seconds(model, layout, gpu)
-    step = compute + all_to_all + exposed + optimizer
+    sync = small_syncs(net, model, layout)
+    step = compute + all_to_all + sync + exposed + optimizer
     tflops = model.flops_per_token * tokens_per_gpu / step / 1e12
-    return {"seconds": {"compute": compute, "all_to_all": all_to_all, "gradient_sync": exposed,
+    return {"seconds": {"compute": compute, "all_to_all": all_to_all, "sync": sync, "gradient_sync": exposed,
                         "optimizer": optimizer, "step": step},
             "gradient_sync_total_s": reduce + gather, "gradient_sync_overlapped": bool(overlap),
             "efficiency": efficiency, "peak_tflops": peak, "tokens_per_s": tokens / step,

@@ -37,6 +37,7 @@ def format_plan(r: dict, smallest: dict | None) -> str:
               f"    compute                   {s['compute']:10.4f}   ({t['efficiency']:.0%} of "
               f"{t['peak_tflops']:g} TFLOPS)",
               f"    {'all-to-all (' + r['all_to_all'] + ')':<26}{s['all_to_all']:10.4f}",
+              f"    router and norm sums      {s['sync']:10.4f}",
               f"    gradient sync             {s['gradient_sync']:10.4f}   "
               f"({'overlapped with the backward, ' if t['gradient_sync_overlapped'] else ''}"
               f"{t['gradient_sync_total_s']:.4f} in all)",
