@@ -9,6 +9,11 @@ Per process count P, every rank at the same time (so processes that share cores 
                several sizes; fitted as latency + per-peer latency x (peers) + bytes that leave the rank / GB/s
   all-reduce   gloo all_reduce over the P ranks at several sizes; fitted as latency + 2 (P-1)/P bytes / GB/s
 (the fits weigh every sample by its relative error).
+
+Per model and P, just before its training runs (`model_compute`): the model's forward and backward on P
+processes at once, each on its share of the batch, and how much longer each step takes when the ranks then meet
+at a collective (the straggler share: on a shared, oversubscribed CPU every collective waits for the rank the
+scheduler held back).
 """
 
 from __future__ import annotations
@@ -90,7 +95,59 @@ def worker(rank: int, world: int, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def measure(world: int) -> dict:
+def compute_worker(rank: int, world: int, port: int, queue, config_dict: dict, vocab: int) -> None:
+    """The model's forward and backward on this rank's share of the batch (no DeepSpeed, no exchange: ep 1), with
+    the P ranks at once; each step then meets the others at an all-reduce of one number, as a training step's
+    collectives meet: the time past one's own compute is the wait for the slowest rank."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    from moe_scale.config import RunConfig
+    from moe_scale.models.build import build_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    config = RunConfig.from_dict(config_dict, "calibration")
+    torch.manual_seed(rank)
+    model = build_model(config, vocab)
+    model.train()
+    inputs = torch.randint(0, vocab, (config.train.batch_size // world, config.data.seq_len))
+    one = torch.zeros(1)
+
+    def step():
+        out = model(inputs, inputs)
+        (out.nll_sum / out.num_tokens + out.aux_loss).backward()
+        model.zero_grad(set_to_none=False)
+    dist.barrier()
+    rate = _matmul_tflops(torch)
+    for _ in range(2):
+        step()
+    own, whole = [], []
+    for _ in range(9):
+        dist.all_reduce(one)
+        began = time.perf_counter()
+        step()
+        own.append(time.perf_counter() - began)
+        dist.all_reduce(one)
+        whole.append(time.perf_counter() - began)
+    queue.put((rank, {"matmul_tflops": rate, "compute_s": statistics.median(own),
+                      "synchronised_s": statistics.median(whole)}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def model_compute(config, vocab: int, world: int) -> dict:
+    """The model's compute with `world` processes at once: seconds of one rank's forward and backward, the matmul
+    rate each rank saw, and the share the wait for the slowest rank adds (`straggler`)."""
+    ranks = measure(world, compute_worker, config.to_dict(), vocab)
+    compute = statistics.mean(r["compute_s"] for r in ranks)
+    synchronised = statistics.mean(r["synchronised_s"] for r in ranks)
+    return {"procs": world, "compute_s": compute, "matmul_tflops": statistics.mean(r["matmul_tflops"] for r in ranks),
+            "straggler": max(0.0, synchronised / compute - 1) if world > 1 else 0.0}
+
+
+def measure(world: int, target=worker, *extra) -> list[dict]:
     """Every rank's measurements, in rank order."""
     import torch.multiprocessing as mp
 
@@ -99,7 +156,7 @@ def measure(world: int) -> dict:
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()
-    procs = [context.Process(target=worker, args=(rank, world, port, queue)) for rank in range(world)]
+    procs = [context.Process(target=target, args=(rank, world, port, queue, *extra)) for rank in range(world)]
     for proc in procs:
         proc.start()
     results = dict(queue.get(timeout=600) for _ in procs)

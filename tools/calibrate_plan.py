@@ -4,13 +4,15 @@
 1. Constants, with 1, 2 and 4 processes at once (tools/calibrate_bench.py): fp32 matmul TFLOPS per process, the
    optimizer's GB/s, gloo all-to-all (flat and the pairs of the hierarchical hops) and all-reduce latency and
    GB/s. Processes share the cores (and, here, the machine with others): each measures its share.
-2. Compute, per model: its forward and backward (no DeepSpeed, no exchange, no optimizer) on one process at the
-   tokens one process holds with P = 1, 2, 4; efficiency(P) = the model's FLOPs / (seconds x matmul TFLOPS of one
-   process alone). With P processes the planner then runs those FLOPs at the P-process matmul rate.
+2. Compute, per model and P, between its two runs: its forward and backward (no DeepSpeed, no exchange, no
+   optimizer) on P processes at once, each on its share of the batch: efficiency(P) = the model's FLOPs / (seconds
+   x the matmul TFLOPS each process saw), and the share by which the ranks' meeting at a collective lengthens a
+   step (the straggler share: what a shared, oversubscribed CPU adds to every synchronisation).
 3. Training: `moe-scale train` through the deepspeed launcher, --ep-size P, --all-to-all flat and hierarchical
    (nodes of P/2 ranks: --node-size), each model, `--max-steps` steps (the first 3 untimed), 1 thread per process.
 4. Prediction: `moe-scale plan`'s model (accounting/) for each run's layout, on a "GPU" made of the constants,
-   beside the measured step time (summary.json) and all-to-all seconds (its share x the step).
+   beside the measured step time (summary.json) and all-to-all seconds (its share x the step). Nothing is taken
+   from the training runs but their vocabulary size (the corpus may have fewer words than --vocab-size).
 
     python tools/calibrate_plan.py --out runs/calibration                 # small and large models, P = 1, 2, 4
     python tools/calibrate_plan.py --out runs/cal --models tiny --procs 1,2 --max-steps 6
@@ -79,25 +81,6 @@ def config_of(flags: list[str]):
     return config_from_args(parser.parse_args(flags + RUN))
 
 
-def compute_seconds(config, vocab: int, rows: int) -> float:
-    """Median seconds of the model's forward and backward on `rows` sequences, one process, one thread."""
-    import torch
-
-    from moe_scale.models.build import build_model
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = build_model(config, vocab)
-    model.train()
-    inputs = torch.randint(0, vocab, (rows, config.data.seq_len))
-
-    def step():
-        out = model(inputs, inputs)
-        (out.nll_sum / out.num_tokens + out.aux_loss).backward()
-        model.zero_grad(set_to_none=False)
-    return calibrate_bench._timed(step, repeats=7)
-
-
 def train(name: str, flags: list[str], procs: int, exchange: str, args, out: Path) -> dict:
     run_name = f"{name}-p{procs}-{exchange}"
     run_dir, log = out / "runs" / run_name, out / "logs" / f"{run_name}.log"
@@ -122,19 +105,20 @@ def train(name: str, flags: list[str], procs: int, exchange: str, args, out: Pat
             "vocab": vocab, "run_dir": str(run_dir)}
 
 
-def cpu_device(const: dict, efficiency: float):
-    """The planner's GPU record for P CPU processes: the measured constants, no CUDA reserves."""
+def cpu_device(const: dict, compute: dict, efficiency: float):
+    """The planner's GPU record for P CPU processes: the measured constants (the matmul rate and the straggler share
+    of the model's own P-process measurement), no CUDA reserves."""
     from moe_scale.accounting.gpus import GPU
 
     a2a = const.get("all_to_all", {"latency_s": 0.0, "per_peer_s": 0.0, "gbs": 1e9})
     reduce = const.get("all_reduce", {"latency_s": 0.0, "gbs": 1e9})
-    return GPU(f"cpu x{const['procs']}", 1e6, None, const["matmul_tflops"], const["optimizer_gbs"], a2a["gbs"],
+    return GPU(f"cpu x{const['procs']}", 1e6, None, compute["matmul_tflops"], const["optimizer_gbs"], a2a["gbs"],
                a2a["gbs"], efficiency, cuda=False, intra_latency_s=a2a["latency_s"], inter_latency_s=a2a["latency_s"],
                per_peer_latency_s=a2a["per_peer_s"], link_efficiency=1.0, hbm_efficiency=1.0,
-               reduce_gbs=reduce["gbs"], reduce_latency_s=reduce["latency_s"])
+               reduce_gbs=reduce["gbs"], reduce_latency_s=reduce["latency_s"], straggler=compute["straggler"])
 
 
-def predict(config, const: dict, efficiency: float, procs: int, exchange: str) -> dict:
+def predict(config, const: dict, compute: dict, efficiency: float, procs: int, exchange: str) -> dict:
     from moe_scale.accounting.layout import Layout
     from moe_scale.accounting.model_shape import planned_model
     from moe_scale.accounting.plan import Planner
@@ -142,7 +126,8 @@ def predict(config, const: dict, efficiency: float, procs: int, exchange: str) -
 
     per_node = max(1, procs // 2) if exchange == "hierarchical" else procs
     layout = Layout(procs // per_node, per_node, ep_size=procs, all_to_all=exchange)
-    planner = Planner(planned_model(config), cpu_device(const, efficiency), DEFAULT_DS_CONFIG, efficiency=efficiency)
+    planner = Planner(planned_model(config), cpu_device(const, compute, efficiency), DEFAULT_DS_CONFIG,
+                      efficiency=efficiency)
     return planner.plan(layout)["time"]
 
 
@@ -152,22 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     began = time.time()
     constants = {p: calibrate_bench.constants(p) for p in args.procs}
-    rate1 = constants[1]["matmul_tflops"] if 1 in constants else calibrate_bench.constants(1)["matmul_tflops"]
-    points, efficiencies = [], {}
-    for name in args.models:
-        runs = {(p, x): train(name, MODELS[name], p, x, args, out) for p in args.procs for x in EXCHANGES}
-        config = config_of(MODELS[name])
-        config.data.vocab_size = runs[(args.procs[0], "flat")]["vocab"]
-        from moe_scale.accounting.model_shape import planned_model
+    points, computes = [], {}
+    from moe_scale.accounting.model_shape import planned_model
 
-        flops_per_token = planned_model(config).flops_per_token
+    for name in args.models:
+        config = config_of(MODELS[name])
         for p in args.procs:
-            rows = config.train.batch_size // p
-            seconds = compute_seconds(config, config.data.vocab_size, rows)
-            efficiency = flops_per_token * rows * config.data.seq_len / (seconds * rate1 * 1e12)
-            efficiencies[f"{name} p{p}"] = {"rows": rows, "compute_s": seconds, "efficiency": efficiency}
+            # the compute between the two runs, at the load they ran at; the vocabulary is the run's (the corpus
+            # may hold fewer words than --vocab-size)
+            runs = {"flat": train(name, MODELS[name], p, "flat", args, out)}
+            config.data.vocab_size = runs["flat"]["vocab"]
+            computes[f"{name} p{p}"] = compute = calibrate_bench.model_compute(config, config.data.vocab_size, p)
+            runs["hierarchical"] = train(name, MODELS[name], p, "hierarchical", args, out)
+            flops = planned_model(config).flops_per_token * config.train.batch_size // p * config.data.seq_len
+            efficiency = flops / (compute["compute_s"] * compute["matmul_tflops"] * 1e12)
+            compute["efficiency"] = efficiency
             for x in EXCHANGES:
-                measured, predicted = runs[(p, x)], predict(config, constants[p], efficiency, p, x)
+                measured, predicted = runs[x], predict(config, constants[p], compute, efficiency, p, x)
                 step = predicted["seconds"]["step"]
                 points.append({"model": name, "procs": p, "all_to_all": x, "measured_step_s": measured["step_s"],
                                "predicted_step_s": step, "ratio": step / measured["step_s"],
@@ -176,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                                "predicted_parts_s": predicted["seconds"], "run_dir": measured["run_dir"]})
     report = {"command": "python tools/calibrate_plan.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "cpu_cores": os.cpu_count(), "seconds": time.time() - began, "tolerance": TOLERANCE,
-              "constants": {str(p): c for p, c in constants.items()}, "compute": efficiencies, "points": points,
+              "constants": {str(p): c for p, c in constants.items()}, "compute": computes, "points": points,
               "within": sum(p["within_25pct"] for p in points), "total": len(points),
               "median_abs_error": statistics.median(abs(p["ratio"] - 1) for p in points)}
     (out / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")

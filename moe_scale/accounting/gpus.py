@@ -56,6 +56,7 @@ class GPU:
     hbm_efficiency: float = HBM_EFFICIENCY
     step_overhead_s: float = 0.0    # a fixed cost per step at this device's rate (CPU: measured; GPU: none assumed)
     reduce_gbs: float | None = None         # a measured all-reduce (the CPU calibration's gloo); None: the links'
+    straggler: float = 0.0          # the wait for the slowest rank, a share of the compute (GPU: none assumed)
     reduce_latency_s: float | None = None
 
     def peak_tflops(self, precision: str) -> float:

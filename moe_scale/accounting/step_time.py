@@ -3,7 +3,8 @@ overlaps. Balanced routing is assumed throughout (as NVIDIA's own MoE benchmarks
 
 Compute: the model's training FLOPs for one GPU's tokens (with --expert-recompute, the experts' first product
 again) at `efficiency` x the GPU's dense peak for the precision, plus the device's fixed cost per step (none on a
-GPU; measured on a CPU).
+GPU; measured on a CPU). Waiting: every collective waits for the slowest rank; the device's `straggler` share of
+the compute (none assumed on a GPU, where routing is taken as balanced; measured on a shared CPU).
 
 All-to-all, per expert-parallel layer and micro-batch (--grad-accum of them per step), each call costing
 latency + bytes / bandwidth. A token sends one row of d values per distinct rank among the units it picked
@@ -30,9 +31,10 @@ when the group spans nodes. ZeRO-2 reduces every micro-batch's gradients, the ot
 Optimizer: memory-bound; bytes read and written per parameter this rank updates (Adam fp32 28 + 4 to clip, bf16
 with its master copy 30 + 2, factored 20 + 4) at the device's memory bandwidth.
 
-What overlaps: nothing (every collective above is blocking), except that with ZeRO-1/2 and `"overlap_comm": true` in the DeepSpeed JSON the gradients'
-reduce-scatter runs during the backward (2/3 of the compute) and only what exceeds it is paid. The all-to-alls
-are blocking (the experts need their rows), and the stage-0 reduce runs after the backward.
+What overlaps: nothing (every collective above is blocking), except that with ZeRO-1/2 and `"overlap_comm": true`
+in the DeepSpeed JSON the gradients' reduce-scatter runs during the backward (2/3 of the compute) and only what
+exceeds it is paid. The all-to-alls are blocking (the experts need their rows), and the stage-0 reduce runs after
+the backward.
 
 TFLOPS/GPU counts the model's FLOPs (no recompute), as `train` and the paper do; MFU divides it by the peak.
 """
@@ -163,9 +165,11 @@ def step_time(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_c
     exposed = (max(0.0, reduce - compute * 2 / 3) if overlap else reduce) + gather
     optimizer = optimizer_seconds(model, layout, gpu)
     sync = small_syncs(net, model, layout)
-    step = compute + all_to_all + sync + exposed + optimizer
+    waiting = gpu.straggler * compute if layout.world > 1 else 0.0
+    step = compute + waiting + all_to_all + sync + exposed + optimizer
     tflops = model.flops_per_token * tokens_per_gpu / step / 1e12
-    return {"seconds": {"compute": compute, "all_to_all": all_to_all, "sync": sync, "gradient_sync": exposed,
+    return {"seconds": {"compute": compute, "waiting": waiting, "all_to_all": all_to_all, "sync": sync,
+                        "gradient_sync": exposed,
                         "optimizer": optimizer, "step": step},
             "gradient_sync_total_s": reduce + gather, "gradient_sync_overlapped": bool(overlap),
             "efficiency": efficiency, "peak_tflops": peak, "tokens_per_s": tokens / step,

@@ -36,6 +36,7 @@ def format_plan(r: dict, smallest: dict | None) -> str:
     lines += ["  step time                         s",
               f"    compute                   {s['compute']:10.4f}   ({t['efficiency']:.0%} of "
               f"{t['peak_tflops']:g} TFLOPS)",
+              *([f"    waiting for stragglers    {s['waiting']:10.4f}"] if s["waiting"] else []),
               f"    {'all-to-all (' + r['all_to_all'] + ')':<26}{s['all_to_all']:10.4f}",
               f"    router and norm sums      {s['sync']:10.4f}",
               f"    gradient sync             {s['gradient_sync']:10.4f}   "

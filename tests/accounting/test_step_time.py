@@ -87,6 +87,7 @@ def test_compute_overlap_and_throughput():
     plain = step_time(model, layout, GPU, tokens, {"zero_optimization": {"stage": 2}})
     s = plain["seconds"]
     assert s["compute"] == pytest.approx(tokens / 4 * model.flops_per_token / (494.7e12 * 0.35))
+    assert s["waiting"] == 0
     assert s["step"] == pytest.approx(s["compute"] + s["all_to_all"] + s["sync"] + s["gradient_sync"] + s["optimizer"])
     # one router: its statistics (2 x 8 floats) summed forward and backward; the gradient norm once; one node
     assert s["sync"] == pytest.approx(3 * 1e-5 + 2 * 3 / 4 * (2 * 64 / INTRA + 16 / INTRA))
@@ -96,6 +97,10 @@ def test_compute_overlap_and_throughput():
     overlapped = step_time(model, layout, GPU, tokens, {"zero_optimization": {"stage": 2, "overlap_comm": True}})
     reduce, gather = gradient_sync(Network(GPU, 4), model, layout)
     assert overlapped["seconds"]["gradient_sync"] == pytest.approx(max(0, reduce - s["compute"] * 2 / 3) + gather)
+    slow = step_time(model, layout, dataclasses.replace(GPU, straggler=0.25), tokens,
+                     {"zero_optimization": {"stage": 2}})["seconds"]
+    assert slow["waiting"] == pytest.approx(0.25 * s["compute"])
+    assert slow["step"] == pytest.approx(s["step"] + slow["waiting"])
     recompute = step_time(model, dataclasses.replace(layout, recompute=True), GPU, tokens, {})
     assert recompute["seconds"]["compute"] > s["compute"]
     assert recompute["tflops_per_gpu"] < plain["tflops_per_gpu"]    # model FLOPs only: recompute is overhead
