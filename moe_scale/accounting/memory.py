@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from moe_scale.accounting.gpus import GPU
 from moe_scale.accounting.layout import Layout
-from moe_scale.accounting.model_shape import ExpertLayer, PlannedModel
+from moe_scale.accounting.model_shape import PlannedModel
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5
@@ -137,9 +137,3 @@ def memory(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_conf
             "all_to_one_bytes": dispatch_bytes(model, layout, tokens_per_gpu, float(layout.ep_size)),
             "fits": total <= usable}
 
-
-def expert_layer_summary(layers: tuple[ExpertLayer, ...]) -> str:
-    if not layers:
-        return "no expert-parallel layers"
-    first = layers[0]
-    return f"{len(layers)} expert-parallel layer(s) of {first.units} units, {first.picks} picked per token"
