@@ -1,27 +1,60 @@
-"""`moe-scale plan --preset NAME --nodes N --gpus-per-node G --gpu-mem GiB --zero STAGE [--optimizer ...]`."""
+"""`moe-scale plan`: memory, step time and throughput of any model `train` can build, on a cluster of GPUs.
+
+The model: the same flags and --config as `moe-scale train` (or --preset), built on the meta device. The cluster:
+--gpu (accounting/gpus.py), --gpus-per-node, --nodes (a count, a comma-separated list for --search/--plot, or
+`auto`: the smallest that fits), --inter-node-gbs. The layout: --ep-size, --optimizer, --expert-recompute and
+--all-to-all as for train, the ZeRO stage and precision from --ds-config (or --zero, --precision). --search ranks
+every layout that fits by predicted tokens/s; --plot FILE draws memory and step time against the nodes.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from moe_scale.accounting.plan import GIB, MAX_NODES, OPTIMIZERS, PRECISIONS, Cluster, plan, smallest_fitting
+from moe_scale.accounting.gpus import GPUS, get_gpu
+from moe_scale.accounting.layout import PRECISIONS, Layout
+from moe_scale.accounting.memory import DEFAULT_DROPLESS_LOAD, DEFAULT_MARGIN
+from moe_scale.accounting.plan import MAX_NODES, Planner
+from moe_scale.commands.train import _DEST, _add_config_flags, config_from_args
+from moe_scale.errors import UserError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="per-GPU memory of a preset on a cluster, and the smallest cluster that fits",
+    p = sub.add_parser("plan", help="memory, step time and tokens/s of a model on a GPU cluster; search layouts",
+                       description="Plan any model `moe-scale train` can build (its flags, --config or --preset) on a "
+                                   "cluster: memory per GPU with reserves and a margin, predicted step time, "
+                                   "tokens/s, TFLOPS/GPU and MFU; --search ranks the layouts that fit.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", required=True, help="an LSTM preset (`moe-scale flops --list`)")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-mem", type=float, default=80.0, metavar="GIB", help="memory of one GPU in GiB")
-    p.add_argument("--zero", type=int, default=2, metavar="STAGE", help="DeepSpeed ZeRO stage (0, 1, 2)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
-                   help="expert optimizer: Adam, or App. D's β1=0 factored second moment")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    p.add_argument("--batch-tokens", type=int, default=None,
-                   help="tokens per global batch (default: the paper's batch for the preset)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    cluster = p.add_argument_group("cluster and layout")
+    cluster.add_argument("--gpu", default="h100-sxm", help=f"GPU type: {', '.join(GPUS)}")
+    cluster.add_argument("--gpus-per-node", type=int, default=None, help="default: the GPU type's usual server")
+    cluster.add_argument("--nodes", default="auto", help="nodes; a comma-separated list (--search, --plot); or auto: "
+                                                         "the smallest count that fits")
+    cluster.add_argument("--inter-node-gbs", type=float, default=None, metavar="GBS",
+                         help="network bandwidth per GPU and direction between nodes, GB/s (default: the GPU type's)")
+    cluster.add_argument("--gpu-mem", type=float, default=None, metavar="GIB",
+                         help="memory of one GPU in GiB (default: the GPU type's)")
+    cluster.add_argument("--zero", type=int, default=None, metavar="STAGE",
+                         help="DeepSpeed ZeRO stage (default: --ds-config's, or 0 without one)")
+    cluster.add_argument("--precision", choices=PRECISIONS, default=None,
+                         help="default: bf16 if --ds-config enables it, else fp32")
+    cluster.add_argument("--batch-tokens", type=int, default=None,
+                         help="tokens per global batch (default: a preset's paper batch, else --batch-size x "
+                              "--seq-len); rounded to whole sequences on every GPU")
+    cluster.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="share of GPU memory left free")
+    cluster.add_argument("--efficiency", type=float, default=None,
+                         help="share of the dense peak the model's FLOPs run at (default: the GPU type's)")
+    cluster.add_argument("--dropless-load", type=float, default=DEFAULT_DROPLESS_LOAD,
+                         help="dropless dispatch: the most a rank receives, x the balanced load (memory)")
+    cluster.add_argument("--search", action="store_true", help="rank the layouts that fit by tokens/s")
+    cluster.add_argument("--top", type=int, default=10, help="--search: layouts shown")
+    cluster.add_argument("--json", action="store_true", help="print one JSON object")
+    cluster.add_argument("--plot", metavar="FILE", help="write memory and step time against nodes (PNG)")
+    p.add_argument("--config", metavar="FILE", help="a saved config.json (or a run directory); flags given here "
+                                                     "override it")
+    _add_config_flags(p)
     p.set_defaults(run_command=run)
 
 
@@ -29,25 +62,122 @@ def run(args: argparse.Namespace) -> None:
     print(run_plan(args))
 
 
+def _nodes(text: str) -> list[int] | None:
+    """None for auto, else the node counts."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = [0]
+    if not counts or min(counts) < 1 or max(counts) > MAX_NODES:
+        raise UserError(f"--nodes {text}: give a node count from 1 to {MAX_NODES}, a comma-separated list of them, "
+                        f"or auto (the smallest that fits)")
+    return sorted(set(counts))
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    checks = [(args.gpus_per_node is not None and args.gpus_per_node < 1, "--gpus-per-node",
+               "at least 1"),
+              (args.inter_node_gbs is not None and not args.inter_node_gbs > 0, "--inter-node-gbs", "positive"),
+              (args.gpu_mem is not None and not args.gpu_mem > 0, "--gpu-mem", "positive (GiB, e.g. 80)"),
+              (not 0 <= args.margin < 1, "--margin", "in [0, 1), e.g. 0.05"),
+              (args.efficiency is not None and not 0 < args.efficiency <= 1, "--efficiency", "in (0, 1]"),
+              (not args.dropless_load >= 1, "--dropless-load", "at least 1 (the balanced load)"),
+              (args.batch_tokens is not None and args.batch_tokens < 1, "--batch-tokens", "at least 1"),
+              (args.top < 1, "--top", "at least 1")]
+    for bad, flag, what in checks:
+        if bad:
+            raise UserError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: must be {what}")
+    if args.plot:
+        plot = Path(args.plot)
+        if plot.is_dir() or not plot.parent.is_dir():
+            raise UserError(f"--plot {plot}: give a file in an existing directory, e.g. plan.png")
+
+
+def planner_from_args(args: argparse.Namespace) -> tuple[Planner, Layout, bool]:
+    """(the planner, the layout the flags describe on 1 node, whether --ep-size was given)."""
+    from moe_scale.accounting.model_shape import planned_model
+    from moe_scale.accounting.presets import get_preset
+    from moe_scale.train.ds_config import load_ds_config, zero_stage
+
+    _check_numbers(args)
+    given = {k[len(_DEST):] for k in vars(args) if k.startswith(_DEST)}
+    if "resume" in given:
+        raise UserError("plan takes no --resume; pass the run directory as --config RUN_DIR")
+    preset = get_preset(getattr(args, _DEST + "preset")) if "preset" in given else None
+    config = config_from_args(args)
+    batch_tokens = args.batch_tokens
+    if preset is not None:
+        if "softmax" not in given:   # the paper's own softmax (accounting/presets.py), as `moe-scale flops` counts
+            config.softmax.kind, config.softmax.num_sampled = preset.softmax.kind, preset.softmax.num_samples
+        if batch_tokens is None and preset.batch_words and "batch_size" not in given:
+            batch_tokens = preset.batch_words
+    config.validate()
+    gpu = get_gpu(args.gpu).with_memory(args.gpu_mem)
+    base_ds = load_ds_config(config.parallel.ds_config)
+    zero = zero_stage(base_ds) if args.zero is None else args.zero
+    if zero not in (0, 1, 2, 3):
+        raise UserError(f"--zero {zero}: ZeRO stages are 0, 1 and 2 (3 cannot shard MoE layers)")
+    precision = args.precision or ("bf16" if base_ds.get("bf16", {}).get("enabled") else "fp32")
+    gpu.peak_tflops(precision)   # a GPU without bf16 refuses it here
+    name = preset.name if preset is not None else "custom"
+    planner = Planner(planned_model(config), gpu, base_ds, batch_tokens, args.inter_node_gbs, args.efficiency,
+                      args.margin, args.dropless_load, name)
+    layout = Layout(1, args.gpus_per_node or gpu.gpus_per_node, config.parallel.ep_size, zero,
+                    config.train.optimizer, precision, config.moe.experts.recompute, config.moe.dispatch.all_to_all)
+    return planner, layout, "ep_size" in given or bool(args.config)
+
+
 def run_plan(args: argparse.Namespace) -> str:
-    cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_mem, args.zero, args.optimizer, args.precision)
-    result = plan(args.preset, cluster, args.batch_tokens)
-    smallest = smallest_fitting(args.preset, cluster, args.batch_tokens)
+    nodes = _nodes(args.nodes)
+    if nodes is not None and len(nodes) > 1 and not (args.search or args.plot):
+        raise UserError(f"--nodes {args.nodes}: a list of node counts is for --search or --plot; plan one count "
+                        f"(or auto) without them")
+    planner, layout, ep_fixed = planner_from_args(args)
+    smallest = planner.smallest_fitting(layout, ep_fixed)
+    if nodes is None:
+        result = smallest or planner.plan(planner.with_nodes(layout, 1, ep_fixed))
+    else:
+        result = planner.plan(planner.with_nodes(layout, nodes[0], ep_fixed))
     result["smallest_fitting"] = None if smallest is None else {
         "nodes": smallest["nodes"], "world": smallest["world"], "total_bytes": smallest["bytes"]["total"]}
+    found = None
+    if args.search:
+        from moe_scale.accounting.layout_search import search
+
+        found = search(planner, layout, nodes or _auto_nodes(smallest))
+        result["search"] = {**found, "ranked": found["ranked"][:args.top]}
+    if args.plot:
+        _plot(planner, layout, ep_fixed, nodes or sorted({r["nodes"] for r in (found or {}).get("ranked", [])})
+              or _auto_nodes(smallest), Path(args.plot))
+        result["plot"] = args.plot
     if args.json:
         return json.dumps(result)
-    gib = {k: v / GIB for k, v in result["bytes"].items()}
-    lines = [f"{result['preset']} on {result['nodes']} node(s) x {result['gpus_per_node']} GPU(s) "
-             f"({result['world']} GPUs, {args.gpu_mem:g} GiB each), ZeRO-{result['zero_stage']}, "
-             f"{result['optimizer']} expert optimizer, {result['precision']}",
-             f"  expert parallel size {result['ep_size']}, {result['experts_per_gpu']} experts and "
-             f"{result['params_per_gpu'] / 1e6:.1f}M parameters per GPU, {result['tokens_per_gpu']:.0f} tokens per GPU",
-             *(f"  {name:<16} {value:8.2f} GiB" for name, value in gib.items()),
-             f"  {'fits' if result['fits'] else 'does NOT fit'} in {args.gpu_mem:g} GiB"]
-    if smallest is None:
-        lines.append(f"  no cluster of up to {MAX_NODES} nodes x {args.gpus_per_node} GPUs fits")
-    else:
-        lines.append(f"  smallest that fits: {smallest['nodes']} node(s) x {args.gpus_per_node} = "
-                     f"{smallest['world']} GPUs ({smallest['bytes']['total'] / GIB:.2f} GiB per GPU)")
-    return "\n".join(lines)
+    from moe_scale.commands.plan_report import format_plan, format_search
+
+    text = format_plan(result, smallest)
+    return text + ("\n" + format_search(result["search"]) if args.search else "")
+
+
+def _auto_nodes(smallest: dict | None) -> list[int]:
+    """Powers of two from 1 up to 4 x the smallest count that fits (at least 16)."""
+    top = min(MAX_NODES, max(16, 4 * (smallest["nodes"] if smallest else MAX_NODES // 4)))
+    return [2 ** i for i in range(top.bit_length()) if 2 ** i <= top]
+
+
+def _plot(planner: Planner, layout: Layout, ep_fixed: bool, nodes: list[int], path: Path) -> None:
+    from moe_scale.accounting.plan_plot import write_plot
+
+    plans = []
+    for n in nodes:
+        try:
+            plans.append(planner.plan(planner.with_nodes(layout, n, ep_fixed)))
+        except UserError:
+            continue
+    if not plans:
+        raise UserError(f"--plot: train accepts this layout on none of {nodes} node(s); give --nodes it accepts")
+    ep = f"ep {layout.ep_size}" if ep_fixed else "the largest ep"
+    write_plot(plans, path, f"{planner.name} on {planner.gpu.name} x {layout.gpus_per_node} per node: {ep}, "
+                            f"ZeRO-{layout.zero_stage}, {layout.optimizer}, {layout.precision}, "
+                            f"{layout.all_to_all} all-to-all{', recompute' if layout.recompute else ''}")

@@ -29,40 +29,14 @@ from moe_scale.train.context import TrainContext
 from moe_scale.train.data_setup import build_lm_data
 from moe_scale.train.ds_config import complete_ds_config, load_ds_config
 from moe_scale.train.engine import TrainingEngine
+from moe_scale.train.layout import check_run_layout, check_world_layout
 from moe_scale.train.mae_bcd import mae_schedule
-from moe_scale.train.factored_optimizer import check_optimizer_fits
 from moe_scale.files import write_json_atomic
 from moe_scale.train.report import RunReport
 from moe_scale.train.run_dir import check_run_dir, claim_run_dir
 from moe_scale.train.preemption import StopRequests
 from moe_scale.train.state import TrainState
 from moe_scale.train.upcycle import dense_run_to_upcycle, upcycle
-
-
-def check_parallel_layout(config: RunConfig, env: DistEnv) -> int:
-    """Returns the micro-batch (sequences per rank per micro-step)."""
-    t, ep_size, dispatch = config.train, config.parallel.ep_size, config.moe.dispatch
-    if env.world_size % ep_size:
-        raise UserError(f"--ep-size {ep_size} does not divide the {env.world_size} processes; "
-                        f"launch a multiple of {ep_size} processes or change --ep-size")
-    if dispatch.all_to_all == "hierarchical" and ep_size > 1:
-        _check_node_layout(ep_size, dispatch.node_size)
-    per_step = env.world_size * t.grad_accum
-    if t.batch_size % per_step:
-        raise UserError(f"--batch-size {t.batch_size} is not divisible by processes x --grad-accum = {per_step}; "
-                        f"use a multiple of {per_step}")
-    return t.batch_size // per_step
-
-
-def _check_node_layout(ep_size: int, node_size: int) -> None:
-    try:
-        per_node = ranks_per_node(node_size)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if ep_size % per_node and per_node % ep_size:
-        raise UserError(f"--all-to-all hierarchical: {per_node} ranks per node and --ep-size {ep_size} must divide "
-                        f"one another (an expert-parallel group is whole nodes, or lies inside one); "
-                        f"set --node-size or --ep-size accordingly")
 
 
 def run_training(config: RunConfig) -> dict:
@@ -72,10 +46,10 @@ def run_training(config: RunConfig) -> dict:
     t, run_dir, ep_size = config.train, config.run, config.parallel.ep_size
     ds_source = f"--ds-config {config.parallel.ds_config or '(built-in)'}"
     user_ds_config = load_ds_config(config.parallel.ds_config)
-    check_optimizer_fits(t, user_ds_config, ds_source)
+    check_run_layout(config, user_ds_config, ds_source)   # the checks `moe-scale plan` shares (train/layout.py)
     run = check_run_dir(run_dir.out, run_dir.resume, run_dir.overwrite, run_dir.resume_from)
     env = init_distributed()
-    micro_batch = check_parallel_layout(config, env)
+    micro_batch = check_world_layout(config, env.world_size, lambda: ranks_per_node(config.moe.dispatch.node_size))
     resume_tag = checkpoint_to_resume(run, run_dir.resume_from, config) if run_dir.resume else None   # files verified
     ds_config = complete_ds_config(user_ds_config, micro_batch, t.grad_accum, env.world_size, ds_source)
     data_record = fingerprint(config.data)

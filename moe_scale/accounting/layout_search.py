@@ -1,0 +1,60 @@
+"""Search the layouts of one model on one GPU type and rank those that fit by predicted tokens/s.
+
+Axes: nodes (the given counts), expert-parallel size (every size dividing the GPUs and the expert-parallel
+layers' units), ZeRO stage (0, 1, 2), expert optimizer (adam, factored), expert recompute (off, on) and the
+all-to-all (flat, hierarchical); an axis a model does not have (no MoE layer: no optimizer choice for experts, no
+recompute, no all-to-all) is left at its value. The precision is the user's. Each layout is checked with
+`train`'s own checks (those it refuses are counted, never ranked) and must fit with the planner's margin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import Counter
+
+from moe_scale.accounting.layout import Layout
+from moe_scale.accounting.plan import Planner
+from moe_scale.errors import UserError
+
+
+def expert_parallel_sizes(planner: Planner, world: int) -> list[int]:
+    largest = planner.default_ep(world)
+    return [p for p in range(1, largest + 1) if largest % p == 0]
+
+
+def candidate_layouts(planner: Planner, base: Layout, nodes: list[int]) -> list[Layout]:
+    config = planner.model.config
+    moe = config.has_moe_ffn
+    optimizers = ("adam", "factored") if moe else (base.optimizer,)
+    recomputes = (False, True) if moe else (base.recompute,)
+    exchanges = ("flat", "hierarchical") if moe else (base.all_to_all,)
+    layouts = []
+    for n in nodes:
+        world = n * base.gpus_per_node
+        for ep, zero, optimizer, recompute, exchange in itertools.product(
+                expert_parallel_sizes(planner, world), (0, 1, 2), optimizers, recomputes, exchanges):
+            if exchange == "hierarchical" and ep == 1:
+                continue     # nothing to exchange: the same layout as flat
+            layouts.append(dataclasses.replace(base, nodes=n, ep_size=ep, zero_stage=zero, optimizer=optimizer,
+                                               recompute=recompute, all_to_all=exchange))
+    return layouts
+
+
+def search(planner: Planner, base: Layout, nodes: list[int]) -> dict:
+    """{"ranked": plans that fit, fastest first; "refused": why train refused the others, by reason;
+    "too_large": layouts train accepts that do not fit; "considered": all layouts}."""
+    ranked, refused, too_large = [], Counter(), 0
+    layouts = candidate_layouts(planner, base, nodes)
+    for layout in layouts:
+        try:
+            result = planner.plan(layout)
+        except UserError as e:
+            refused[str(e).split(":")[0]] += 1
+            continue
+        if result["fits"]:
+            ranked.append(result)
+        else:
+            too_large += 1
+    ranked.sort(key=lambda r: (-r["tokens_per_s"], r["world"], r["bytes"]["total"]))
+    return {"ranked": ranked, "refused": dict(refused), "too_large": too_large, "considered": len(layouts)}

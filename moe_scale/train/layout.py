@@ -1,0 +1,57 @@
+"""How a run is laid out over processes: the checks `moe-scale train` and `moe-scale plan` share.
+
+A layout is the config (model, --ep-size, --optimizer, --all-to-all, batch) with a DeepSpeed JSON (ZeRO stage,
+precision) on a number of processes, so many per node. `train` checks it before it touches anything; the
+planner checks every layout it reports with the same functions, so a layout `train` refuses is never planned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from moe_scale.config import RunConfig
+from moe_scale.errors import UserError
+from moe_scale.train.ds_config import validate_ds_config
+from moe_scale.train.factored_optimizer import check_optimizer_fits
+
+
+def check_run_layout(config: RunConfig, ds_config: dict, ds_source: str) -> None:
+    """What does not depend on the number of processes: the DeepSpeed JSON, and the optimizer under it."""
+    validate_ds_config(ds_config, ds_source)
+    check_optimizer_fits(config.train, ds_config, ds_source)
+
+
+def check_world_layout(config: RunConfig, world: int, ranks_per_node: Callable[[], int]) -> int:
+    """What does: --ep-size against the processes, the hierarchical all-to-all against the nodes, the batch.
+    `ranks_per_node()` is asked only where it matters (a hierarchical all-to-all over several ranks).
+    Returns the micro-batch (sequences per rank per micro-step)."""
+    t, ep_size, dispatch = config.train, config.parallel.ep_size, config.moe.dispatch
+    if world % ep_size:
+        raise UserError(f"--ep-size {ep_size} does not divide the {world} processes; "
+                        f"launch a multiple of {ep_size} processes or change --ep-size")
+    if dispatch.all_to_all == "hierarchical" and ep_size > 1:
+        _check_node_layout(ep_size, ranks_per_node)
+    per_step = world * t.grad_accum
+    if t.batch_size % per_step:
+        raise UserError(f"--batch-size {t.batch_size} is not divisible by processes x --grad-accum = {per_step}; "
+                        f"use a multiple of {per_step}")
+    return t.batch_size // per_step
+
+
+def check_layout(config: RunConfig, ds_config: dict, ds_source: str, world: int,
+                 ranks_per_node: Callable[[], int]) -> int:
+    """Every check above, after the config's own (`RunConfig.validate`); returns the micro-batch."""
+    config.validate()
+    check_run_layout(config, ds_config, ds_source)
+    return check_world_layout(config, world, ranks_per_node)
+
+
+def _check_node_layout(ep_size: int, ranks_per_node: Callable[[], int]) -> None:
+    try:
+        per_node = ranks_per_node()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if ep_size % per_node and per_node % ep_size:
+        raise UserError(f"--all-to-all hierarchical: {per_node} ranks per node and --ep-size {ep_size} must divide "
+                        f"one another (an expert-parallel group is whole nodes, or lies inside one); "
+                        f"set --node-size or --ep-size accordingly")
