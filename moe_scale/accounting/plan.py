@@ -91,6 +91,8 @@ def _activation_floats_per_token(config: RunConfig, vocab: int, softmax: Softmax
         k = active_experts(config)
         floats += moe_gating(config)[1] / d + 2 * k * d + d      # gate logits, expert in/out, sigmoid
         floats += 0 if experts.recompute else k * experts.hidden
+        if experts.shared:   # the shared experts' hidden layer and output (and the gate's scale)
+            floats += experts.shared * (experts.shared_hidden or experts.hidden) + d + int(experts.shared_gate)
         outputs += 1
     elif lstm.layout == "lstm-ffn-lstm":
         floats += lstm.ffn_layers * experts.hidden + d
