@@ -67,6 +67,7 @@ def _gate(*gates: str) -> Needs:
 _MOE = Needs(lambda c: c.has_moe_ffn, "an MoE layer (--layout lstm-moe-lstm, or --model transformer --ffn moe)")
 _SAMPLED = Needs(lambda c: c.softmax.kind == "sampled", "--softmax sampled")
 _STREAM = Needs(lambda c: c.data.stream, "--stream")
+_SHARED = Needs(lambda c: c.moe.experts.shared > 0, "--shared-experts 1 or more")
 
 
 # Auxiliary-loss weights beyond this outweigh the language-model loss by orders of magnitude: clipping then spends
@@ -166,11 +167,36 @@ class SoftmaxTopKConfig:
         _aux_weights(moa_aux_weight=self.aux_weight, moa_z_weight=self.z_weight)
 
 
+# An update rate this large moves the biases by a sigmoid score's whole range in one step: routing then follows the
+# last step's load alone (DeepSeek-V3 uses 0.001).
+MAX_BIAS_UPDATE_RATE = 1.0
+
+
+@dataclass
+class AuxFreeConfig:
+    score: str = _f("sigmoid", "aux_free: expert scores: sigmoid, the chosen ones divided by their sum (DeepSeek-V3), "
+                               "or softmax over all experts, the chosen ones kept as they are",
+                    ("sigmoid", "softmax"), key="aux_free_score")
+    bias_update_rate: float = _f(0.001, "aux_free: u in b_i += u·sign(mean load - load_i), applied to each "
+                                        "expert's routing bias after every optimizer step (0: biases stay 0)")
+    seq_balance_weight: float = _f(0.0, "aux_free: weight α of DeepSeek-V3's sequence-wise balance loss "
+                                        "(eq. 17-20; 0: none, the paper uses 0.0001)")
+
+    def validate(self) -> None:
+        _aux_weights(seq_balance_weight=self.seq_balance_weight)
+        if not 0.0 <= self.bias_update_rate <= MAX_BIAS_UPDATE_RATE:
+            raise UserError(f"--bias-update-rate {self.bias_update_rate:g} is outside [0, "
+                            f"{MAX_BIAS_UPDATE_RATE:g}]: each step moves the routing biases by it, a negative rate "
+                            f"pushes the load apart and a larger one moves them by a sigmoid score's whole range; "
+                            f"DeepSeek-V3 uses 0.001")
+
+
 @dataclass
 class RouterConfig:
     gate: str = _f("noisy_topk", "router: noisy top-k (Shazeer §2.1), two-level hierarchical (App. B), strictly "
-                                 "balanced batchwise with learned thresholds (App. F), or MoA's softmax top-k",
-                   ("noisy_topk", "hierarchical", "batchwise", "softmax_topk"))
+                                 "balanced batchwise with learned thresholds (App. F), MoA's softmax top-k, or "
+                                 "auxiliary-loss-free balancing by per-expert routing biases (DeepSeek-V3)",
+                   ("noisy_topk", "hierarchical", "batchwise", "softmax_topk", "aux_free"))
     top_k: int = _f(2, "experts per token (k); k=1 gives the router no task-loss gradient")
     w_importance: float = _f(0.1, "weight of the CV^2(importance) loss",
                              needs=_gate("noisy_topk", "hierarchical", "batchwise"))
@@ -184,11 +210,13 @@ class RouterConfig:
         lambda c: c.moe.router.gate == "softmax_topk" and c.has_moe_ffn
         or c.model.kind == "transformer" and c.attention.kind == "moa", "--gate softmax_topk or --attention moa",
         alone=True))
+    aux_free: AuxFreeConfig = _sub(AuxFreeConfig, _gate("aux_free"))
 
     def validate(self, num_experts: int, ep_size: int) -> None:
         _positive(top_k=self.top_k)
         _aux_weights(w_importance=self.w_importance, w_load=self.w_load)
         self.softmax_topk.validate()
+        self.aux_free.validate()
         if self.top_k > num_experts:
             raise UserError(f"--top-k {self.top_k} is larger than --num-experts {num_experts}; "
                             f"choose k <= number of experts")
@@ -237,12 +265,22 @@ class ExpertsConfig:
         alone=True))
     recompute: bool = _f(False, "recompute the experts' hidden activations in the backward pass instead of "
                                 "storing them (Shazeer et al. App. D)", key="expert_recompute")
+    shared: int = _f(0, "shared experts: always-active FFN experts whose output is added to the routed one "
+                        "(DeepSeekMoE, Qwen2-MoE); dense parameters on every rank, not expert-parallel",
+                     key="shared_experts")
+    shared_hidden: int = _f(0, "hidden width of each shared expert (0: --expert-hidden)", key="shared_expert_hidden",
+                            needs=_SHARED)
+    shared_gate: bool = _f(False, "scale the shared experts' output per token by sigmoid(x·w_g), a learned gate "
+                                  "(Qwen2-MoE)", key="shared_expert_gate", needs=_SHARED)
     grad_reuse: bool = _f(True, "CPU: write the expert weights' gradients into the memory of the last ones, not "
                                 "onto fresh pages the kernel must zero first (faster; that memory, one gradient "
                                 "per expert weight, stays allocated between steps)", key="expert_grad_reuse")
 
     def validate(self, ep_size: int) -> None:
         _positive(num_experts=self.num_experts, expert_hidden=self.hidden)
+        if self.shared < 0 or self.shared_hidden < 0:
+            raise UserError(f"--shared-experts and --shared-expert-hidden must not be negative (got {self.shared}, "
+                            f"{self.shared_hidden}); 0 shared experts is the plain MoE layer")
         if self.num_experts % ep_size:
             raise UserError(f"--num-experts {self.num_experts} is not divisible by --ep-size {ep_size}; "
                             f"each expert-parallel rank must hold the same number of experts")

@@ -128,6 +128,11 @@ def test_ds_config_checks():
     (["--gate", "hierarchical", "--num-experts", "16", "--num-groups", "2", "--ep-size", "4"],
      "not divisible by --ep-size"),
     (["--gate", "batchwise", "--num-experts", "4", "--top-k", "5"], "--top-k 5"),
+    (["--gate", "aux_free", "--bias-update-rate", "-0.001"], "--bias-update-rate -0.001 is outside"),
+    (["--gate", "aux_free", "--bias-update-rate", "2"], "--bias-update-rate 2 is outside"),
+    (["--gate", "aux_free", "--seq-balance-weight", "20"], "--seq-balance-weight 20 is outside"),
+    (["--shared-experts", "-1"], "--shared-experts and --shared-expert-hidden must not be negative"),
+    (["--shared-experts", "1", "--shared-expert-hidden", "-4"], "must not be negative \\(got 1, -4\\)"),
 ])
 def test_invalid_gate_parameters(argv, fragment):
     with pytest.raises(UserError, match=fragment.replace("-", r"\-")):
@@ -148,6 +153,11 @@ def test_invalid_gate_parameters(argv, fragment):
     (["--num-sampled", "10"], "--num-sampled does nothing here: it needs --softmax sampled"),
     (["--token-budget", "100"], "--token-budget does nothing here: it needs --stream"),
     (["--ffn-layers", "2"], "--ffn-layers does nothing here: it needs --layout lstm-ffn-lstm"),
+    (["--bias-update-rate", "0.01"], "--bias-update-rate does nothing here: it needs --gate aux_free"),
+    (["--gate", "softmax_topk", "--aux-free-score", "softmax"],
+     "--aux-free-score does nothing here: it needs --gate aux_free"),
+    (["--shared-expert-gate"], "--shared-expert-gate does nothing here: it needs --shared-experts 1 or more"),
+    (["--layout", "4xlstm", "--shared-experts", "1"], "--shared-experts does nothing here: it needs an MoE layer"),
     (["--model", "transformer", "--attention", "moa", "--num-heads", "8"], "it needs --attention mha or mae"),
 ])
 def test_flags_that_do_nothing_for_the_chosen_model_are_refused(argv, fragment):
@@ -161,6 +171,9 @@ def test_flags_that_apply_are_accepted():
     parse("--model", "transformer", "--attention", "moa", "--moa-top-k", "2", "--moa-aux-weight", "0.1",
           "--num-layers", "3", "--ffn", "moe", "--num-experts", "8")
     parse("--layout", "lstm-ffn-lstm", "--ffn-layers", "2", "--expert-hidden", "64")
+    parse("--gate", "aux_free", "--aux-free-score", "softmax", "--bias-update-rate", "0.01", "--seq-balance-weight",
+          "0.001", "--shared-experts", "2", "--shared-expert-hidden", "32", "--shared-expert-gate")
+    parse("--model", "transformer", "--ffn", "moe", "--shared-experts", "1", "--no-shared-expert-gate")
 
 
 def test_what_a_setting_needs_comes_from_its_sections_and_its_field():
@@ -189,7 +202,7 @@ def test_gate_choice_is_validated_by_the_parser(capsys):
     assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("gate", ["noisy_topk", "hierarchical", "batchwise", "softmax_topk"])
+@pytest.mark.parametrize("gate", ["noisy_topk", "hierarchical", "batchwise", "softmax_topk", "aux_free"])
 def test_every_gate_builds_and_routes(gate):
     import torch
 

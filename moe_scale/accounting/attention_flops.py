@@ -29,7 +29,7 @@ def moa_params(num_experts: int, d_model: int, head_dim: int, with_router: bool 
 
 def transformer_forward_macs_per_token(config: RunConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
     """Forward MACs per token of TransformerLM by component (active experts only)."""
-    from moe_scale.accounting.flops import active_experts, moe_gating
+    from moe_scale.accounting.flops import active_experts, moe_gating, shared_experts
 
     attn, transformer = config.attention, config.model.transformer
     d, T = config.model.d_model, seq_len
@@ -46,6 +46,7 @@ def transformer_forward_macs_per_token(config: RunConfig, vocab_size: int, seq_l
     if transformer.ffn == "dense":
         ffn = 2 * d * transformer.ffn_hidden
     else:
-        ffn = moe_gating(config)[1] + active_experts(config) * 2 * d * config.moe.experts.hidden
+        ffn = moe_gating(config)[1] + active_experts(config) * 2 * d * config.moe.experts.hidden \
+            + shared_experts(config)
     return {"attention": transformer.num_layers * attention, "ffn": transformer.num_layers * ffn,
             "softmax": d * vocab_size}

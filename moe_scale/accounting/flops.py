@@ -3,7 +3,7 @@
 Definitions (the paper's, read so that every row of Tables 7 and 8 reproduces):
 
 - ops/timestep = forward multiply-adds (MACs) per token, softmax and embedding excluded, both gating
-  matrices (W_g and W_noise) included, active experts only. At a hierarchical MoE the primary gate (2·d·a)
+  matrices (W_g and W_noise) included, active experts only (and the shared experts, which every token runs). At a hierarchical MoE the primary gate (2·d·a)
   plus the secondary gates of the k_p chosen groups (k_p·2·d·b) are counted: a token never evaluates the
   secondary gates of groups it did not choose (MoE-4096-h: 2·512·16 + 2·2·512·256 + 2 LSTMs + 4 experts
   = 8.93M, printed 8.9; counting all 16 secondary gates would give 12.6M).
@@ -91,9 +91,10 @@ def lstm_layer_shape(config: RunConfig) -> tuple[int, int]:
 
 
 def moe_gating(config: RunConfig) -> tuple[int, int]:
-    """(parameters, forward MACs) of the gating network, W_g and W_noise both (softmax_topk has no W_noise)."""
+    """(parameters, forward MACs) of the gating network, W_g and W_noise both (softmax_topk and aux_free have no
+    W_noise; aux_free's routing biases are a buffer, not trained parameters)."""
     router, d, n = config.moe.router, config.model.d_model, config.moe.experts.num_experts
-    matrices = 1 if router.gate == "softmax_topk" else 2
+    matrices = 1 if router.gate in ("softmax_topk", "aux_free") else 2
     if router.gate == "hierarchical":
         a = router.hierarchical.num_groups
         b = n // a
@@ -110,6 +111,15 @@ def sharded_gating_params(config: RunConfig) -> int:
         return 0
     matrices, d, n = 2, config.model.d_model, config.moe.experts.num_experts
     return matrices * d * n
+
+
+def shared_experts(config: RunConfig) -> int:
+    """Parameters of one MoE layer's shared experts, also their forward MACs per token: S FFNs d -> h_s -> d and,
+    with --shared-expert-gate, the gate's d (0 without shared experts)."""
+    experts, d = config.moe.experts, config.model.d_model
+    if not experts.shared:
+        return 0
+    return experts.shared * ffn_macs(d, experts.shared_hidden or experts.hidden) + (d if experts.shared_gate else 0)
 
 
 def active_experts(config: RunConfig) -> int:
@@ -129,6 +139,8 @@ def lstm_lm_accounting(config: RunConfig, vocab_size: int, softmax: SoftmaxCost 
         gate_params, gate_macs = moe_gating(config)
         params.update(gating=gate_params, experts=experts.num_experts * ffn_macs(d, experts.hidden))
         macs.update(gating=gate_macs, experts=active_experts(config) * ffn_macs(d, experts.hidden))
+        if experts.shared:   # dense, always active: every token runs them all
+            params["shared_experts"] = macs["shared_experts"] = shared_experts(config)
     elif lstm.layout == "lstm-ffn-lstm":
         params["ffn"] = macs["ffn"] = ffn_macs(d, experts.hidden, lstm.ffn_layers)
     return Accounting(params, macs, softmax.forward_macs(d, vocab_size))

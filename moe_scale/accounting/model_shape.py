@@ -15,7 +15,7 @@ size), so its parameter counts are the module's, exactly.
 Activation values per token (stored for the backward, in the training dtype; 1-byte dropout masks apart). LSTM
 LM: the embedding output d; per LSTM of u units its four gates, cell, tanh(cell) and hidden (7u, + d for a
 projection back to d); per MoE layer the gate logits (one per gating column a token evaluates) and the sigmoid
-(d); the dense FFN's hidden layers; the softmax logits (V, or S + 1 sampled; the adaptive softmax's per-token
+(d), and the shared experts' hidden layer and output (S·h_s + d); the dense FFN's hidden layers; the softmax logits (V, or S + 1 sampled; the adaptive softmax's per-token
 MACs / d); per layer output d and its mask. Transformer, per block: two LayerNorms (input and output, 2d each),
 q, k, v and the context (4w, w = heads x head width), the attention probabilities (heads x T: the math attention
 CPUs run; flash attention keeps none, so this is an upper bound on GPUs), the dense FFN's pre- and post-GELU
@@ -122,6 +122,9 @@ def _activations_per_token(config: RunConfig, logits: float) -> tuple[float, int
     """(values, 1-byte masks) stored per token outside the experts (module docstring)."""
     d = config.model.d_model
     gate_logits = moe_gating(config)[1] / d if config.has_moe_ffn else 0
+    experts = config.moe.experts
+    if config.has_moe_ffn and experts.shared:   # the shared experts' hidden layer and output (and the gate's scale)
+        gate_logits += experts.shared * (experts.shared_hidden or experts.hidden) + d + int(experts.shared_gate)
     if config.model.kind == "transformer":
         attention, blocks = config.attention, config.model.transformer
         T, w_e = config.data.seq_len, attention.head_width(d)

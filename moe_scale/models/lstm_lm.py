@@ -70,7 +70,10 @@ class LSTMMoELM(nn.Module):
         aux_loss = h_BTD.new_zeros(())
         if self.layout in ("lstm-moe-lstm", "lstm-ffn-lstm"):
             x_ND = h_BTD.reshape(B * T, -1)
-            mid_ND, aux_loss = self.moe(x_ND) if self.layout == "lstm-moe-lstm" else (self.ffn(x_ND), aux_loss)
+            if self.layout == "lstm-moe-lstm":
+                mid_ND, aux_loss = self.moe(x_ND, seq_len=T)
+            else:
+                mid_ND = self.ffn(x_ND)
             h_BTD = h_BTD + self.dropout(torch.sigmoid(mid_ND)).view(B, T, -1)
         for lstm in getattr(self, "middle_lstms", []):
             h_BTD = h_BTD + self.dropout(lstm(h_BTD)[0])

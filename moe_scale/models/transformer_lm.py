@@ -73,7 +73,7 @@ class Block(nn.Module):
         B, T, D = x_BTD.shape
         normed = self.norm2(x_BTD)
         if isinstance(self.ffn, MoELayer):
-            ffn_ND, ffn_aux = self.ffn(normed.reshape(B * T, D))
+            ffn_ND, ffn_aux = self.ffn(normed.reshape(B * T, D), seq_len=T)
             aux = aux + ffn_aux
             ffn_out = ffn_ND.view(B, T, D)
         else:

@@ -17,4 +17,5 @@ def build_moe_layer(config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: 
                  ep_rank=ep_rank, seed=seed,
                  router=build_router(config.router, d_model, experts.num_experts, ep_size, ep_rank),
                  recompute=experts.recompute, dispatch_mode=dispatch.mode, capacity_factor=dispatch.capacity_factor,
-                 all_to_all=dispatch.all_to_all, node_size=dispatch.node_size, reuse_grad_buffers=experts.grad_reuse)
+                 all_to_all=dispatch.all_to_all, node_size=dispatch.node_size, reuse_grad_buffers=experts.grad_reuse,
+                 shared_experts=experts.shared, shared_hidden=experts.shared_hidden, shared_gate=experts.shared_gate)

@@ -49,8 +49,9 @@ class HierarchicalMoELayer(MoELayer):
                                                    router.experts_per_group)
         return shards
 
-    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (y_ND, aux_loss): groups picked here, experts picked beside them."""
+    def forward(self, x_ND: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (y_ND, aux_loss): groups picked here, experts picked beside them (`seq_len`: unused, the
+        hierarchical gate has no per-sequence loss)."""
         self.require_groups()
         router, dispatcher = self.router, self.dispatcher
         n, kp, ks = x_ND.shape[0], router.k_primary, router.k_secondary
@@ -83,7 +84,7 @@ class HierarchicalMoELayer(MoELayer):
         # grouped GEMMs at group edges without reading counts_L.
         host = BlockCounts(router.experts_per_group, [rows * ks for rows in state.expert_counts()[1]])
         per_row_RD = self.experts(rows_RD, (counts_L, host), row_of_pair, gate_of_pair)
-        return dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype), aux_loss
+        return self.plus_shared(x_ND, dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype)), aux_loss
 
     def _routed_balance(self, within, state, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(pairs, summed gates) per local expert of the pairs that arrived here from real tokens: the mask

@@ -21,6 +21,7 @@ from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.experts import GroupedExperts
 from moe_scale.moe.routed_layer import RoutedLayer
 from moe_scale.moe.router import HierarchicalRouter, NoisyTopKRouter, Router
+from moe_scale.moe.shared_experts import SharedExperts
 
 ALL_TO_ALL = choices(DispatchConfig, "all_to_all")
 
@@ -29,6 +30,8 @@ class MoELayer(RoutedLayer):
     """Sparsely-gated MoE of one-hidden-layer ReLU experts (Shazeer et al. 2017).
 
     The router defaults to noisy top-k with k experts per token; pass any other flat `Router` (moe/router/).
+    With `shared_experts` S > 0, S always-active experts of width `shared_hidden` (0: d_hidden) add their
+    output to the routed one (moe/shared_experts.py).
     """
 
     routes_around_the_exchange = False   # HierarchicalMoELayer: the gate's second level runs beside the experts
@@ -37,7 +40,8 @@ class MoELayer(RoutedLayer):
                  ep_rank: int = 0, w_importance: float = 0.1, w_load: float = 0.1, noisy_gating: bool = True,
                  seed: int = 0, router: Router | None = None, recompute: bool = False,
                  dispatch_mode: str = "dropless", capacity_factor: float = 1.0, all_to_all: str = "flat",
-                 node_size: int = 0, reuse_grad_buffers: bool = True):
+                 node_size: int = 0, reuse_grad_buffers: bool = True, shared_experts: int = 0,
+                 shared_hidden: int = 0, shared_gate: bool = False):
         if all_to_all not in ALL_TO_ALL:
             raise ValueError(f"all_to_all must be one of {ALL_TO_ALL}, got {all_to_all!r}")
         router = router if router is not None else NoisyTopKRouter(
@@ -53,6 +57,9 @@ class MoELayer(RoutedLayer):
         self.dispatcher = AllToAllDispatcher(*self.dispatch_units(), dispatch_mode, capacity_factor)
         self.mark_expert_parameters()
         self.all_to_all, self.node_size = all_to_all, node_size
+        # dense, on every rank (not in expert_shards); None: no shared experts, the state dict as before
+        self.shared = SharedExperts(d_model, shared_hidden or d_hidden, shared_experts, shared_gate, seed=seed,
+                                    first_id=num_experts) if shared_experts else None
 
     def dispatch_units(self) -> tuple[int, int]:
         """(what the dispatcher sends tokens to, how many of them live here): the experts."""
@@ -69,16 +76,22 @@ class MoELayer(RoutedLayer):
     def data_parallel_group(self):
         return None if self.groups is None else self.groups.data_parallel
 
-    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (y_ND, aux_loss)."""
+    def forward(self, x_ND: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (y_ND, aux_loss). `seq_len`: the rows are sequences of that many consecutive tokens (a gate
+        with a per-sequence loss reads it; None: one sequence)."""
         self.require_groups()
-        route = self.route(x_ND)
+        route = self.route(x_ND, seq_len)
         rows_RD, state = self.dispatcher.dispatch_rows(x_ND, *route.pairs())
         self.keep_dropped_fraction(state)
         # The experts gather each arrived pair's row and return the gate-weighted sum per row.
         per_row_RD = self.experts(rows_RD, state.expert_counts(), state.pair_rows(),
                                   self.dispatcher.follow_pairs(route.gate_C, state))
-        return self.dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype), route.aux_loss
+        return self.plus_shared(x_ND, self.dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype)), \
+            route.aux_loss
+
+    def plus_shared(self, x_ND: torch.Tensor, routed_ND: torch.Tensor) -> torch.Tensor:
+        """The routed output plus the shared experts' (moe/shared_experts.py), if the layer has them."""
+        return routed_ND if self.shared is None else routed_ND + self.shared(x_ND).to(routed_ND.dtype)
 
     def keep_dropped_fraction(self, state) -> None:
         if self.dispatcher.mode == "capacity":

@@ -80,11 +80,15 @@ class RoutedLayer(ExpertParallelModule):
         self.routes: Routes | None = None
         self.real_tokens_N: torch.Tensor | None = None   # see real_tokens(); None: every row is a real token
 
-    def route(self, x_ND: torch.Tensor) -> RouterOutput:
-        """The router on x_ND, its statistics kept and (if asked) its pairs recorded."""
+    def route(self, x_ND: torch.Tensor, seq_len: int | None = None) -> RouterOutput:
+        """The router on x_ND (rows: sequences of `seq_len` tokens, for a gate that reads it), its statistics
+        kept and (if asked) its pairs recorded."""
         real_N = self.real_rows(x_ND.shape[0])
         given = real_N is not None and self.router.takes_valid_rows   # the gate leaves padding out itself
-        route = self.router(x_ND, valid_N=real_N) if given else self.router(x_ND)
+        extra = {"valid_N": real_N} if given else {}
+        if self.router.takes_seq_len:
+            extra["seq_len"] = seq_len
+        route = self.router(x_ND, **extra)
         self.keep_routes(route.pairs)
         weight_C = None if real_N is None else real_N.index_select(0, route.token_C)
         self.keep_stats(route.importance_E, route.load_E, route.metrics,

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from moe_scale.config import RunConfig
 from moe_scale.distributed.launch import DistEnv
-from moe_scale.moe.router import GlobalTokenNoise
+from moe_scale.moe.router import GlobalTokenNoise, Router
 from moe_scale.train.data_setup import LMData
 from moe_scale.train.engine import TrainingEngine
 from moe_scale.train.mae_bcd import MAEBlockCoordinateDescent
@@ -29,3 +29,4 @@ class TrainContext:
     run: Path
     ds_config: dict
     stop_requests: StopRequests
+    balancers: list[Router] = field(default_factory=list)   # gates told of each step (aux_free's routing biases)

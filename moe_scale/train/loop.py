@@ -19,7 +19,7 @@ from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv, init_distributed, ranks_per_node
 from moe_scale.errors import UserError
 from moe_scale.models.build import build_model
-from moe_scale.moe.router import GlobalTokenNoise
+from moe_scale.moe.router import GlobalTokenNoise, Router
 from moe_scale.train.memory_check import check_model_fits
 from moe_scale.train.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from moe_scale.data.fingerprint import DATA_FILES, check_resumed_data, fingerprint, read_record
@@ -90,8 +90,8 @@ def run_training(config: RunConfig) -> dict:
         dist.barrier()
         stop_requests = StopRequests()   # collective: every rank
         try:
-            return _train(TrainContext(config, env, data, model, trainer, noises, mae, run, ds_config, stop_requests),
-                          state)
+            return _train(TrainContext(config, env, data, model, trainer, noises, mae, run, ds_config, stop_requests,
+                                       balancers=_balancers(model)), state)
         finally:
             stop_requests.restore()
     finally:
@@ -167,12 +167,16 @@ def _step(ctx: TrainContext, state: TrainState, report: RunReport) -> None:
     if ctx.mae is not None:
         ctx.mae.g_step_if_due(step, inputs, targets, env.device)
     engine = ctx.trainer.engine
+    for router in ctx.balancers:   # their load counts this step's micro-batches only
+        router.begin_step()
     sums = torch.zeros(3, dtype=torch.float64, device=collective_device())   # [NLL sum, tokens, aux sum]
     for micro_inputs, micro_targets in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)):
         out = engine(to_device(micro_inputs, env.device), to_device(micro_targets, env.device))
         ctx.trainer.backward_and_step(out.nll_sum / out.num_tokens + out.aux_loss)
         sums += torch.stack([out.nll_sum.detach().double(), out.nll_sum.new_full((), out.num_tokens).double(),
                              out.aux_loss.detach().double()]).to(sums.device)
+    for router in ctx.balancers:   # after the optimizer step, from the step's load over all ranks (on the device)
+        router.after_step()
     dist.all_reduce(sums)
     report.step_done(step + 1, engine.get_lr()[0], sums, ctx.trainer.grad_norm)
     state.step_done(source.state_dict())
@@ -214,6 +218,11 @@ def _write_plots(ctx: TrainContext) -> None:
             print(f"moe-scale: warning: plots/ not written ({type(e).__name__}: {e})", file=sys.stderr)
     if dist.is_initialized():
         dist.barrier()
+
+
+def _balancers(model: torch.nn.Module) -> list[Router]:
+    """The gates that update themselves between optimizer steps (aux_free's routing biases)."""
+    return [m for m in model.modules() if isinstance(m, Router) and m.balances_after_step]
 
 
 def _install_noise(model: torch.nn.Module, config: RunConfig, env: DistEnv) -> list[GlobalTokenNoise]:

@@ -23,6 +23,8 @@ MODELS = {
                             "--moa-top-k", "2", "--ffn", "moe", "--num-layers", "2"],
     "lstm-moe-sampled-unigram": ["--softmax", "sampled", "--sampler", "unigram", "--num-sampled", "50"],
     "lstm-moe-adaptive": ["--softmax", "adaptive", "--adaptive-cutoffs", "50,200"],
+    "lstm-aux-free-shared": ["--gate", "aux_free", "--bias-update-rate", "0.01", "--shared-experts", "1",
+                             "--shared-expert-gate"],   # the routing biases (a buffer) travel in model.safetensors
 }
 
 

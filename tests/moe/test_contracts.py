@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moe_scale.config import HierarchicalConfig, MoEConfig, RouterConfig, SoftmaxTopKConfig
+from moe_scale.config import AuxFreeConfig, HierarchicalConfig, MoEConfig, RouterConfig, SoftmaxTopKConfig
 from moe_scale.moe.build import build_moe_layer
 from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
 from moe_scale.moe.layer import MoELayer
@@ -25,6 +25,8 @@ CONFIGS = {
     "softmax_topk": RouterConfig(gate="softmax_topk", top_k=3,
                                  softmax_topk=SoftmaxTopKConfig(aux_weight=0.5, z_weight=0.25,
                                                                 renormalize="detached")),
+    "aux_free": RouterConfig(gate="aux_free", top_k=2,
+                             aux_free=AuxFreeConfig(score="softmax", bias_update_rate=0.02, seq_balance_weight=0.1)),
 }
 
 
@@ -44,6 +46,9 @@ def test_each_router_is_built_from_its_own_config(gate):
         assert (router.k, router.w_importance, router.w_load, router.noisy) == (2, 0.3, 0.2, False)
     elif gate == "batchwise":
         assert (router.k, router.w_importance, router.scope) == (2, 0.3, "local")
+    elif gate == "aux_free":
+        assert (router.k, router.score, router.bias_update_rate, router.seq_balance_weight) == (2, "softmax", 0.02,
+                                                                                               0.1)
     else:
         assert (router.k, router.aux_weight, router.z_weight, router.renormalize) == (3, 0.5, 0.25, "detached")
 

@@ -54,7 +54,9 @@ def test_two_processes_expert_parallel_equal_one_process(tmp_path, embedded_cach
     ["--gate", "hierarchical", "--num-groups", "2", "--top-k", "2", "--top-k-secondary", "2"],
     ["--gate", "batchwise", "--batchwise-scope", "global"],
     ["--gate", "softmax_topk"],
-], ids=["hierarchical", "batchwise", "softmax_topk"])
+    ["--gate", "aux_free", "--bias-update-rate", "0.01", "--seq-balance-weight", "0.01", "--shared-experts", "1",
+     "--shared-expert-gate"],
+], ids=["hierarchical", "batchwise", "softmax_topk", "aux_free_shared"])
 def test_every_gate_two_processes_equal_one_process(tmp_path, embedded_cache, gate_flags):
     common = [*TINY, *gate_flags, "--noise-rng", "global", "--dropout", "0", "--lr", "0.01", "--warmup-steps", "0",
               "--max-steps", "4", "--eval-interval", "4", "--checkpoint-interval", "4",
@@ -71,6 +73,8 @@ def test_every_gate_two_processes_equal_one_process(tmp_path, embedded_cache, ga
     # the validation pass's balance (real tokens only: the padding mask travels with the rows)
     assert second["valid_cv_load"] == pytest.approx(first["valid_cv_load"], rel=1e-3, abs=1e-6)
     assert second["valid_cv_importance"] == pytest.approx(first["valid_cv_importance"], rel=1e-3, abs=1e-6)
+    if "bias_spread" in first:   # aux_free: each rank moved its biases by the whole batch's load
+        assert second["bias_spread"] == pytest.approx(first["bias_spread"], rel=1e-6) and first["bias_spread"] > 0
 
 
 def test_four_processes_ep4_hierarchical_and_ep2_by_dp2_equal_one_process(tmp_path, embedded_cache):

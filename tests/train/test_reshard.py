@@ -70,6 +70,18 @@ def test_hierarchical_secondary_gates_live_and_move_with_their_groups(tmp_path, 
 
 
 @pytest.mark.multiprocess
+def test_aux_free_biases_and_shared_experts_move_to_another_layout(tmp_path, embedded_cache):
+    """The routing biases (a buffer, in the dense module file) and the shared experts (dense parameters) of a
+    2-rank run resume as 1 process exactly: a bias lost on the way would route differently from step 3 on."""
+    _resharded_run_matches(tmp_path, embedded_cache, (2, 2), (1, 1), "zero2_ep",
+                           ("--gate", "aux_free", "--shared-experts", "2", "--shared-expert-gate"))
+    dense = torch.load(tmp_path / "straight" / "checkpoints" / "step00000002" / "mp_rank_00_model_states.pt",
+                       weights_only=False)["module"]
+    assert torch.count_nonzero(dense["moe.router.score_bias"]) > 0
+    assert {"moe.shared.w_in", "moe.shared.w_out", "moe.shared.w_gate"} <= set(dense)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("before, after", [((1, 1), (2, 2)), ((2, 2), (2, 1)), ((2, 2), (4, 4))])
 def test_other_layout_changes(tmp_path, embedded_cache, before, after):

@@ -8,9 +8,11 @@
     hierarchical.py  App. B: a primary gate over groups, a secondary gate inside each chosen group
     batchwise.py     App. F: strictly balanced batchwise gating with learned thresholds
     softmax_topk.py  MoA: softmax over experts, top-k, switch-style load loss and router z-loss
+    aux_free.py      DeepSeek-V3: top-k of scores + per-expert biases that follow the load, no CV² loss
     build.py         the router a config asks for (--gate)
 """
 
+from moe_scale.moe.router.aux_free import AuxFreeRouter
 from moe_scale.moe.router.base import Router, RouterOutput, gating_precision
 from moe_scale.moe.router.batchwise import BatchwiseRouter
 from moe_scale.moe.router.build import build_router
@@ -19,5 +21,6 @@ from moe_scale.moe.router.noise import GlobalTokenNoise, NoiseSampler, sample_no
 from moe_scale.moe.router.noisy_topk import NoisyTopKRouter, prob_in_top_k
 from moe_scale.moe.router.softmax_topk import SoftmaxTopKRouter
 
-__all__ = ["BatchwiseRouter", "GlobalTokenNoise", "HierarchicalRouter", "NoiseSampler", "NoisyTopKRouter", "Router",
-           "RouterOutput", "SoftmaxTopKRouter", "build_router", "gating_precision", "prob_in_top_k", "sample_noise"]
+__all__ = ["AuxFreeRouter", "BatchwiseRouter", "GlobalTokenNoise", "HierarchicalRouter", "NoiseSampler",
+           "NoisyTopKRouter", "Router", "RouterOutput", "SoftmaxTopKRouter", "build_router", "gating_precision",
+           "prob_in_top_k", "sample_noise"]

@@ -7,7 +7,9 @@ balance statistics over the whole data-parallel batch. The base class owns the g
 the subclass's `route` on x in float32 at least (float64 stays float64, for gradcheck) with autocast off, so a
 bf16 run cannot round the logits. A router never talks to the network itself: `connect(batch)` (called once by
 the layer) hands it the data-parallel group's collectives (`BatchCollectives`: an autograd-aware sum, a row gather);
-until then it is one process. Noise comes from `noise_sampler` (None: the global RNG).
+until then it is one process. Noise comes from `noise_sampler` (None: the global RNG). A gate that balances by
+state updated between optimizer steps (aux_free's routing biases) sets `balances_after_step`; the training loop
+calls its `begin_step` before a step's micro-batches and `after_step` once the optimizer has stepped.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class Router(nn.Module):
     """Base of every gate: its size, its top-k, its precision, and its link to the data-parallel batch."""
 
     takes_valid_rows = False   # route() takes valid_N [N] (False: a padding row, left out of its statistics)
+    takes_seq_len = False      # route() takes seq_len: its rows are sequences of that many consecutive tokens
+    balances_after_step = False   # begin_step() / after_step() do something (the training loop calls them)
 
     def __init__(self, d_model: int, num_experts: int, k: int):
         super().__init__()
@@ -97,6 +101,12 @@ class Router(nn.Module):
     def route(self, x_ND: Tensor) -> RouterOutput:
         """The gate on x_ND, already in the gate's precision."""
         raise NotImplementedError
+
+    def begin_step(self) -> None:
+        """An optimizer step's first micro-batch comes next (a gate that balances between steps starts its count)."""
+
+    def after_step(self) -> None:
+        """The optimizer step is done (a gate that balances between steps updates itself here, on the device)."""
 
     @staticmethod
     def logits(x_ND: Tensor, w_DE: Tensor) -> Tensor:

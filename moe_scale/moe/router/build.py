@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moe_scale.config import RouterConfig
+from moe_scale.moe.router.aux_free import AuxFreeRouter
 from moe_scale.moe.router.base import Router
 from moe_scale.moe.router.batchwise import BatchwiseRouter
 from moe_scale.moe.router.hierarchical import HierarchicalRouter
@@ -10,7 +11,8 @@ from moe_scale.moe.router.noisy_topk import NoisyTopKRouter
 from moe_scale.moe.router.softmax_topk import SoftmaxTopKRouter
 
 GATES: dict[str, type[Router]] = {"noisy_topk": NoisyTopKRouter, "hierarchical": HierarchicalRouter,
-                                  "batchwise": BatchwiseRouter, "softmax_topk": SoftmaxTopKRouter}
+                                  "batchwise": BatchwiseRouter, "softmax_topk": SoftmaxTopKRouter,
+                                  "aux_free": AuxFreeRouter}
 
 
 def build_router(config: RouterConfig, d_model: int, num_experts: int, ep_size: int = 1, ep_rank: int = 0) -> Router:

@@ -1,0 +1,64 @@
+"""Shared experts (DeepSeekMoE, Dai et al. 2024; Qwen2-MoE): FFN experts every token goes through, their output
+added to the routed experts'.
+
+Legend (docs/shapes.md): N tokens, D model width, F an expert's hidden width.
+
+S shared experts of hidden width F are one dense FFN of width S·F: the sum of S ReLU FFNs D -> F -> D equals one
+D -> S·F -> D whose hidden units are theirs side by side, so they cost one product per matrix, not S. Each expert
+is built as a routed one is (moe/experts/ffn.py: no biases, Glorot-uniform per expert, output scaled by
+sqrt(D/F)), drawn from a generator of its own, so it starts the same on every rank and whatever --ep-size; shared
+expert s of a layer of E routed experts is drawn as routed expert E + s would be. With `gate` (Qwen2-MoE) the
+output is scaled per token by sigmoid(x · w_gate), w_gate [D] starting at zero (a scale of 1/2).
+
+They are dense parameters: replicated on every rank, their gradients averaged over the data-parallel group like
+every non-expert weight. Their names avoid the substring "expert", which DeepSpeed reads as an expert weight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class SharedExperts(nn.Module):
+    def __init__(self, d_model: int, d_hidden: int, num_shared: int, gate: bool = False, seed: int = 0,
+                 first_id: int = 0):
+        """`num_shared` experts of width `d_hidden`; the generator of expert s is seeded as routed expert
+        `first_id + s`'s (moe/experts/ffn.py)."""
+        super().__init__()
+        if num_shared < 1 or d_hidden < 1:
+            raise ValueError(f"shared experts need num_shared >= 1 and d_hidden >= 1, got {num_shared}, {d_hidden}")
+        self.d_model, self.d_hidden, self.num_shared = d_model, d_hidden, num_shared
+        self.seed, self.first_id = seed, first_id
+        self.w_in = nn.Parameter(torch.empty(num_shared * d_hidden, d_model))    # nn.Linear's (out, in)
+        self.w_out = nn.Parameter(torch.empty(num_shared * d_hidden, d_model))
+        self.w_gate = nn.Parameter(torch.zeros(d_model)) if gate else None
+        self.output_scale = math.sqrt(d_model / d_hidden)   # each expert's, as a routed expert of width F
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.w_in.is_meta:   # shapes only (moe-scale flops / plan)
+            return
+        bound = math.sqrt(6.0 / (self.d_model + self.d_hidden))
+        f = self.d_hidden
+        with torch.no_grad():
+            for s in range(self.num_shared):
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.first_id + s)
+                w_in_DF = torch.empty(self.d_model, f).uniform_(-bound, bound, generator=generator)
+                self.w_in[s * f:(s + 1) * f].copy_(w_in_DF.t())
+                self.w_out[s * f:(s + 1) * f].uniform_(-bound, bound, generator=generator)
+            if self.w_gate is not None:
+                self.w_gate.zero_()
+
+    def extra_repr(self) -> str:
+        return (f"num_shared={self.num_shared}, d_model={self.d_model}, d_hidden={self.d_hidden}, "
+                f"gate={self.w_gate is not None}")
+
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(nn.functional.linear(x_ND, self.w_in))    # [N, S·F]
+        y_ND = (hidden @ self.w_out.to(hidden.dtype)) * self.output_scale
+        if self.w_gate is not None:
+            y_ND = y_ND * torch.sigmoid(x_ND @ self.w_gate.to(x_ND.dtype))[:, None].to(y_ND.dtype)
+        return y_ND
