@@ -12,15 +12,15 @@ size), so its parameter counts are the module's, exactly.
 - activation values stored per token for the backward pass outside the experts (the experts' side, which
   depends on the routing, is the memory model's dispatch buffers; accounting/memory.py).
 
-Activation values per token (stored for the backward, in the training dtype; 1-byte dropout masks apart). LSTM
-LM: the embedding output d; per LSTM of u units its four gates, cell, tanh(cell) and hidden (7u, + d for a
-projection back to d); per MoE layer the gate logits (one per gating column a token evaluates) and the sigmoid
-(d), and the shared experts' hidden layer and output (S·h_s + d); the dense FFN's hidden layers; the softmax logits (V, or S + 1 sampled; the adaptive softmax's per-token
-MACs / d); per layer output d and its mask. Transformer, per block: two LayerNorms (input and output, 2d each),
-q, k, v and the context (4w, w = heads x head width), the attention probabilities (heads x T: the math attention
-CPUs run; flash attention keeps none, so this is an upper bound on GPUs), the dense FFN's pre- and post-GELU
-hidden (2f) or the MoE gate logits, two sub-layer outputs d with their masks; MoA's k expert queries and
-contexts (2k·w_e), its shared K, V (2w_e) and k x T probabilities.
+Activation values per token (stored for the backward, in the training dtype; 1-byte dropout masks apart). LSTM LM:
+the embedding output d; per LSTM of u units its four gates, cell, tanh(cell) and hidden (7u, + d for a projection
+back to d); per MoE layer the gate logits (one per gating column a token evaluates) and the sigmoid (d), and the
+shared experts' hidden layer and output (S·h_s + d); the dense FFN's hidden layers; the softmax logits (V, or S + 1
+sampled; the adaptive softmax's per-token MACs / d); per layer output d and its mask. Transformer, per block: two
+LayerNorms (input and output, 2d each), q, k, v and the context (4w, w = heads x head width), the attention
+probabilities (heads x T: the math attention CPUs run; flash attention keeps none, so this is an upper bound on
+GPUs), the dense FFN's pre- and post-GELU hidden (2f) or the MoE gate logits, two sub-layer outputs d with their
+masks; MoA's k expert queries and contexts (2k·w_e), its shared K, V (2w_e) and k x T probabilities.
 """
 
 from __future__ import annotations

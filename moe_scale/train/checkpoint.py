@@ -240,7 +240,8 @@ def choose_checkpoint(run: Path, tag: str | None, flag: str, config=None, resume
                       ) -> tuple[str, int]:
     """(tag, step) of the checkpoint to load: `tag`, else the newest complete one; verified against its
     manifest, against `config` (the model it will be loaded into) and, for a resume with `resume_world`
-    processes, against the layout that wrote it. Anything wrong is one line naming the file and the checkpoints that can be used instead."""
+    processes, against the layout that wrote it. Anything wrong is one line naming the file and the checkpoints
+    that can be used instead."""
     directory = run / "checkpoints"
     if tag is None:
         marker = directory / "complete"

@@ -16,7 +16,6 @@ from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.distributed.comm import collective_device
 from moe_scale.metrics.balance import MoEMetrics
 from moe_scale.models.softmax import IGNORE
-from moe_scale.moe.routed_layer import real_tokens
 
 COUNTED = ("every word (out-of-vocabulary ones as <UNK>) and each sentence's </S>; <S> is never predicted; "
            "perplexity per word: exp(total NLL / (words + sentences)), for subword tokenizers too")
@@ -34,6 +33,8 @@ def evaluate(model, windows: EvalWindows, max_batches: int = 0, device=None, obs
     """exp(total NLL / counted words) over the split (every rank runs the same number of batches, which
     expert-parallel all-to-alls need). `observer` (e.g. ExpertTokenStats) is told each batch's positions;
     `describe` adds what was counted (word, sentence and OOV counts and the OOV rate of a complete pass)."""
+    from moe_scale.moe.routed_layer import real_tokens   # here: it imports DeepSpeed, which `moe-scale` may not
+
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=collective_device())   # [NLL sum, counted targets, words]
