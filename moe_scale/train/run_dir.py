@@ -34,7 +34,8 @@ from moe_scale.train.run_lock import LOCK_NAME, RunLock, live_owner
 MARKER = "moe_scale_run.json"
 RUN_FILES = ("config.json", "summary.json", "checkpoints", "train_log.jsonl")   # any of these: a run is here
 OWNED = frozenset({MARKER, LOCK_NAME, "config.json", "ds_config.json", "data_files.json", "vocab", "vocab.counts",
-                   "tokenizer.json", "train_log.jsonl", "summary.json", "tb", "checkpoints", "pruning", "expert_load.jsonl", "plots"})
+                   "tokenizer.json", "train_log.jsonl", "summary.json", "tb", "checkpoints", "pruning",
+                   "expert_load.jsonl", "plots"})
 
 
 def _owned(name: str) -> bool:

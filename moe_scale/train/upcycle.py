@@ -1,5 +1,7 @@
 """Sparse upcycling (Komatsuzaki et al. 2022): an MoE run that starts from a trained dense run.
 
+Legend (docs/shapes.md): D model width, F expert hidden width.
+
 Every expert starts as a copy of the dense run's feed-forward network (optionally each with its own small
 multiplicative noise, `--upcycle-noise`), the router is new, and every other weight (embedding, LSTMs or attention,
 norms, softmax) is the dense run's. The experts compute `scale · W_out relu(W_in x)` (moe/experts/ffn.py), the dense
