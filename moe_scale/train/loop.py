@@ -91,6 +91,10 @@ def run_training(config: RunConfig) -> dict:
     check_model_fits(build, ds_config, t.optimizer, env.world_size, ep_size, env.device)   # on the meta device
     torch.manual_seed(t.seed)
     model = build()
+    if t.init_from_hf and not run_dir.resume:   # a resumed run's weights are its checkpoint's
+        from moe_scale.inference.hf_native import init_from_hf
+
+        init_from_hf(model, config, data.vocab)
     mae = mae_schedule(model, config, data.train.steps_per_epoch)   # MAE's G steps, else None
     trainer = TrainingEngine(model.to(env.device), ds_config, t)
     noises = _install_noise(model, config, env)
