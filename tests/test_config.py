@@ -163,6 +163,19 @@ def test_flags_that_apply_are_accepted():
     parse("--layout", "lstm-ffn-lstm", "--ffn-layers", "2", "--expert-hidden", "64")
 
 
+def test_the_llama_block_routes_as_mixtral_unless_told_and_the_default_block_keeps_its_gate():
+    llama = parse("--model", "transformer", "--block", "llama", "--ffn", "moe")
+    assert (llama.moe.router.gate, llama.moe.router.softmax_topk.renormalize) == ("softmax_topk", "full")
+    assert llama.model.transformer.tie_embeddings is False and llama.train.init_from_hf is None
+    default = parse("--model", "transformer", "--ffn", "moe")
+    assert (default.model.transformer.block, default.moe.router.gate) == ("default", "noisy_topk")
+    assert default.moe.router.softmax_topk.renormalize == "none"
+    with pytest.raises(UserError, match="--moa-renormalize detached"):   # given: kept, and refused
+        parse("--model", "transformer", "--block", "llama", "--ffn", "moe", "--moa-renormalize", "detached")
+    dense = parse("--model", "transformer", "--block", "llama", "--tie-embeddings", "--rope-theta", "1e6")
+    assert (dense.moe.router.gate, dense.model.transformer.rope_theta) == ("noisy_topk", 1e6)   # no MoE: untouched
+
+
 def test_what_a_setting_needs_comes_from_its_sections_and_its_field():
     """inapplicable() reads the tree: a section's needs reach every setting in it (outermost first), and a
     setting that serves elsewhere too (`alone`) drops them."""
