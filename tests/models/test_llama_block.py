@@ -181,3 +181,29 @@ def test_a_missing_or_extra_tensor_is_refused_in_one_line():
     extra = {**tensors, "model.layers.0.mlp.shared_expert.up_proj.weight": torch.zeros(3)}
     with pytest.raises(UserError, match="shared_expert.up_proj.weight .*has no place"):
         hf_native.import_tensors(llama_model(config), config, extra, "--init-from-hf DIR")
+
+
+@pytest.mark.parametrize("ffn", ["moe", "dense"])
+def test_the_flop_accounting_counts_the_swiglu_ffns_three_matrices(ffn):
+    """The transformer's per-token FFN multiply-adds (accounting/attention_flops.py) are what torch's FLOP counter
+    measures in the llama block's FFNs: SwiGLU's three matrices, the router's d·E, k experts per token."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from moe_scale.accounting.attention_flops import transformer_forward_macs_per_token
+    from moe_scale.moe.kernel_policy import KernelPolicy, forced_policy
+
+    config = llama_config(ffn)
+    model = llama_model(config)
+    x = torch.randn(3, 16, 32)
+    torch_kernels = KernelPolicy(native_cpu=False, gate_chunk_rows=None, max_groups=None)   # the native ones
+    with forced_policy(torch_kernels), FlopCounterMode(display=False) as counter, torch.no_grad():  # are not seen
+        for block in model.blocks:
+            if ffn == "moe":
+                block.ffn(x.reshape(-1, 32))
+            else:
+                block.ffn(x)
+    tokens = 3 * 16
+    counted = transformer_forward_macs_per_token(config, V, 16)["ffn"]
+    assert counter.get_total_flops() == 2 * tokens * counted
+    matrices = 3 * 32 * (24 if ffn == "moe" else 40)
+    assert counted == 2 * (2 * matrices + 32 * 4 if ffn == "moe" else matrices)   # 2 layers
