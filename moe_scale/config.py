@@ -633,7 +633,6 @@ class RunConfig:
         self.train.validate()
         self.run.validate()
 
-
     def _validate_llama_block(self) -> None:
         """--block llama is Mixtral's architecture (Llama's with a dense FFN): what it cannot express is refused."""
         fix = "; the llama block is Mixtral's architecture"

@@ -90,8 +90,10 @@ def _block_tensors(i: int, block, config) -> dict[str, torch.Tensor]:
     layer, attn = f"model.layers.{i}.", block.attn
     out = {layer + "input_layernorm.weight": block.norm1.weight,
            layer + "post_attention_layernorm.weight": block.norm2.weight,
-           layer + "self_attn.q_proj.weight": attn.q_proj.weight, layer + "self_attn.k_proj.weight": attn.k_proj.weight,
-           layer + "self_attn.v_proj.weight": attn.v_proj.weight, layer + "self_attn.o_proj.weight": attn.out_proj.weight}
+           layer + "self_attn.q_proj.weight": attn.q_proj.weight,
+           layer + "self_attn.k_proj.weight": attn.k_proj.weight,
+           layer + "self_attn.v_proj.weight": attn.v_proj.weight,
+           layer + "self_attn.o_proj.weight": attn.out_proj.weight}
     ffn = block.ffn
     if config.model.transformer.ffn == "dense":
         for name in ("gate_proj", "up_proj", "down_proj"):

@@ -29,9 +29,9 @@ from torch import nn
 from moe_scale.attention.mae import MAEAttention
 from moe_scale.attention.mha import MultiHeadAttention
 from moe_scale.attention.moa import MoAAttention
+from moe_scale.attention.rotary import RotaryPositions
 from moe_scale.config import RouterConfig, RunConfig
 from moe_scale.models.build_softmax import build_softmax
-from moe_scale.attention.rotary import RotaryPositions
 from moe_scale.models.dense_ffn import GELUFFN, SwiGLUFFN
 from moe_scale.models.rms_norm import RMSNorm
 from moe_scale.models.lstm_lm import LMOutput

@@ -1,6 +1,7 @@
 """Generation's incremental decoding (models' `decode`): the LSTM carrying its state and the transformer its KV
-cache (MHA, MAE's gate window too, MoA's shared K/V, the llama block's rotary positions) give, token by token, the same next-word distributions as
-the training forward over the whole sequence, for every model kind, dense or MoE."""
+cache (MHA, MAE's gate window too, MoA's shared K/V, the llama block's rotary positions) give, token by token,
+the same next-word distributions as the training forward over the whole sequence, for every model kind, dense or
+MoE."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def _fused(tensors: dict, config) -> dict:
         experts = range(config.moe.experts.num_experts)
         out[mlp + "gate.weight"] = tensors[moe + "gate.weight"]
         out[mlp + "experts.gate_up_proj"] = torch.stack(
-            [torch.cat([tensors[f"{moe}experts.{e}.w1.weight"], tensors[f"{moe}experts.{e}.w3.weight"]]) for e in experts])
+            [torch.cat([tensors[f"{moe}experts.{e}.w{w}.weight"] for w in (1, 3)]) for e in experts])
         out[mlp + "experts.down_proj"] = torch.stack([tensors[f"{moe}experts.{e}.w2.weight"] for e in experts])
     return out
 

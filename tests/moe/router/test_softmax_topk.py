@@ -55,7 +55,8 @@ def test_parameters_no_bias_not_zero_and_checkpoint_safe_names():
     assert len(set(map(tuple, out.experts_NK.sort(1).values.tolist()))) > 1  # no zero-init tie
 
 
-@pytest.mark.parametrize("kw", [dict(k=0), dict(k=7), dict(k=-1), dict(renormalize="fully"), dict(renormalize="detach")])
+@pytest.mark.parametrize("kw", [dict(k=0), dict(k=7), dict(k=-1), dict(renormalize="fully"),
+                                dict(renormalize="detach")])
 def test_bad_arguments_raise(kw):
     args = dict(d_model=4, num_experts=6, k=2) | kw
     with pytest.raises(ValueError):
