@@ -68,6 +68,7 @@ _MOE = Needs(lambda c: c.has_moe_ffn, "an MoE layer (--layout lstm-moe-lstm, or 
 _SAMPLED = Needs(lambda c: c.softmax.kind == "sampled", "--softmax sampled")
 _STREAM = Needs(lambda c: c.data.stream, "--stream")
 _SHARED = Needs(lambda c: c.moe.experts.shared > 0, "--shared-experts 1 or more")
+_LLAMA = Needs(lambda c: c.model.transformer.block == "llama", "--block llama")
 
 
 # Auxiliary-loss weights beyond this outweigh the language-model loss by orders of magnitude: clipping then spends
@@ -115,9 +116,20 @@ class TransformerConfig:
     ffn: str = _f("dense", "transformer: feed-forward of every block: dense, or an MoE layer with --gate",
                   ("dense", "moe"))
     ffn_hidden: int = _f(256, "transformer: hidden width of the dense feed-forward")
+    block: str = _f("default", "transformer: decoder block: pre-LayerNorm with sinusoidal positions, biases and GELU "
+                               "(default), or Mixtral's: RMSNorm, rotary positions, SwiGLU FFN and experts, no "
+                               "biases, its router (llama; exports as a native MixtralForCausalLM / "
+                               "LlamaForCausalLM)", ("default", "llama"))
+    tie_embeddings: bool = _f(False, "llama block: the output layer shares the embedding matrix (Mixtral: not tied)",
+                              needs=_LLAMA)
+    rope_theta: float = _f(10000.0, "llama block: base of the rotary positions' frequencies (Mixtral-8x7B: 1e6)",
+                           needs=_LLAMA)
 
     def validate(self) -> None:
         _positive(num_layers=self.num_layers, ffn_hidden=self.ffn_hidden)
+        if not self.rope_theta > 1:
+            raise UserError(f"--rope-theta must be larger than 1 (got {self.rope_theta:g}); Llama uses 10000, "
+                            f"Mixtral 1e6")
 
 
 @dataclass
@@ -160,7 +172,8 @@ class SoftmaxTopKConfig:
                            key="moa_aux_weight")
     z_weight: float = _f(0.001, "softmax_topk: weight β of the router z-loss", key="moa_z_weight")
     renormalize: str = _f("none", "softmax_topk: keep the top-k probabilities as they are (released code) or "
-                                  "divide by their detached sum (paper eq. 9)", ("none", "detached"),
+                                  "divide by their detached sum (paper eq. 9), or by their sum with its gradient "
+                                  "(Mixtral: a softmax over the top-k logits)", ("none", "detached", "full"),
                           key="moa_renormalize")
 
     def validate(self) -> None:
@@ -446,6 +459,9 @@ class TrainConfig:
     seed: int = _f(1234, "seed for initialisation, data order, dropout and gate noise")
     noise_rng: str = _f("rank", "gate noise per rank, or drawn per global token so any world size draws the "
                                 "same noise (costs global tokens x experts memory)", ("rank", "global"))
+    init_from_hf: str | None = _f(None, "start from the weights of a native MixtralForCausalLM / LlamaForCausalLM "
+                                        "directory (`moe-scale export` of a --block llama run, or one of the same "
+                                        "shapes and tokenizer) instead of a random initialisation", needs=_LLAMA)
     preset: str | None = _f(None, "start from a paper model's settings (`moe-scale flops --list`; NAME-mini for a "
                                   "CPU-sized miniature); other flags given override them")
     upcycle_from: str | None = _f(None, "start this MoE run from a trained dense run (sparse upcycling: every expert "
@@ -652,6 +668,8 @@ class RunConfig:
         self.moe.validate(ep)
         if self.model.kind == "transformer":
             self.attention.validate(self.model.d_model, ep)
+            if self.model.transformer.block == "llama":
+                self._validate_llama_block()
             if self.attention.kind == "mae" and self.attention.mae.training == "bcd" \
                     and self.attention.mae.g_unit == "epoch" and self.data.stream:
                 raise UserError("--mae-g-unit epoch needs epochs, and streamed data (--stream) is one pass; "
@@ -660,6 +678,34 @@ class RunConfig:
         self.data.validate()
         self.train.validate()
         self.run.validate()
+
+    def _validate_llama_block(self) -> None:
+        """--block llama is Mixtral's architecture (Llama's with a dense FFN): what it cannot express is refused."""
+        fix = "; the llama block is Mixtral's architecture"
+        if self.attention.kind != "mha":
+            raise UserError(f"--block llama has multi-head attention with rotary positions, not --attention "
+                            f"{self.attention.kind}; pass --attention mha or --block default")
+        if self.attention.head_width(self.model.d_model) % 2:
+            raise UserError(f"--block llama rotates pairs of each head's dimensions: the head width "
+                            f"{self.attention.head_width(self.model.d_model)} must be even; set --head-dim or "
+                            f"--num-heads accordingly")
+        if self.softmax.kind == "adaptive":
+            raise UserError(f"--block llama has one output matrix (lm_head): pass --softmax full or sampled, not "
+                            f"adaptive{fix}")
+        if self.model.transformer.ffn == "moe":
+            router = self.moe.router
+            if router.gate != "softmax_topk" or router.softmax_topk.renormalize != "full":
+                raise UserError(f"--block llama routes as Mixtral (softmax over the experts, top-k, gates "
+                                f"renormalised with their gradient): pass --gate softmax_topk --moa-renormalize full "
+                                f"(what --block llama sets unless given), not --gate {router.gate} "
+                                f"--moa-renormalize {router.softmax_topk.renormalize}")
+            if self.moe.dispatch.mode != "dropless":
+                raise UserError(f"--block llama sends every token to its k experts, as Mixtral does: pass --dispatch "
+                                f"dropless, not {self.moe.dispatch.mode}{fix}")
+            if self.moe.experts.shared:
+                raise UserError(f"--shared-experts {self.moe.experts.shared}: the llama block's shared experts "
+                                f"(Qwen2-MoE's, SwiGLU) are not built yet, and ReLU ones would export as neither "
+                                f"Mixtral nor Qwen2-MoE; drop --shared-experts, or use --block default")
 
 
 def _fields(cls) -> tuple[dataclasses.Field, ...]:

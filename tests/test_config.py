@@ -176,6 +176,19 @@ def test_flags_that_apply_are_accepted():
     parse("--model", "transformer", "--ffn", "moe", "--shared-experts", "1", "--no-shared-expert-gate")
 
 
+def test_the_llama_block_routes_as_mixtral_unless_told_and_the_default_block_keeps_its_gate():
+    llama = parse("--model", "transformer", "--block", "llama", "--ffn", "moe")
+    assert (llama.moe.router.gate, llama.moe.router.softmax_topk.renormalize) == ("softmax_topk", "full")
+    assert llama.model.transformer.tie_embeddings is False and llama.train.init_from_hf is None
+    default = parse("--model", "transformer", "--ffn", "moe")
+    assert (default.model.transformer.block, default.moe.router.gate) == ("default", "noisy_topk")
+    assert default.moe.router.softmax_topk.renormalize == "none"
+    with pytest.raises(UserError, match="--moa-renormalize detached"):   # given: kept, and refused
+        parse("--model", "transformer", "--block", "llama", "--ffn", "moe", "--moa-renormalize", "detached")
+    dense = parse("--model", "transformer", "--block", "llama", "--tie-embeddings", "--rope-theta", "1e6")
+    assert (dense.moe.router.gate, dense.model.transformer.rope_theta) == ("noisy_topk", 1e6)   # no MoE: untouched
+
+
 def test_what_a_setting_needs_comes_from_its_sections_and_its_field():
     """inapplicable() reads the tree: a section's needs reach every setting in it (outermost first), and a
     setting that serves elsewhere too (`alone`) drops them."""
@@ -217,3 +230,31 @@ def test_every_gate_builds_and_routes(gate):
     (out.nll_sum + out.aux_loss).backward()
     assert torch.isfinite(out.nll_sum) and model.moe.stats.importance_E.shape == (8,)
     assert model.moe.router.__class__.__name__.lower().startswith(gate.split("_")[0][:4])
+
+
+def test_the_train_commands_of_the_mixtral_section_parse_as_shown():
+    """docs/training.md's "Mixtral-style block and native export" commands (its $COMMON expanded, continued
+    lines joined) are valid flags, and the measured runs differ only where the text says."""
+    import shlex
+
+    from tests.docs_code import code_blocks, section
+    from tests.paths import REPO
+
+    text = section(REPO / "docs" / "training.md", "Mixtral-style block and native export")
+    shown = []
+    for block in code_blocks(text, "bash"):
+        joined = block.replace("\\\n", " ")
+        variables = dict(re.findall(r'^(\w+)="(.*)"$', joined, flags=re.M))
+        for line in joined.splitlines():
+            if line.startswith("moe-scale train "):
+                for name, value in variables.items():
+                    line = line.replace("$" + name, value)
+                shown.append(parse(*shlex.split(line)[2:]))
+    assert len(shown) == 5
+    default, mixtral_router, llama = shown[2:]
+    assert (default.model.transformer.block, llama.model.transformer.block) == ("default", "llama")
+    assert (mixtral_router.moe.router.gate, llama.moe.router.gate) == ("softmax_topk", "softmax_topk")
+    assert mixtral_router.moe.router.softmax_topk.renormalize == llama.moe.router.softmax_topk.renormalize == "full"
+    assert 3 * llama.moe.experts.hidden == pytest.approx(2 * default.moe.experts.hidden, rel=0.05)   # equal params
+    for config in shown[2:]:
+        assert config.train.max_steps * config.train.batch_size * config.data.seq_len == 614_400

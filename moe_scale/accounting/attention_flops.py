@@ -7,7 +7,9 @@ MoA's own formulas (Zhang et al. 2022, eq. 18-20; spec §3.3), per sequence of T
     params_MoA = (2E + 2)·d_h·d_m  (+ d_m·E for the router, which the paper's eq. 20 leaves out)
 
 The transformer's per-token accounting divides these by T with T = the training window, and, like the
-paper, counts the full T² score matrix (a causal model could skip half of it).
+paper, counts the full T² score matrix (a causal model could skip half of it). The llama block's SwiGLU FFNs
+and experts have three matrices (2 for GELU / ReLU); its rotary positions and RMSNorms are not counted (O(d)
+per token, like the LayerNorms).
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ def transformer_forward_macs_per_token(config: RunConfig, vocab_size: int, seq_l
             from moe_scale.attention.mae import GATE_HIDDEN
 
             attention += d * GATE_HIDDEN + GATE_HIDDEN * attn.num_heads
+    matrices = 3 if transformer.block == "llama" else 2   # SwiGLU: gate, up and down; GELU / ReLU: up and down
     if transformer.ffn == "dense":
-        ffn = 2 * d * transformer.ffn_hidden
+        ffn = matrices * d * transformer.ffn_hidden
     else:
-        ffn = moe_gating(config)[1] + active_experts(config) * 2 * d * config.moe.experts.hidden \
+        ffn = moe_gating(config)[1] + active_experts(config) * matrices * d * config.moe.experts.hidden \
             + shared_experts(config)
     return {"attention": transformer.num_layers * attention, "ffn": transformer.num_layers * ffn,
             "softmax": d * vocab_size}

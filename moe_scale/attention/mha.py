@@ -7,7 +7,8 @@ pruning), d head width.
 A head's output is its context vector ctx_h = softmax(q_h k_hᵀ/√d + causal) v_h, multiplied by
 mask_h (0/1, Michel's ξ_h; applied after the softmax and attention dropout, as the BERT fork does) and by an
 optional per-token weight, then all heads go through one output projection. Its bias is added once, whatever
-heads remain (the BERT fork's `prune_linear_layer` keeps W_o's bias whole).
+heads remain (the BERT fork's `prune_linear_layer` keeps W_o's bias whole). The llama block's attention has no
+biases and rotates queries and keys by their positions (attention/rotary.py) before the scores.
 """
 
 from __future__ import annotations
@@ -18,15 +19,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_scale.attention.rotary import RotaryPositions
+
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, head_dim: int, dropout: float = 0.0):
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, dropout: float = 0.0, bias: bool = True,
+                 rotary: RotaryPositions | None = None):
+        """`bias=False` and `rotary` (rotary positions on queries and keys): the llama block's attention."""
         super().__init__()
-        self.d_model, self.head_dim, self.dropout = d_model, head_dim, dropout
-        self.q_proj = nn.Linear(d_model, num_heads * head_dim)
-        self.k_proj = nn.Linear(d_model, num_heads * head_dim)
-        self.v_proj = nn.Linear(d_model, num_heads * head_dim)
-        self.out_proj = nn.Linear(num_heads * head_dim, d_model)
+        self.d_model, self.head_dim, self.dropout, self.bias = d_model, head_dim, dropout, bias
+        self.q_proj = nn.Linear(d_model, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, num_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, num_heads * head_dim, bias=bias)
+        self.out_proj = nn.Linear(num_heads * head_dim, d_model, bias=bias)
+        self.rotary = rotary
         # Original index of every head still here: pruning and MAE's gate (which scores the original heads) use it.
         self.head_ids: list[int] = list(range(num_heads))
         self.register_buffer("head_mask_H", torch.ones(num_heads), persistent=False)
@@ -48,9 +54,11 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
         if H == 0:   # every head pruned: only the output bias is left
-            return self.out_proj.bias.expand(B, T, self.d_model)
+            return self._no_heads(x_BTD)
         q_BHTd, k_BHTd, v_BHTd = (proj(x_BTD).view(B, T, H, d).transpose(1, 2)
                                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.rotary is not None:
+            q_BHTd, k_BHTd = self.rotary(q_BHTd, k_BHTd)
         ctx_BTHd = F.scaled_dot_product_attention(
             q_BHTd, k_BHTd, v_BHTd, is_causal=True, dropout_p=self.dropout if self.training else 0.0).transpose(1, 2)
         if self.capture_context and ctx_BTHd.requires_grad:
@@ -64,15 +72,24 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
         if H == 0:
-            return self.out_proj.bias.expand(B, T, self.d_model)
+            return self._no_heads(x_BTD)
         q_BHTd, k_BHTd, v_BHTd = (proj(x_BTD).view(B, T, H, d).transpose(1, 2)
                                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.rotary is not None:   # the new positions follow the cached ones
+            q_BHTd, k_BHTd = self.rotary(q_BHTd, k_BHTd, start=cache["k"].shape[2] if "k" in cache else 0)
         if "k" in cache:
             k_BHTd, v_BHTd = torch.cat([cache["k"], k_BHTd], dim=2), torch.cat([cache["v"], v_BHTd], dim=2)
         cache["k"], cache["v"] = k_BHTd, v_BHTd
         ctx_BTHd = F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd,
                                                   attn_mask=causal_mask(T, k_BHTd.shape[2], x_BTD.device))
         return self._output(ctx_BTHd.transpose(1, 2), head_weights_BTH)
+
+    def _no_heads(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """The output once every head is pruned: the output bias, or zeros without biases."""
+        B, T, _ = x_BTD.shape
+        if self.out_proj.bias is None:
+            return x_BTD.new_zeros(B, T, self.d_model)
+        return self.out_proj.bias.expand(B, T, self.d_model)
 
     def _output(self, ctx_BTHd: torch.Tensor, head_weights_BTH: torch.Tensor | None) -> torch.Tensor:
         """Each head's context times its mask (and per-token weight), through the output projection."""
@@ -92,13 +109,15 @@ class MultiHeadAttention(nn.Module):
         rows = torch.cat([torch.arange(i * d, (i + 1) * d) for i in keep]) if keep else torch.zeros(0, dtype=torch.long)
         for name in ("q_proj", "k_proj", "v_proj"):
             old = getattr(self, name)
-            new = _linear(self.d_model, len(rows)).to(old.weight)
+            new = _linear(self.d_model, len(rows), self.bias).to(old.weight)
             new.weight.copy_(old.weight[rows])
-            new.bias.copy_(old.bias[rows])
+            if self.bias:
+                new.bias.copy_(old.bias[rows])
             setattr(self, name, new)
-        new_out = _linear(len(rows), self.d_model).to(self.out_proj.weight)
+        new_out = _linear(len(rows), self.d_model, self.bias).to(self.out_proj.weight)
         new_out.weight.copy_(self.out_proj.weight[:, rows])
-        new_out.bias.copy_(self.out_proj.bias)
+        if self.bias:
+            new_out.bias.copy_(self.out_proj.bias)
         self.out_proj = new_out
         self.head_ids = [self.head_ids[i] for i in keep]
         self.head_mask_H = self.head_mask_H[keep].clone()
@@ -112,8 +131,8 @@ def causal_mask(T: int, S: int, device=None) -> torch.Tensor:
     return torch.arange(S, device=device)[None, :] <= torch.arange(S - T, S, device=device)[:, None]
 
 
-def _linear(d_in: int, d_out: int) -> nn.Linear:
+def _linear(d_in: int, d_out: int, bias: bool = True) -> nn.Linear:
     """A Linear whose weights are overwritten next; no warning when a layer loses its last head (0 rows)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return nn.Linear(d_in, d_out)
+        return nn.Linear(d_in, d_out, bias=bias)

@@ -1,5 +1,6 @@
 """`moe-scale export`: a trained run as a model directory other tools load (--format hf: HuggingFace
-transformers, with remote code, safetensors weights and a word-level tokenizer)."""
+transformers, with remote code, safetensors weights and a word-level tokenizer; a --block llama run as
+transformers' own Mixtral / Llama classes)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="a trained run as a HuggingFace transformers model directory")
     p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
-    p.add_argument("--format", choices=("hf",), default="hf", help="hf: transformers' from_pretrained with "
-                                                                 "trust_remote_code=True")
+    p.add_argument("--format", choices=("hf",), default="hf", help="hf: transformers' from_pretrained (with "
+                                                                 "trust_remote_code=True, but a --block llama run: "
+                                                                 "a native MixtralForCausalLM / LlamaForCausalLM)")
     p.add_argument("--out", required=True, metavar="DIR", help="the directory to create (must not exist; missing "
                                                              "parents are created)")
     p.add_argument("--checkpoint", metavar="TAG", help="export this checkpoint (default: the newest complete one)")
@@ -27,5 +29,8 @@ def run(args: argparse.Namespace) -> None:
     check_target(out)   # before the slow imports
     with contextlib.redirect_stdout(sys.stderr):
         tag = export_hf(Path(args.run), out, args.checkpoint)
-    print(f"exported {args.run} ({tag}) to {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}, "
-          f"trust_remote_code=True)")
+    import json
+
+    native = json.loads((out / "config.json").read_text())["architectures"][0] != "MoEScaleForCausalLM"
+    print(f"exported {args.run} ({tag}) to {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}"
+          + (")" if native else ", trust_remote_code=True)"))

@@ -63,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         apply_preset(config, given.pop("preset"))
     for key, value in given.items():
         config.set(key, value)
+    _llama_router(config, given)
     config.parallel.ds_config = ds_config_from_accelerate(config.parallel.ds_config)
     for key in given:
         reason = config.inapplicable(key)
@@ -71,6 +72,17 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                             f"what it needs")
     config.validate()
     return config
+
+
+def _llama_router(config: RunConfig, given: dict) -> None:
+    """--block llama with an MoE FFN routes as Mixtral: --gate softmax_topk --moa-renormalize full unless given
+    (config.validate() refuses other gates for the llama block)."""
+    if config.model.kind == "transformer" and config.model.transformer.block == "llama" \
+            and config.model.transformer.ffn == "moe":
+        if "gate" not in given:
+            config.moe.router.gate = "softmax_topk"
+        if "moa_renormalize" not in given:
+            config.moe.router.softmax_topk.renormalize = "full"
 
 
 def _resumed_config(args: argparse.Namespace, given: dict) -> RunConfig:

@@ -1,7 +1,9 @@
 """A trained run as a HuggingFace model directory: `AutoModelForCausalLM.from_pretrained(DIR,
 trust_remote_code=True)` and `AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)` load it (moe_scale must
 be installed there; transformers 5's AutoTokenizer reads config.json, whose model type is remote code, so without
-trust_remote_code=True it asks [y/N]).
+trust_remote_code=True it asks [y/N]). A --block llama run is written as transformers' own MixtralForCausalLM or
+LlamaForCausalLM instead (inference/hf_native.py: no remote code, no moe_scale needed to load it; same tokenizer
+files, config.json with the run's configuration under `run_config`).
 
     config.json                 transformers' config: model_type moe_scale, auto_map, the run's configuration
     configuration_moe_scale.py  modeling_moe_scale.py   the remote code (hf_remote/)
@@ -87,6 +89,17 @@ def _remove(partial: Path, created: list[Path]) -> None:
 def _write(target: Path, config, vocab, model, run: Path, tag: str) -> None:
     from safetensors.torch import save_file
 
+    from moe_scale.inference import hf_native
+
+    provenance = {"run_config": config.to_dict(), "exported_from": {"run": str(run.resolve()), "checkpoint": tag}}
+    if hf_native.is_native(config):   # transformers' own Mixtral / Llama: no remote code
+        save_file(hf_native.export_tensors(model, config), str(target / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(target / "model.safetensors", new_file_mode())
+        hf_config = {**hf_native.hf_config(config, len(vocab), vocab.BOS_ID, vocab.EOS_ID), **provenance}
+        (target / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        _write_tokenizer(target, vocab, config.data.seq_len)
+        (target / "README.md").write_text(_model_card(config, vocab, tag, hf_config["architectures"][0]))
+        return
     state = {f"lm.{name}": t.detach().cpu().clone().contiguous() for name, t in _tensors_by_module_path(model)}
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(target / "model.safetensors", new_file_mode())   # save_file writes it owner-only
@@ -134,8 +147,11 @@ def _write_tokenizer(target: Path, vocab, context: int) -> None:
     (target / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def _model_card(config, vocab, tag: str) -> str:
-    """The README: what the model is and Python that loads it and generates (within a transformer's context)."""
+def _model_card(config, vocab, tag: str, native: str | None = None) -> str:
+    """The README: what the model is and Python that loads it and generates (within a transformer's context);
+    `native`: the transformers architecture of a native export (None: the remote code)."""
+    if native is not None:
+        return _native_card(config, vocab, tag, native)
     kind = "an LSTM-MoE" if config.model.kind == "lstm" else f"a transformer ({config.attention.kind} attention)"
     text = "Text is split at whitespace into the run's words; others become `<UNK>`." \
         if config.data.tokenizer == "words" else \
@@ -159,4 +175,30 @@ Inference only, one device, float32; needs `moe_scale` installed (the remote cod
 are log-probabilities of the next token{positions}. `generate` re-reads the whole prefix each step (no cache is
 handed to transformers). {text} Per-word perplexity as `moe-scale eval` computes it: moe_scale's docs/training.md,
 "Exporting to HuggingFace transformers".
+"""
+
+
+def _native_card(config, vocab, tag: str, architecture: str) -> str:
+    text = "Text is split at whitespace into the run's words; others become `<UNK>`." \
+        if config.data.tokenizer == "words" else \
+        f"Text is encoded with the run's tokenizer ({config.data.tokenizer}), {len(vocab)} tokens."
+    context = config.data.seq_len
+    new_tokens = max(1, min(20, context - len(vocab.encode(CARD_PROMPT))))
+    return f"""# moe_scale export
+
+A `{architecture}` (transformers' own class, no remote code) trained with moe_scale's `--block llama`
+(checkpoint {tag}), a vocabulary of {len(vocab)}, trained on windows of {context} positions.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained(".")
+tokenizer = AutoTokenizer.from_pretrained(".")
+ids = tokenizer("{CARD_PROMPT}", return_tensors="pt").input_ids        # <S> is prepended
+print(tokenizer.decode(model.generate(ids, do_sample=False, max_new_tokens={new_tokens})[0]))
+```
+
+Its logits are moe_scale's (float32), and greedy `generate` picks the words `moe-scale generate --greedy` picks.
+{text} `config.json` keeps the moe_scale run configuration under `run_config`; `moe-scale train --block llama
+--init-from-hf DIR` continues training from this directory. Per-word perplexity as `moe-scale eval` computes it:
+moe_scale's docs/training.md, "Exporting to HuggingFace transformers".
 """

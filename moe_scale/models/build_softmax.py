@@ -10,14 +10,15 @@ from moe_scale.models.softmax import (AdaptiveSoftmax, FullSoftmax, LogUniformSa
                                       UnigramSampler, cluster_shares_from_counts)
 
 
-def build_softmax(config: SoftmaxConfig, d_model: int, vocab_size: int, counts: list[int] | None) -> nn.Module:
+def build_softmax(config: SoftmaxConfig, d_model: int, vocab_size: int, counts: list[int] | None,
+                  bias: bool = True) -> nn.Module:
     """The --softmax layer from `d_model` hidden units to `vocab_size` classes; `counts` are the training
     occurrences per id (vocab.counts: the unigram sampler draws from them, the adaptive softmax's FLOP count
     weighs its clusters by them), None where unknown. The full softmax's projection is built first whatever the
     kind: the sampled softmax trains it (the same model, only a cheaper loss), and the adaptive softmax, which
     does not use it, is initialised after it, so that a seed gives the initial weights it gave runs already
-    trained."""
-    full = FullSoftmax(d_model, vocab_size)
+    trained. `bias=False`: an output matrix without bias (the llama block's; full and sampled only)."""
+    full = FullSoftmax(d_model, vocab_size, bias)
     if config.kind == "full":
         return full
     if config.kind == "sampled":

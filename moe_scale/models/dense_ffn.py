@@ -5,6 +5,8 @@ Legend (docs/shapes.md): B sequences, T positions, N tokens (B·T), D model widt
     ReLUStack  d -> h (ReLU) -> ... -> h (ReLU) -> d without biases: MoE-1-Deep's single always-active
                "expert" in the LSTM LM (Shazeer et al. App. C.1; a one-expert gate always outputs 1)
     GELUFFN    d -> h (GELU) -> d with biases: the transformer's dense feed-forward
+    SwiGLUFFN  d -> h (silu(x W_gate) * x W_up) -> d without biases: the llama block's (Llama's LlamaMLP; named
+               as transformers names its matrices)
 """
 
 from __future__ import annotations
@@ -34,3 +36,14 @@ class GELUFFN(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         return self.down(nn.functional.gelu(self.up(x_BTD)))
+
+
+class SwiGLUFFN(nn.Module):
+    def __init__(self, d_model: int, d_hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, d_hidden, bias=False)
+        self.down_proj = nn.Linear(d_hidden, d_model, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))

@@ -21,11 +21,12 @@ IGNORE = -100
 
 
 class FullSoftmax(nn.Module):
-    """The exact softmax over the whole vocabulary (a linear layer with bias, then log-softmax)."""
+    """The exact softmax over the whole vocabulary (a linear layer with bias, then log-softmax; the llama block's
+    has no bias, as Mixtral's lm_head)."""
 
-    def __init__(self, d_model: int, vocab_size: int):
+    def __init__(self, d_model: int, vocab_size: int, bias: bool = True):
         super().__init__()
-        self.proj = nn.Linear(d_model, vocab_size)
+        self.proj = nn.Linear(d_model, vocab_size, bias=bias)
 
     def forward(self, h_ND: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
         """Per-token NLL [N] in float32."""
@@ -110,8 +111,11 @@ class SampledSoftmax(nn.Module):
         log_expected_N = log_q_V[safe_targets_N] + math.log(self.num_sampled)
         w, b = self.proj.weight, self.proj.bias
         h = h_ND.float()
-        true_N = (h * w[safe_targets_N].float()).sum(-1) + b[safe_targets_N].float() - log_expected_N
-        sampled_NS = h @ w[sampled_S].float().t() + b[sampled_S].float() - log_expected_S
+        true_N = (h * w[safe_targets_N].float()).sum(-1)
+        sampled_NS = h @ w[sampled_S].float().t()
+        if b is not None:   # the llama block's output layer has none
+            true_N, sampled_NS = true_N + b[safe_targets_N].float(), sampled_NS + b[sampled_S].float()
+        true_N, sampled_NS = true_N - log_expected_N, sampled_NS - log_expected_S
         logits_N1S = torch.cat([true_N[:, None], sampled_NS], dim=1)
         nll_N = torch.logsumexp(logits_N1S, dim=1) - true_N
         return torch.where(counted_N, nll_N, torch.zeros_like(nll_N))

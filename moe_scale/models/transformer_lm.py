@@ -7,6 +7,16 @@ Legend (docs/shapes.md): B sequences, T positions, N tokens (B·T), D model widt
 Att: multi-head with head masks (mha), MoA attention experts (moa) or MAE (mae); FFN: dense (GELU) or an
 MoE layer with any `--gate`. Pre-LayerNorm blocks; dropout on every sub-layer output. Legend: B sequences,
 T positions, D model dim, V vocabulary. Interface as the LSTM model: `moe_layers()` and `LMOutput`.
+
+`--block llama` is Mixtral's decoder (Llama's with a dense FFN), module for module what transformers'
+MixtralForCausalLM computes, so it exports natively (inference/hf_native.py):
+
+    embedding ─▶ N × [x + Att(RMSNorm(x)),  x + FFN(RMSNorm(x))] ─▶ RMSNorm ─▶ lm_head (no bias; tied or not)
+
+Att: multi-head attention without biases, rotary positions on queries and keys; FFN: SwiGLU (dense, or SwiGLU
+experts behind Mixtral's router: softmax top-k, gates renormalised). Every matrix but the router's and the
+experts' (which draw their own) starts N(0, 0.02²) as transformers initialises Mixtral; dropout as the default
+block's (training only).
 """
 
 from __future__ import annotations
@@ -19,14 +29,19 @@ from torch import nn
 from moe_scale.attention.mae import MAEAttention
 from moe_scale.attention.mha import MultiHeadAttention
 from moe_scale.attention.moa import MoAAttention
+from moe_scale.attention.rotary import RotaryPositions
 from moe_scale.config import RouterConfig, RunConfig
 from moe_scale.models.build_softmax import build_softmax
-from moe_scale.models.dense_ffn import GELUFFN
+from moe_scale.models.dense_ffn import GELUFFN, SwiGLUFFN
+from moe_scale.models.rms_norm import RMSNorm
 from moe_scale.models.lstm_lm import LMOutput
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 from moe_scale.moe.build import build_moe_layer
 from moe_scale.moe.layer import MoELayer
 from moe_scale.moe.router import build_router
+
+
+LLAMA_INIT_STD = 0.02   # transformers' initializer_range (MixtralConfig, LlamaConfig)
 
 
 def sinusoidal_positions(T: int, d: int, device=None) -> torch.Tensor:
@@ -46,6 +61,9 @@ class Block(nn.Module):
         d = config.model.d_model
         h = attention.head_width(d)
         self.attention_kind = attention.kind
+        if config.model.transformer.block == "llama":
+            self._llama(config, d, h, ep_size, ep_rank, seed)
+            return
         if attention.kind == "mha":
             self.attn = MultiHeadAttention(d, attention.num_heads, h, dropout)
         elif attention.kind == "mae":
@@ -62,6 +80,19 @@ class Block(nn.Module):
             self.ffn = build_moe_layer(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed + 1)
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.dropout = nn.Dropout(dropout)
+
+    def _llama(self, config: RunConfig, d: int, h: int, ep_size: int, ep_rank: int, seed: int) -> None:
+        """Mixtral's decoder layer: RMSNorms, bias-free attention with rotary positions, SwiGLU FFN or experts."""
+        transformer = config.model.transformer
+        self.attn = MultiHeadAttention(d, config.attention.num_heads, h, config.model.dropout, bias=False,
+                                       rotary=RotaryPositions(h, transformer.rope_theta))
+        if transformer.ffn == "dense":
+            self.ffn = SwiGLUFFN(d, transformer.ffn_hidden)
+        else:
+            self.ffn = build_moe_layer(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed + 1,
+                                       activation="swiglu")
+        self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
+        self.dropout = nn.Dropout(config.model.dropout)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         aux = x_BTD.new_zeros((), dtype=torch.float32)
@@ -100,12 +131,25 @@ class TransformerLM(nn.Module):
         (the rest uses the global RNG, which the caller seeds identically on every rank)."""
         super().__init__()
         self.d_model = d = config.model.d_model
+        self.llama = config.model.transformer.block == "llama"
         self.embedding = nn.Embedding(vocab_size, d)
         self.blocks = nn.ModuleList(Block(config, ep_size, ep_rank, seed + 2 * i)
                                     for i in range(config.model.transformer.num_layers))
-        self.final_norm = nn.LayerNorm(d)
+        self.final_norm = RMSNorm(d) if self.llama else nn.LayerNorm(d)
         self.dropout = nn.Dropout(config.model.dropout)
-        self.softmax = build_softmax(config.softmax, d, vocab_size, counts)
+        self.softmax = build_softmax(config.softmax, d, vocab_size, counts, bias=not self.llama)
+        if self.llama:
+            self._init_llama(config.model.transformer.tie_embeddings)
+
+    @torch.no_grad()
+    def _init_llama(self, tie: bool) -> None:
+        """transformers' initialisation of Mixtral: N(0, 0.02²) for the embedding and every Linear (the router
+        and the experts keep their own); a tied output layer is the embedding matrix itself."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, LLAMA_INIT_STD)
+        if tie:
+            self.softmax.proj.weight = self.embedding.weight
 
     def moe_layers(self) -> list[MoELayer]:
         """Every expert layer (MoA attention and MoE FFNs), in forward order."""
@@ -117,7 +161,9 @@ class TransformerLM(nn.Module):
     def forward(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> LMOutput:
         B, T = inputs_BT.shape
         x_BTD = self.embedding(inputs_BT)
-        x_BTD = self.dropout(x_BTD + sinusoidal_positions(T, self.d_model, x_BTD.device).to(x_BTD.dtype))
+        if not self.llama:   # the llama block's positions are rotary, inside attention
+            x_BTD = x_BTD + sinusoidal_positions(T, self.d_model, x_BTD.device).to(x_BTD.dtype)
+        x_BTD = self.dropout(x_BTD)
         aux = x_BTD.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
             x_BTD, block_aux = block(x_BTD)
@@ -134,7 +180,8 @@ class TransformerLM(nn.Module):
         cache = cache or {"length": 0, "layers": [{} for _ in self.blocks]}
         start = cache["length"]
         x_BTD = self.embedding(inputs_BT)
-        x_BTD = x_BTD + sinusoidal_positions(start + T, self.d_model, x_BTD.device)[start:].to(x_BTD.dtype)
+        if not self.llama:
+            x_BTD = x_BTD + sinusoidal_positions(start + T, self.d_model, x_BTD.device)[start:].to(x_BTD.dtype)
         for block, layer_cache in zip(self.blocks, cache["layers"]):
             x_BTD = block.decode(x_BTD, layer_cache)
         cache["length"] = start + T

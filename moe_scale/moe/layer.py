@@ -27,7 +27,8 @@ ALL_TO_ALL = choices(DispatchConfig, "all_to_all")
 
 
 class MoELayer(RoutedLayer):
-    """Sparsely-gated MoE of one-hidden-layer ReLU experts (Shazeer et al. 2017).
+    """Sparsely-gated MoE of one-hidden-layer ReLU experts (Shazeer et al. 2017), or SwiGLU experts
+    (`activation="swiglu"`, the llama block's).
 
     The router defaults to noisy top-k with k experts per token; pass any other flat `Router` (moe/router/).
     With `shared_experts` S > 0, S always-active experts of width `shared_hidden` (0: d_hidden) add their
@@ -41,7 +42,7 @@ class MoELayer(RoutedLayer):
                  seed: int = 0, router: Router | None = None, recompute: bool = False,
                  dispatch_mode: str = "dropless", capacity_factor: float = 1.0, all_to_all: str = "flat",
                  node_size: int = 0, reuse_grad_buffers: bool = True, shared_experts: int = 0,
-                 shared_hidden: int = 0, shared_gate: bool = False):
+                 shared_hidden: int = 0, shared_gate: bool = False, activation: str = "relu"):
         if all_to_all not in ALL_TO_ALL:
             raise ValueError(f"all_to_all must be one of {ALL_TO_ALL}, got {all_to_all!r}")
         router = router if router is not None else NoisyTopKRouter(
@@ -53,7 +54,8 @@ class MoELayer(RoutedLayer):
         self.k = k
         self.experts = GroupedExperts(self.num_local_experts, d_model, d_hidden,
                                       first_global_expert=ep_rank * self.num_local_experts, seed=seed,
-                                      recompute=recompute, reuse_grad_buffers=reuse_grad_buffers)
+                                      recompute=recompute, reuse_grad_buffers=reuse_grad_buffers,
+                                      activation=activation)
         self.dispatcher = AllToAllDispatcher(*self.dispatch_units(), dispatch_mode, capacity_factor)
         self.mark_expert_parameters()
         self.all_to_all, self.node_size = all_to_all, node_size

@@ -72,6 +72,10 @@ def run_training(config: RunConfig) -> dict:
         if env.rank == 0:
             print(f"upcycled from {upcycled[0]} (checkpoint {upcycled[1]}): every expert a copy of its FFN"
                   + (f" with {t.upcycle_noise:g} noise" if t.upcycle_noise else "") + ", a new router", flush=True)
+    if t.init_from_hf and not run_dir.resume:   # a resumed run's weights are its checkpoint's
+        from moe_scale.inference.hf_native import init_from_hf
+
+        init_from_hf(model, config, data.vocab)
     mae = mae_schedule(model, config, data.train.steps_per_epoch)   # MAE's G steps, else None
     trainer = TrainingEngine(model.to(env.device), ds_config, t)
     noises = _install_noise(model, config, env)

@@ -1,6 +1,7 @@
 """Every command on every model kind (issue 41): eval, generate, export --format hf and prune-heads on each kind
 of run, from the LSTM LM (every gate, hierarchical MoE, the dense baselines) to the transformer (MHA, MoA and
-MAE attention, a dense or an MoE FFN), with the adaptive and the sampled softmax, word and BPE tokenizers.
+MAE attention, a dense or an MoE FFN; the llama block, Mixtral's and Llama's architecture, exported as
+transformers' own classes), with the adaptive and the sampled softmax, word and BPE tokenizers.
 
 Each cell works, checked against an independent computation, or is refused in one line where the command says
 it does not apply (prune-heads: transformer runs with --attention mha or mae). eval equals the training run's
@@ -45,7 +46,11 @@ KINDS = {
                                      "--adaptive-cutoffs", "50,200", "--tokenizer", "bpe"],
     "transformer-mae-moe-sampled-unigram": [*_TRANSFORMER, "--attention", "mae", "--ffn", "moe", "--softmax",
                                             "sampled", "--sampler", "unigram", "--num-sampled", "50"],
+    "transformer-llama-moe": [*_TRANSFORMER, "--block", "llama", "--ffn", "moe"],   # Mixtral
+    "transformer-llama-dense-tied-sampled-bpe": [*_TRANSFORMER, "--block", "llama", "--tie-embeddings", "--softmax",
+                                                 "sampled", "--num-sampled", "50", "--tokenizer", "bpe"],   # Llama
 }
+NATIVE = {kind for kind, flags in KINDS.items() if "llama" in flags}   # exported as transformers' own classes
 PRUNABLE = {kind for kind, flags in KINDS.items() if "transformer" in flags and "moa" not in flags}
 DOCS = REPO / "docs" / "training.md"
 EXPORT_SECTION = "Exporting to HuggingFace transformers"
@@ -201,22 +206,28 @@ def test_export(kind, trained, opened, corpus, embedded_cache, tmp_path):
     out = tmp_path / "exported" / "lstm-moe"   # the name the documented code reads; exported/ does not exist yet
     run_cli("export", "--run", str(run), "--format", "hf", "--out", str(out), cwd=tmp_path, cache=embedded_cache,
             check=True)
-    model = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
+    native = kind in NATIVE
+    model = AutoModelForCausalLM.from_pretrained(str(out), **({} if native else {"trust_remote_code": True}))
+    tokenizer = AutoTokenizer.from_pretrained(str(out), **({} if native else {"trust_remote_code": True}))
     ours = opened(kind)
 
-    # every buffer as moe_scale builds it, the saved ones and those transformers builds empty (head masks)
-    theirs, mine = dict(model.lm.named_buffers()), dict(ours.model.named_buffers())
-    assert theirs.keys() == mine.keys()
-    for name, buffer in mine.items():
-        assert torch.equal(theirs[name], buffer), name
+    if native:
+        assert type(model).__name__ == ("MixtralForCausalLM" if "moe" in kind else "LlamaForCausalLM")
+        assert not list(out.glob("*.py"))
+    else:   # every buffer as moe_scale builds it, the saved ones and those transformers builds empty (head masks)
+        theirs, mine = dict(model.lm.named_buffers()), dict(ours.model.named_buffers())
+        assert theirs.keys() == mine.keys()
+        for name, buffer in mine.items():
+            assert torch.equal(theirs[name], buffer), name
 
     # the tokenizer's ids, and the logits on a batch of evaluation windows
     sentences = (corpus / "valid.txt").read_text().splitlines()
     assert tokenizer(sentences[0]).input_ids == [Vocab.BOS_ID, *ours.tokenizer.encode(sentences[0])]
     inputs, _ = next(EvalWindows(sentences, ours.tokenizer, ours.config.data.seq_len, 4).all_windows())
     with torch.no_grad():
-        torch.testing.assert_close(model(inputs).logits, ours.model.decode(inputs)[0], atol=1e-5, rtol=1e-5)
+        # (a native export's logits are the output layer's; the remote code's already log-probabilities)
+        torch.testing.assert_close(model(inputs).logits.log_softmax(-1), ours.model.decode(inputs)[0], atol=1e-5,
+                                   rtol=1e-5)
 
     # the documented per-word perplexity of valid.txt is the run's own validation perplexity
     (tmp_path / "other_text.txt").symlink_to(corpus / "valid.txt")

@@ -14,7 +14,21 @@ FAST = ["--max-steps", "1", "--batch-size", "4", "--seq-len", "8", "--model", "t
     (["--attention", "mha", "--d-model", "30", "--num-heads", "4"], ["--num-heads 4", "--d-model 30"]),
     (["--attention", "moa", "--moa-num-experts", "3", "--ep-size", "2"], ["--moa-num-experts 3", "--ep-size 2"]),
     (["--attention", "mae", "--num-heads", "1"], ["--num-heads >= 2"]),
-], ids=["k>experts", "heads-width", "moa-ep", "mae-one-head"])
+    (["--block", "llama", "--attention", "moa"], ["--block llama", "--attention mha"]),
+    (["--block", "llama", "--d-model", "12", "--num-heads", "4"], ["head width 3 must be even"]),
+    (["--block", "llama", "--softmax", "adaptive", "--adaptive-cutoffs", "100"], ["--softmax full or sampled"]),
+    (["--block", "llama", "--ffn", "moe", "--gate", "noisy_topk"], ["routes as Mixtral", "--gate softmax_topk "
+                                                                    "--moa-renormalize full", "not --gate noisy_topk"]),
+    (["--block", "llama", "--ffn", "moe", "--moa-renormalize", "detached"], ["--moa-renormalize detached"]),
+    (["--block", "llama", "--ffn", "moe", "--dispatch", "capacity"], ["--dispatch dropless"]),
+    (["--block", "llama", "--rope-theta", "1"], ["--rope-theta must be larger than 1"]),
+    (["--tie-embeddings"], ["--tie-embeddings does nothing here", "--block llama"]),
+    (["--rope-theta", "1e6"], ["--rope-theta does nothing here", "--block llama"]),
+    (["--init-from-hf", "x"], ["--init-from-hf does nothing here", "--block llama"]),
+    (["--block", "llama", "--init-from-hf", "nowhere"], ["--init-from-hf nowhere: no such directory"]),
+], ids=["k>experts", "heads-width", "moa-ep", "mae-one-head", "llama-moa", "llama-odd-head", "llama-adaptive",
+        "llama-gate", "llama-detached", "llama-capacity", "llama-theta", "tie-default-block", "theta-default-block",
+        "init-from-hf-default-block", "init-from-hf-missing"])
 def test_bad_transformer_settings(tmp_path, flags, fragments):
     out = tmp_path / "run"
     proc = run_cli("train", *FAST, *flags, "--out", str(out), cwd=tmp_path)

@@ -28,6 +28,8 @@ D, H, E, K, N = 64, 128, 32, 2, 512
 def _layer(gate: str) -> MoELayer:
     if gate == "hierarchical":
         layer = HierarchicalMoELayer(D, H, E, K, seed=3, router=HierarchicalRouter(D, 8, E // 8, 2, 2))
+    elif gate == "swiglu":   # the llama block's experts (moe/experts/swiglu.py) behind the flat gate
+        layer = MoELayer(D, H, E, K, seed=3, activation="swiglu")
     else:
         layer = MoELayer(D, H, E, K, seed=3)
     gen = torch.Generator().manual_seed(5)
@@ -66,7 +68,7 @@ def _run(layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor):
     return y.float().detach().cpu(), aux.float().detach().cpu(), x.grad.float().cpu(), grads, experts_NK
 
 
-@pytest.mark.parametrize("gate", ["flat", "hierarchical"])
+@pytest.mark.parametrize("gate", ["flat", "hierarchical", "swiglu"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-3), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"])
 def test_layer_on_cuda_matches_the_cpu_float32_reference(gate, dtype, tol):
     gen = torch.Generator().manual_seed(11)
@@ -158,6 +160,12 @@ def test_twenty_steps_of_the_lstm_moe_on_one_gpu(tmp_path):
 def test_twenty_steps_of_a_transformer_moe_on_one_gpu(tmp_path):
     _train(tmp_path, "--model", "transformer", "--ffn", "moe", "--num-experts", "16", "--d-model", "256",
            "--num-layers", "2", "--num-heads", "4", "--expert-hidden", "512", "--seq-len", "128", "--batch-size", "16")
+
+
+def test_twenty_steps_of_a_mixtral_style_transformer_on_one_gpu(tmp_path):
+    _train(tmp_path, "--model", "transformer", "--block", "llama", "--ffn", "moe", "--num-experts", "16",
+           "--d-model", "256", "--num-layers", "2", "--num-heads", "4", "--expert-hidden", "512", "--seq-len", "128",
+           "--batch-size", "16")
 
 
 def test_layer_benchmark_on_cuda(tmp_path):

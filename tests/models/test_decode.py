@@ -1,6 +1,7 @@
 """Generation's incremental decoding (models' `decode`): the LSTM carrying its state and the transformer its KV
-cache (MHA, MAE's gate window too, MoA's shared K/V) give, token by token, the same next-word distributions as
-the training forward over the whole sequence, for every model kind, dense or MoE."""
+cache (MHA, MAE's gate window too, MoA's shared K/V, the llama block's rotary positions) give, token by token,
+the same next-word distributions as the training forward over the whole sequence, for every model kind, dense or
+MoE."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ MODELS = {
     "mae-dense": dict(model="transformer", attention="mae", ffn="dense"),
     "moa-moe": dict(model="transformer", attention="moa", ffn="moe", gate="softmax_topk", moa_num_experts=4,
                     moa_top_k=2),
+    "llama-dense-tied": dict(model="transformer", block="llama", ffn="dense", tie_embeddings=True),
+    "llama-moe": dict(model="transformer", block="llama", ffn="moe", gate="softmax_topk", moa_renormalize="full"),
 }
 
 

@@ -109,3 +109,20 @@ def test_transformer_settings_reach_every_block(key, value, read):
 def test_lstm_settings_reach_the_lstm_lm(key, value, read):
     needs = {"layout": "lstm-ffn-lstm"} if key == "ffn_layers" else {}
     assert read(_model({"model": "lstm"}, needs, {key: value})) == value
+
+
+LLAMA = {"model": "transformer", "block": "llama", "num_heads": 2}
+
+
+@pytest.mark.parametrize("key, value, needs, read", [
+    ("rope_theta", 1e6, {}, lambda lm: {block.attn.rotary.theta for block in lm.blocks} == {1e6} and 1e6),
+    ("tie_embeddings", True, {}, lambda lm: lm.softmax.proj.weight is lm.embedding.weight),
+    ("ffn_hidden", 40, {}, lambda lm: {block.ffn.down_proj.in_features for block in lm.blocks} == {40} and 40),
+    ("expert_hidden", 24, {"ffn": "moe", "gate": "softmax_topk", "moa_renormalize": "full"},
+     lambda lm: {(b.ffn.experts.d_hidden, b.ffn.experts.activation) for b in lm.blocks} == {(24, "swiglu")} and 24),
+])
+def test_llama_block_settings_reach_every_block(key, value, needs, read):
+    assert RunConfig().get(key) != value
+    lm = _model(LLAMA, needs, {key: value})
+    assert all(type(block.norm1).__name__ == "RMSNorm" and block.attn.q_proj.bias is None for block in lm.blocks)
+    assert read(lm) == value

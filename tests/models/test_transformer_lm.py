@@ -18,12 +18,13 @@ from tests.cli_runs import run_cli, run_train, step_log
 V, T = 30, 10
 
 
-@pytest.mark.parametrize("attention", ["mha", "moa", "mae"])
+@pytest.mark.parametrize("attention", ["mha", "moa", "mae", "llama"])
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_no_variant_lets_position_t_see_t_plus_1(attention, training):
-    config = RunConfig.from_settings(model="transformer", attention=attention, d_model=16, num_heads=4, moa_num_experts=4,
-                         moa_top_k=2, ffn="moe", num_experts=4, top_k=2, gate="softmax_topk", dropout=0.0,
-                         num_layers=2)
+    llama = dict(block="llama", moa_renormalize="full") if attention == "llama" else {}
+    config = RunConfig.from_settings(model="transformer", attention="mha" if llama else attention, d_model=16,
+                                     num_heads=4, moa_num_experts=4, moa_top_k=2, ffn="moe", num_experts=4, top_k=2,
+                                     gate="softmax_topk", dropout=0.0, num_layers=2, **llama)
     torch.manual_seed(0)
     model = TransformerLM(config, V).train(training)
     hidden = []

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.cli_runs import TINY, run_eval, run_train, step_log
 from tests.paths import DS_CONFIGS
@@ -116,3 +117,37 @@ def test_capacity_mode_is_independent_of_expert_parallelism(tmp_path, embedded_c
     first, second = (json.loads((run / "summary.json").read_text()) for run in (dp, ep))
     assert 0.2 < first["dropped_fraction"] < 1.0                 # at least half the copies cannot fit
     assert second["dropped_fraction"] == pytest.approx(first["dropped_fraction"])
+
+
+def test_llama_block_two_processes_expert_parallel_equal_one_process_and_import_their_experts(tmp_path,
+                                                                                             embedded_cache):
+    """--block llama (SwiGLU experts behind Mixtral's router, tied embeddings under ZeRO-2) takes the same steps on
+    1 process and on 2 with --ep-size 2; a 2-process run started --init-from-hf an export (each rank importing its
+    experts) exports the same tensors again (--lr 0)."""
+    from safetensors.torch import load_file
+
+    from tests.cli_runs import run_cli
+
+    common = [*TINY, "--model", "transformer", "--block", "llama", "--ffn", "moe", "--num-layers", "2",
+              "--tie-embeddings", "--dropout", "0", "--lr", "0.01", "--warmup-steps", "0", "--max-steps", "4",
+              "--eval-interval", "4", "--checkpoint-interval", "4", "--ds-config", str(DS_CONFIGS / "zero2_ep.json")]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train([*common, "--out", str(one)], cwd=tmp_path, cache=embedded_cache)
+    run_train([*common, "--ep-size", "2", "--out", str(two)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
+    for a, b in zip(step_log(one), step_log(two), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (a, b)
+        assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-6), (a, b)
+    first, second = (json.loads((run / "summary.json").read_text()) for run in (one, two))
+    assert second["valid_ppl"] == pytest.approx(first["valid_ppl"], rel=1e-4)
+
+    run_cli("export", "--run", str(one), "--out", str(tmp_path / "hf"), cwd=tmp_path, cache=embedded_cache,
+            check=True)
+    imported = tmp_path / "imported"
+    run_train([*common, "--ep-size", "2", "--max-steps", "1", "--lr", "0", "--init-from-hf", str(tmp_path / "hf"),
+               "--out", str(imported)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
+    run_cli("export", "--run", str(imported), "--out", str(tmp_path / "hf2"), cwd=tmp_path, cache=embedded_cache,
+            check=True)
+    exported, again = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "hf2"))
+    assert exported.keys() == again.keys() and "lm_head.weight" not in exported   # tied
+    for name, tensor in exported.items():
+        assert torch.equal(again[name], tensor), name

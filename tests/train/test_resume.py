@@ -38,3 +38,16 @@ def test_steps_logged_after_the_last_checkpoint_are_not_repeated(tmp_path, embed
     # the summary's train_ppl is over the same interval as the uninterrupted run's
     assert json.loads((run / "summary.json").read_text())["train_ppl"] == \
         json.loads((straight / "summary.json").read_text())["train_ppl"]
+
+
+def test_a_llama_block_run_with_tied_embeddings_resumes_to_the_same_steps(tmp_path, embedded_cache):
+    """The tied output layer (one parameter under two names) and the SwiGLU experts come back from a checkpoint
+    as they were: 3 + 3 resumed steps are the 6 straight ones."""
+    llama = [*SETTINGS, "--model", "transformer", "--block", "llama", "--ffn", "moe", "--num-layers", "2",
+             "--tie-embeddings", "--log-interval", "1"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_train([*llama, "--max-steps", "6", "--out", str(straight)], cwd=tmp_path, cache=embedded_cache)
+    run_train([*llama, "--max-steps", "3", "--out", str(split)], cwd=tmp_path, cache=embedded_cache)
+    run_train(["--resume", "--max-steps", "6", "--out", str(split)], cwd=tmp_path, cache=embedded_cache)
+    assert [(r["step"], r["loss"], r["aux_loss"]) for r in step_log(split)] == \
+        [(r["step"], r["loss"], r["aux_loss"]) for r in step_log(straight)]

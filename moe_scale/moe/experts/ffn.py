@@ -1,4 +1,5 @@
-"""Experts: one-hidden-layer ReLU FFNs stored as stacked weights, run as one grouped computation.
+"""Experts: one-hidden-layer ReLU FFNs stored as stacked weights, run as one grouped computation (SwiGLU
+experts, the other activation GroupedExperts offers: moe/experts/swiglu.py).
 
 Legend (docs/shapes.md): M (token, expert) pairs that arrived at this rank (sorted by local expert), R rows
 they read, D model width, F expert hidden width, L local experts, I input width, O output width (of a product).
@@ -26,18 +27,8 @@ import torch
 from torch import nn
 
 from moe_scale.moe.cpu_backend import kernels as cpu_kernels
-from moe_scale.moe.experts.grouped_gemm import Counts, GroupLayout, per_expert_outer, rows_times_expert
-from moe_scale.moe.kernel_policy import policy_for
-
-
-def row_dot(a_MI: torch.Tensor, b_MI: torch.Tensor) -> torch.Tensor:
-    """sum(a * b, dim=1). On CPU in row chunks (no [M, I] temporary); on a GPU one batched product."""
-    if not a_MI.shape[0]:
-        return a_MI.new_zeros(0)
-    rows = policy_for(a_MI).gate_chunk_rows
-    if rows is None:
-        return torch.bmm(a_MI[:, None, :], b_MI[:, :, None]).view(-1)
-    return torch.cat([(a * b).sum(1) for a, b in zip(a_MI.split(rows), b_MI.split(rows))])
+from moe_scale.moe.experts.grouped_gemm import Counts, GroupLayout, per_expert_outer, row_dot, rows_times_expert
+from moe_scale.moe.experts.swiglu import swiglu_expert_ffn
 
 
 class _GroupedMatmul(torch.autograd.Function):
@@ -201,8 +192,14 @@ def expert_ffn(rows_RD, w_in_LFD, w_out_LFD, tokens_per_expert: Counts, row_of_p
                             recompute, kernel, grad_buffers)
 
 
+ACTIVATIONS = ("relu", "swiglu")
+SWIGLU_INIT_STD = 0.02   # transformers' initializer_range, with which it initialises Mixtral's experts
+
+
 class GroupedExperts(nn.Module):
-    """L local experts, each D -> F (ReLU) -> D with no biases (t2t's `ffn_expert_fn`).
+    """L local experts, each D -> F (ReLU) -> D with no biases (t2t's `ffn_expert_fn`), or with
+    `activation="swiglu"` Mixtral's D -> F (silu(x W1ᵀ) * x W3ᵀ) -> D (moe/experts/swiglu.py: w_in then holds
+    W1 and W3 stacked, [L, 2F, D]; no output scale; every matrix N(0, 0.02²) from the same per-expert generator).
 
     The output is scaled by sqrt(D/F) (t2t's autoscale) so expert outputs keep unit scale whatever F is.
     Weights are Glorot-uniform per expert matrix, as t2t's default initializer, drawn from a generator
@@ -215,19 +212,31 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, d_model: int, d_hidden: int, first_global_expert: int = 0,
-                 seed: int = 0, recompute: bool = False, reuse_grad_buffers: bool = True):
+                 seed: int = 0, recompute: bool = False, reuse_grad_buffers: bool = True, activation: str = "relu"):
         super().__init__()
-        self.recompute = recompute
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.recompute, self.activation = recompute, activation
         self.grad_buffers = GradientBuffers() if reuse_grad_buffers else None
         self.num_local_experts, self.d_model, self.d_hidden = num_local_experts, d_model, d_hidden
         self.first_global_expert, self.seed = first_global_expert, seed
-        self.w_in = nn.Parameter(torch.empty(num_local_experts, d_hidden, d_model))   # nn.Linear's (out, in)
+        first_layer = 2 * d_hidden if activation == "swiglu" else d_hidden   # SwiGLU: gate and up rows
+        self.w_in = nn.Parameter(torch.empty(num_local_experts, first_layer, d_model))   # nn.Linear's (out, in)
         self.w_out = nn.Parameter(torch.empty(num_local_experts, d_hidden, d_model))
-        self.output_scale = math.sqrt(d_model / d_hidden)
+        self.output_scale = math.sqrt(d_model / d_hidden) if activation == "relu" else 1.0
+        self._ffn = expert_ffn if activation == "relu" else swiglu_expert_ffn
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         if self.w_in.is_meta:   # shapes only (moe-scale flops / plan): nothing to draw
+            return
+        if self.activation == "swiglu":
+            with torch.no_grad():
+                for local_id in range(self.num_local_experts):
+                    generator = torch.Generator().manual_seed(
+                        self.seed * 1_000_003 + self.first_global_expert + local_id)
+                    self.w_in[local_id].normal_(0.0, SWIGLU_INIT_STD, generator=generator)
+                    self.w_out[local_id].normal_(0.0, SWIGLU_INIT_STD, generator=generator)
             return
         bound = math.sqrt(6.0 / (self.d_model + self.d_hidden))
         with torch.no_grad():
@@ -247,5 +256,5 @@ class GroupedExperts(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
             rows_RD, w_in, w_out = rows_RD.to(dtype), w_in.to(dtype), w_out.to(dtype)
         grad_buffers = self.grad_buffers if w_in is self.w_in else None   # autocast: the casts' gradients
-        return expert_ffn(rows_RD, w_in, w_out, tokens_per_expert, row_of_pair_M, gate_M, self.output_scale,
-                          self.recompute, grad_buffers=grad_buffers)
+        return self._ffn(rows_RD, w_in, w_out, tokens_per_expert, row_of_pair_M, gate_M, self.output_scale,
+                         self.recompute, grad_buffers=grad_buffers)

@@ -8,6 +8,7 @@ device.
 
     rows_times_expert   out[rows of e] = a[rows of e] @ b[e]                 [M, I] x [L, I, O] -> [M, O]
     per_expert_outer    out[e] = a[rows of e].T @ b[rows of e]              [M, I] x [M, O] -> [L, I, O]
+    row_dot             sum(a * b, dim=1)                                    [M, I] x [M, I] -> [M]
 
 Kernels (`GroupLayout` picks one per layer from the device and dtype; tests force each in turn):
 
@@ -224,6 +225,16 @@ def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout
         else:
             out_LIO[e].zero_()
     return out_LIO
+
+
+def row_dot(a_MI: torch.Tensor, b_MI: torch.Tensor) -> torch.Tensor:
+    """sum(a * b, dim=1). On CPU in row chunks (no [M, I] temporary); on a GPU one batched product."""
+    if not a_MI.shape[0]:
+        return a_MI.new_zeros(0)
+    rows = policy_for(a_MI).gate_chunk_rows
+    if rows is None:
+        return torch.bmm(a_MI[:, None, :], b_MI[:, :, None]).view(-1)
+    return torch.cat([(a * b).sum(1) for a, b in zip(a_MI.split(rows), b_MI.split(rows))])
 
 
 def _grouped_rows(a_MI: torch.Tensor, b_LIO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,10 @@ class SoftmaxTopKRouter(Router):
       which sum to < 1 when K < E; the router gets task-loss gradient through every kept probability, also at K == 1.
     - ``"detached"`` (paper eq. 9): ``gates = p_i / Detach(Σ_{j∈topk} p_j)``; rows sum to 1 in the forward pass, but
       the denominator carries no gradient. Identical forward values to ``"none"`` when K == E.
+    - ``"full"`` (Mixtral, transformers' ``MixtralTopKRouter``): ``gates = p_i / Σ_{j∈topk} p_j`` with the
+      denominator's gradient, i.e. a softmax over the K kept logits: forward values as ``"detached"``, but the
+      gradient of the gates along their sum vanishes (they always sum to 1). At K == 1 the gate is a constant 1
+      and the router learns only from its losses.
 
     Losses (eq. 13-16), added to the model loss as ``aux_loss = aux_weight · L_a + z_weight · L_z``:
 
@@ -112,6 +116,8 @@ class SoftmaxTopKRouter(Router):
         top_p_NK, experts_NK = probs_NE.topk(k, dim=1)  # sorted descending
         if self.renormalize == "detached":  # eq. 9: the denominator carries no gradient
             gates_NK = top_p_NK / top_p_NK.sum(dim=1, keepdim=True).detach()
+        elif self.renormalize == "full":   # Mixtral: the sum keeps its gradient
+            gates_NK = top_p_NK / top_p_NK.sum(dim=1, keepdim=True)
         else:
             gates_NK = top_p_NK
 

@@ -30,6 +30,8 @@ def reference(router, x_ND):
     top_p, idx = probs.topk(router.k, dim=1)
     if router.renormalize == "detached":
         top_p = top_p / top_p.sum(1, keepdim=True).detach()
+    elif router.renormalize == "full":
+        top_p = top_p / top_p.sum(1, keepdim=True)
     dense = torch.zeros_like(probs).scatter(1, idx, top_p)
     selected = torch.zeros_like(probs).scatter(1, idx, 1.0)
     l_a = router.num_experts * (F.normalize(probs.sum(0), p=1, dim=0) * F.normalize(selected.sum(0), p=1, dim=0)).sum()
@@ -53,7 +55,8 @@ def test_parameters_no_bias_not_zero_and_checkpoint_safe_names():
     assert len(set(map(tuple, out.experts_NK.sort(1).values.tolist()))) > 1  # no zero-init tie
 
 
-@pytest.mark.parametrize("kw", [dict(k=0), dict(k=7), dict(k=-1), dict(renormalize="full"), dict(renormalize="detach")])
+@pytest.mark.parametrize("kw", [dict(k=0), dict(k=7), dict(k=-1), dict(renormalize="fully"),
+                                dict(renormalize="detach")])
 def test_bad_arguments_raise(kw):
     args = dict(d_model=4, num_experts=6, k=2) | kw
     with pytest.raises(ValueError):
@@ -65,7 +68,7 @@ def test_bad_arguments_raise(kw):
 TOL = dict(rtol=1e-5, atol=1e-6)  # float32 router against the float64 reference
 
 
-@pytest.mark.parametrize("renormalize", ["none", "detached"])
+@pytest.mark.parametrize("renormalize", ["none", "detached", "full"])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_gates_importance_load_and_losses_match_reference(renormalize, k):
     router = make_router(e=6, k=k, renormalize=renormalize, aux_weight=0.3, z_weight=0.07)
@@ -111,6 +114,30 @@ def test_detached_denominator_carries_no_gradient():
 
     torch.testing.assert_close(router.w_gate.grad, manual(detach=True))
     assert not torch.allclose(router.w_gate.grad, manual(detach=False), atol=1e-4)
+
+
+def test_full_renormalisation_is_mixtrals_router_in_value_and_gradient():
+    """"full" gives the gates of transformers' MixtralTopKRouter (softmax in float32, top-k, divided by their sum),
+    which are a softmax over the k kept logits, and their gradient; "detached" has the same values and another
+    gradient."""
+    x, y = randn(40, 8), randn(40, 2, seed=3)
+    router = make_router(k=2, renormalize="full", aux_weight=0.0, z_weight=0.0)
+    out = router(x)
+    (out.gates_NK * y).sum().backward()
+    w = make_router(k=2).w_gate.detach().double().requires_grad_()
+    logits = x.double() @ w
+    mixtral = torch.softmax(logits, dim=-1).topk(2, dim=-1)   # MixtralTopKRouter.forward, transcribed
+    mixtral_gates = mixtral.values / mixtral.values.sum(dim=-1, keepdim=True)
+    torch.testing.assert_close(out.experts_NK, mixtral.indices)
+    torch.testing.assert_close(out.gates_NK.double(), mixtral_gates, **TOL)
+    torch.testing.assert_close(mixtral_gates, torch.softmax(logits.gather(1, mixtral.indices), dim=1))
+    want = torch.autograd.grad((mixtral_gates * y.double()).sum(), w)[0]
+    torch.testing.assert_close(router.w_gate.grad.double(), want, **TOL)
+    detached = make_router(k=2, renormalize="detached", aux_weight=0.0, z_weight=0.0)
+    detached_out = detached(x)
+    torch.testing.assert_close(detached_out.gates_NK, out.gates_NK)
+    (detached_out.gates_NK * y).sum().backward()
+    assert not torch.allclose(detached.w_gate.grad, router.w_gate.grad, atol=1e-4)
 
 
 def test_half_precision_input_under_autocast_computes_in_float32():
@@ -179,7 +206,7 @@ def test_z_loss_is_finite_for_huge_logits():
     assert math.isfinite(out.metrics["z_loss"]) and out.metrics["z_loss"] > 1e4
 
 
-@pytest.mark.parametrize("renormalize", ["none", "detached"])
+@pytest.mark.parametrize("renormalize", ["none", "detached", "full"])
 def test_gradients_reach_w_gate_from_task_loss_and_each_aux_loss(renormalize):
     x, y = randn(40, 8), randn(40, 2, seed=3)
     grads = {}

@@ -1,0 +1,277 @@
+"""A --block llama model as transformers' own MixtralForCausalLM (MoE FFN) or LlamaForCausalLM (dense FFN), and
+back: one name mapping, used by `moe-scale export --format hf` (no remote code: plain
+`AutoModelForCausalLM.from_pretrained(DIR)` loads it) and by `train --init-from-hf DIR`.
+
+Weights are written under the names Mixtral's released checkpoints use (`model.layers.N.block_sparse_moe.gate`,
+`...experts.E.w1/w2/w3`), which every transformers since 4.36 loads (5.x converts them to its fused
+`mlp.experts.gate_up_proj` / `down_proj` on loading); the import reads either layout. moe_scale → transformers:
+
+    embedding.weight                   model.embed_tokens.weight
+    blocks.N.norm1 / norm2             model.layers.N.input_layernorm / post_attention_layernorm
+    blocks.N.attn.{q,k,v}_proj, out_proj   model.layers.N.self_attn.{q,k,v}_proj, o_proj
+    blocks.N.ffn.router.w_gate [D, E]  model.layers.N.block_sparse_moe.gate.weight [E, D] (transposed)
+    blocks.N.ffn.experts.w_in[e]       ...experts.e.w1 (rows 0..F-1) and w3 (rows F..2F-1)
+    blocks.N.ffn.experts.w_out[e]      ...experts.e.w2 (transposed)
+    blocks.N.ffn.{gate,up,down}_proj   model.layers.N.mlp.{gate,up,down}_proj (Llama)
+    final_norm, softmax.proj           model.norm, lm_head (absent when tied)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from moe_scale.errors import UserError
+from moe_scale.models.rms_norm import RMS_NORM_EPS
+from moe_scale.models.transformer_lm import LLAMA_INIT_STD
+
+_LEGACY = "model.layers.{}.block_sparse_moe."   # Mixtral's released checkpoints (and transformers 4.x)
+_FUSED = "model.layers.{}.mlp."                 # transformers 5's own layout
+
+
+def is_native(config) -> bool:
+    """Whether a run exports natively (its transformer has the llama block)."""
+    return config.model.kind == "transformer" and config.model.transformer.block == "llama"
+
+
+def architecture(config) -> tuple[str, str]:
+    """(model_type, architecture) of a llama-block run: Mixtral with an MoE FFN, Llama with a dense one."""
+    if config.model.transformer.ffn == "moe":
+        return "mixtral", "MixtralForCausalLM"
+    return "llama", "LlamaForCausalLM"
+
+
+def hf_config(config, vocab_size: int, bos_id: int, eos_id: int) -> dict:
+    """transformers' config.json for the run (what Mixtral/LlamaConfig(...).to_dict() holds, for 4.x and 5.x)."""
+    transformer, attention, d = config.model.transformer, config.attention, config.model.d_model
+    model_type, arch = architecture(config)
+    theta = transformer.rope_theta
+    out = {
+        "architectures": [arch], "model_type": model_type, "vocab_size": vocab_size, "hidden_size": d,
+        "num_hidden_layers": transformer.num_layers, "num_attention_heads": attention.num_heads,
+        "num_key_value_heads": attention.num_heads, "head_dim": attention.head_width(d), "hidden_act": "silu",
+        "max_position_embeddings": config.data.seq_len, "initializer_range": LLAMA_INIT_STD,
+        "rms_norm_eps": RMS_NORM_EPS, "rope_theta": theta, "rope_parameters": {"rope_type": "default",
+                                                                                "rope_theta": theta},
+        "attention_dropout": 0.0, "tie_word_embeddings": transformer.tie_embeddings, "use_cache": True,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": None, "dtype": "float32",
+    }
+    if model_type == "mixtral":
+        router = config.moe.router
+        out.update({
+            "intermediate_size": config.moe.experts.hidden, "num_local_experts": config.moe.experts.num_experts,
+            "num_experts_per_tok": router.top_k, "sliding_window": None, "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+            # transformers' balancing loss pools every layer's tokens and is k times a switch loss: with this
+            # coefficient it equals moe_scale's sum of per-layer losses when the layers route alike (no z-loss)
+            "router_aux_loss_coef": router.softmax_topk.aux_weight * transformer.num_layers / router.top_k})
+    else:
+        out.update({"intermediate_size": transformer.ffn_hidden, "attention_bias": False, "mlp_bias": False,
+                    "pretraining_tp": 1})
+    return out
+
+
+# ---------------------------------------------------------------- moe_scale -> transformers
+
+
+def export_tensors(model, config) -> dict[str, torch.Tensor]:
+    """Every weight of a one-process llama-block model (all experts local) under transformers' names."""
+    out = {"model.embed_tokens.weight": model.embedding.weight, "model.norm.weight": model.final_norm.weight}
+    if not config.model.transformer.tie_embeddings:
+        out["lm_head.weight"] = model.softmax.proj.weight
+    for i, block in enumerate(model.blocks):
+        out.update(_block_tensors(i, block, config))
+    return {name: t.detach().cpu().clone().contiguous() for name, t in out.items()}
+
+
+def _block_tensors(i: int, block, config) -> dict[str, torch.Tensor]:
+    layer, attn = f"model.layers.{i}.", block.attn
+    out = {layer + "input_layernorm.weight": block.norm1.weight,
+           layer + "post_attention_layernorm.weight": block.norm2.weight,
+           layer + "self_attn.q_proj.weight": attn.q_proj.weight,
+           layer + "self_attn.k_proj.weight": attn.k_proj.weight,
+           layer + "self_attn.v_proj.weight": attn.v_proj.weight,
+           layer + "self_attn.o_proj.weight": attn.out_proj.weight}
+    ffn = block.ffn
+    if config.model.transformer.ffn == "dense":
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{layer}mlp.{name}.weight"] = getattr(ffn, name).weight
+        return out
+    moe = _LEGACY.format(i)
+    out[moe + "gate.weight"] = ffn.router.w_gate.t()
+    f = ffn.experts.d_hidden
+    for e in range(ffn.experts.num_local_experts):
+        w_in, w_out = ffn.experts.w_in[e], ffn.experts.w_out[e]
+        out[f"{moe}experts.{e}.w1.weight"], out[f"{moe}experts.{e}.w3.weight"] = w_in[:f], w_in[f:]
+        out[f"{moe}experts.{e}.w2.weight"] = w_out.t()
+    return out
+
+
+# ---------------------------------------------------------------- transformers -> moe_scale
+
+
+def read_directory(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, every tensor) of a transformers model directory: model.safetensors or its shards."""
+    from safetensors.torch import load_file
+
+    where = f"--init-from-hf {directory}"
+    try:
+        hf = json.loads((directory / "config.json").read_text())
+    except FileNotFoundError:
+        raise UserError(f"{where}: no config.json there; pass the directory `moe-scale export --format hf` wrote "
+                        f"(or a MixtralForCausalLM / LlamaForCausalLM saved by transformers)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{where}: config.json is not readable JSON ({e})") from None
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise UserError(f"{where}: no model.safetensors (or its index) there; save the model with safetensors "
+                        f"(transformers' default)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(str(directory / name)))
+    return hf, tensors
+
+
+def check_config(hf: dict, config, vocab_size: int, where: str) -> None:
+    """Refuses, in one line naming the field and the flag that sets it, a checkpoint of another shape."""
+    expected = hf_config(config, vocab_size, 1, 2)
+    model_type, _ = architecture(config)
+    if hf.get("model_type") != model_type:
+        other = "--ffn moe" if hf.get("model_type") == "mixtral" else "--ffn dense" \
+            if hf.get("model_type") == "llama" else None
+        raise UserError(f"{where}: it holds a {hf.get('model_type')!r} model and this run builds {model_type!r}; "
+                        + (f"pass {other}" if other else "only Mixtral and Llama checkpoints import"))
+    moe = model_type == "mixtral"
+    flags = {"vocab_size": "the vocabulary (--vocab-size, --tokenizer)", "hidden_size": "--d-model",
+             "num_hidden_layers": "--num-layers", "num_attention_heads": "--num-heads", "head_dim": "--head-dim",
+             "intermediate_size": "--expert-hidden" if moe else "--ffn-hidden", "rope_theta": "--rope-theta",
+             "tie_word_embeddings": "--tie-embeddings / --no-tie-embeddings", "num_local_experts": "--num-experts",
+             "num_experts_per_tok": "--top-k"}
+    theirs = dict(hf)
+    theirs.setdefault("head_dim", None)
+    if theirs["head_dim"] is None:
+        theirs["head_dim"] = hf.get("hidden_size", 0) // max(1, hf.get("num_attention_heads", 1))
+    theirs.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
+    theirs.setdefault("tie_word_embeddings", moe is False)   # transformers' defaults: Llama ties, Mixtral does not
+    theirs.setdefault("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    theirs.setdefault("rms_norm_eps", 1e-6 if not moe else 1e-5)
+    theirs.setdefault("hidden_act", "silu")
+    theirs.setdefault("sliding_window", None)
+    for field in (*flags, "num_key_value_heads", "rms_norm_eps", "hidden_act", "sliding_window", "attention_bias",
+                  "mlp_bias"):
+        if field not in expected or theirs.get(field, expected[field]) == expected[field]:
+            continue
+        if field == "sliding_window" and (theirs[field] or 0) >= config.data.seq_len:
+            continue   # a window longer than the context changes nothing
+        value = theirs[field]
+        if field in flags:
+            raise UserError(f"{where}: its {field} is {value}, this run's {expected[field]}; set {flags[field]} to "
+                            f"match it")
+        raise UserError(f"{where}: its {field} is {value}, and the llama block has {expected[field]} (no flag "
+                        f"sets it); only checkpoints with {field} {expected[field]} import")
+
+
+def check_vocabulary(directory: Path, vocab, where: str) -> None:
+    """The checkpoint's embedding rows must mean this run's tokens: its tokenizer.json's vocabulary must be the
+    run's, id for id."""
+    from tokenizers import Tokenizer
+
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"{where}: no tokenizer.json there, so its token ids cannot be checked against this run's "
+                        f"vocabulary; export the model with `moe-scale export` (or save its tokenizer beside it)")
+    theirs = {i: t for t, i in Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).items()}
+    ours = {i: t for t, i in vocab.tokenizer.get_vocab(with_added_tokens=True).items()} \
+        if hasattr(vocab, "tokenizer") else dict(enumerate(vocab.words))
+    if theirs != ours:
+        first = min(i for i in set(theirs) | set(ours) if theirs.get(i) != ours.get(i))
+        raise UserError(f"{where}: its vocabulary ({len(theirs)} tokens) is not this run's ({len(ours)}; first "
+                        f"difference at id {first}: {theirs.get(first)!r} there, {ours.get(first)!r} here); train "
+                        f"on the --data, --vocab-size and --tokenizer it was trained with, or pass --tokenizer "
+                        f"{path}")
+
+
+def import_tensors(model, config, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Copies a checkpoint's tensors into a llama-block model; an expert-parallel rank takes its experts' rows.
+    A tensor missing, of another shape, or without a place in the model is refused in one line."""
+    tensors = dict(tensors)
+    wanted = _wanted(model, config, tensors, where)
+    for name, (target, source_of) in wanted.items():
+        if name not in tensors:
+            raise UserError(f"{where}: its weights lack {name}; pass a complete checkpoint of this architecture")
+        value = source_of(tensors.pop(name))
+        if value.shape != target.shape:
+            raise UserError(f"{where}: {name} has shape {tuple(value.shape)}, this run needs {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(value.to(target.dtype))
+    if config.model.transformer.tie_embeddings:   # a tied checkpoint may still carry its (equal) lm_head
+        tensors.pop("lm_head.weight", None)
+    leftover = sorted(name for name in tensors if not name.endswith("rotary_emb.inv_freq"))
+    if leftover:
+        raise UserError(f"{where}: {leftover[0]} (and {len(leftover) - 1} more) has no place in a --block llama "
+                        f"model; only Mixtral / Llama checkpoints without extra modules import")
+
+
+def _wanted(model, config, tensors: dict, where: str) -> dict:
+    """checkpoint name -> (the model's tensor to fill, how to read it from the checkpoint's)."""
+    same = lambda t: t   # noqa: E731
+    wanted = {"model.embed_tokens.weight": (model.embedding.weight, same),
+              "model.norm.weight": (model.final_norm.weight, same)}
+    if not config.model.transformer.tie_embeddings:
+        wanted["lm_head.weight"] = (model.softmax.proj.weight, same)
+    for i, block in enumerate(model.blocks):
+        layer, attn = f"model.layers.{i}.", block.attn
+        wanted.update({layer + "input_layernorm.weight": (block.norm1.weight, same),
+                       layer + "post_attention_layernorm.weight": (block.norm2.weight, same),
+                       layer + "self_attn.q_proj.weight": (attn.q_proj.weight, same),
+                       layer + "self_attn.k_proj.weight": (attn.k_proj.weight, same),
+                       layer + "self_attn.v_proj.weight": (attn.v_proj.weight, same),
+                       layer + "self_attn.o_proj.weight": (attn.out_proj.weight, same)})
+        if config.model.transformer.ffn == "dense":
+            wanted.update({f"{layer}mlp.{name}.weight": (getattr(block.ffn, name).weight, same)
+                           for name in ("gate_proj", "up_proj", "down_proj")})
+        else:
+            wanted.update(_expert_sources(i, block.ffn, tensors))
+    return wanted
+
+
+def _expert_sources(i: int, layer, tensors: dict) -> dict:
+    """The router and this rank's experts, from Mixtral's released layout or transformers 5's fused one."""
+    experts = layer.experts
+    first, local, f = experts.first_global_expert, experts.num_local_experts, experts.d_hidden
+    fused = _FUSED.format(i)
+    if fused + "experts.gate_up_proj" in tensors:   # [E, 2F, D] (gate rows, then up rows) and [E, D, F]
+        mine = slice(first, first + local)
+        return {fused + "gate.weight": (layer.router.w_gate, lambda t: t.t()),
+                fused + "experts.gate_up_proj": (experts.w_in, lambda t: t[mine]),
+                fused + "experts.down_proj": (experts.w_out, lambda t: t[mine].transpose(1, 2))}
+    moe = _LEGACY.format(i)
+    out = {moe + "gate.weight": (layer.router.w_gate, lambda t: t.t())}
+    for local_id in range(local):
+        e = first + local_id
+        out[f"{moe}experts.{e}.w1.weight"] = (experts.w_in[local_id, :f], lambda t: t)
+        out[f"{moe}experts.{e}.w3.weight"] = (experts.w_in[local_id, f:], lambda t: t)
+        out[f"{moe}experts.{e}.w2.weight"] = (experts.w_out[local_id], lambda t: t.t())
+    for e in [*range(first), *range(first + local, layer.num_experts)]:   # other ranks' experts: not here
+        for w in ("w1", "w2", "w3"):
+            tensors.pop(f"{moe}experts.{e}.{w}.weight", None)
+    return out
+
+
+def init_from_hf(model, config, vocab) -> None:
+    """--init-from-hf: the model's weights from the directory's (checked against the run's shapes and
+    vocabulary first)."""
+    directory = Path(config.train.init_from_hf)
+    where = f"--init-from-hf {directory}"
+    if not directory.is_dir():
+        raise UserError(f"{where}: no such directory; pass the directory `moe-scale export --format hf` wrote")
+    hf, tensors = read_directory(directory)
+    check_config(hf, config, len(vocab), where)
+    check_vocabulary(directory, vocab, where)
+    import_tensors(model, config, tensors, where)

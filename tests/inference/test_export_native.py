@@ -1,0 +1,121 @@
+"""`moe-scale export --format hf` of a --block llama run (issue 44): a native MixtralForCausalLM directory, no
+remote code, that plain `AutoModelForCausalLM.from_pretrained(DIR)` loads; its logits are moe_scale's (float32,
+relative error ≤ 1e-4) and greedy `generate` gives the text `moe-scale generate --greedy` prints; `train
+--init-from-hf DIR` imports it (round trip: import, then export, gives the same tensors and the same validation
+perplexity), and refuses in one line, with nothing written, a run of another shape or another vocabulary."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.cli_runs import TINY, assert_one_line_error, run_cli, run_train
+from tests.wikitext import wikitext_sentences
+
+LLAMA = ["--model", "transformer", "--block", "llama", "--ffn", "moe", "--num-layers", "2", "--num-heads", "4",
+         "--vocab-size", "400"]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, embedded_cache):
+    """(corpus, run, export) of a tiny Mixtral-style run trained 6 steps on WikiText-2 sentences."""
+    root = tmp_path_factory.mktemp("native")
+    corpus = root / "train.txt"
+    corpus.write_text("\n".join(wikitext_sentences("valid")[:800]) + "\n", encoding="utf-8")
+    run, out = root / "run", root / "hf"
+    run_train([*TINY, *LLAMA, "--data", str(corpus), "--max-steps", "6", "--out", str(run)], cwd=root,
+              cache=embedded_cache)
+    proc = run_cli("export", "--run", str(run), "--format", "hf", "--out", str(out), cwd=root, cache=embedded_cache,
+                   check=True)
+    assert f"from_pretrained({str(out)!r})" in proc.stdout   # no trust_remote_code to pass
+    return corpus, run, out
+
+
+def _open(run):
+    from moe_scale.inference.trained_run import open_trained_run
+
+    environment = dict(os.environ)   # the in-process load sets RANK, MASTER_PORT, ...: keep them from the CLI
+    try:
+        return open_trained_run(run, None, "test")
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+def test_transformers_loads_it_without_remote_code_with_the_same_logits_and_greedy_text(exported, embedded_cache):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, run, out = exported
+    assert not list(out.glob("*.py"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and "auto_map" not in config
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    assert type(model).__name__ == "MixtralForCausalLM"
+    ours = _open(run)
+    text = " ".join(wikitext_sentences("test")[0].split()[:14])
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert ids[0].tolist() == [ours.tokenizer.BOS_ID, *ours.tokenizer.encode(text)]
+    with torch.no_grad():
+        logits = model(ids).logits
+        softmax = ours.model.softmax
+        hidden = {}
+        handle = ours.model.final_norm.register_forward_hook(lambda m, i, o: hidden.setdefault("h", o))
+        log_probs = ours.model.decode(ids)[0]
+        handle.remove()
+        mine = softmax.proj(hidden["h"])
+    assert logits.dtype == mine.dtype == torch.float32
+    assert ((logits - mine).abs().max() / mine.abs().max()).item() <= 1e-4
+    torch.testing.assert_close(logits.log_softmax(-1), log_probs, rtol=1e-4, atol=1e-5)
+
+    prompt = " ".join(text.split()[:3])
+    prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    generated = model.generate(prompt_ids, do_sample=False, max_new_tokens=6)[0, prompt_ids.shape[1]:].tolist()
+    if ours.tokenizer.EOS_ID in generated:
+        generated = generated[:generated.index(ours.tokenizer.EOS_ID)]
+    shown = run_cli("generate", "--run", str(run), "--prompt", prompt, "--greedy", "--max-new-tokens", "6",
+                    cwd=run.parent, cache=embedded_cache, check=True).stdout
+    from moe_scale.inference.generate import render
+
+    ended = len(generated) < 6
+    assert shown == render(ours.tokenizer, [*ours.tokenizer.encode(prompt), *generated]) + \
+        ("" if ended else " ...") + "\n"
+
+
+def test_init_from_hf_then_export_gives_the_same_tensors(exported, embedded_cache, tmp_path):
+    """--lr 0: the imported weights go through one optimizer step unchanged, so the round trip is exact."""
+    from safetensors.torch import load_file
+
+    corpus, run, out = exported
+    again = tmp_path / "again"
+    run_train([*TINY, *LLAMA, "--data", str(corpus), "--max-steps", "1", "--lr", "0", "--init-from-hf", str(out),
+               "--out", str(again)], cwd=tmp_path, cache=embedded_cache)
+    run_cli("export", "--run", str(again), "--out", str(tmp_path / "hf"), cwd=tmp_path, cache=embedded_cache,
+            check=True)
+    first, second = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert first.keys() == second.keys()
+    for name, tensor in first.items():
+        assert torch.equal(second[name], tensor), name
+    summaries = [json.loads((r / "summary.json").read_text()) for r in (run, again)]
+    assert summaries[1]["valid_ppl"] == pytest.approx(summaries[0]["valid_ppl"], rel=1e-6)
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (["--d-model", "48"], ("hidden_size is 32, this run's 48", "--d-model")),
+    (["--num-experts", "4"], ("num_local_experts is 8, this run's 4", "--num-experts")),
+    (["--tie-embeddings"], ("tie_word_embeddings is False, this run's True", "--tie-embeddings")),
+    (["--shuffled-corpus"], ("vocabulary", "first difference at id", "--tokenizer")),
+], ids=["width", "experts", "tied", "vocabulary"])
+def test_a_run_of_another_shape_or_vocabulary_is_refused(exported, embedded_cache, tmp_path, flags, fragments):
+    corpus, _, out = exported
+    if flags == ["--shuffled-corpus"]:   # the same size of vocabulary, other words at its ids
+        other = tmp_path / "other.txt"
+        other.write_text("\n".join(wikitext_sentences("test")[:800]) + "\n", encoding="utf-8")
+        corpus, flags = other, []
+    proc = run_cli("train", *TINY, *LLAMA, "--data", str(corpus), "--max-steps", "1", *flags,
+                   "--init-from-hf", str(out), "--out", str(tmp_path / "run"), cwd=tmp_path, cache=embedded_cache)
+    assert_one_line_error(proc, f"--init-from-hf {out}", *fragments)
+    assert not (tmp_path / "run").exists()
