@@ -4,13 +4,15 @@ Legend (docs/shapes.md): D model width, F expert hidden width.
 
 Every expert starts as a copy of the dense run's feed-forward network (optionally each with its own small
 multiplicative noise, `--upcycle-noise`), the router is new, and every other weight (embedding, LSTMs or attention,
-norms, softmax) is the dense run's. The experts compute `scale · W_out relu(W_in x)` (moe/experts/ffn.py), the dense
-FFN `W_out relu(W_in x)`, so W_out is copied divided by the experts' output scale: an expert's output equals the
-dense FFN's, and with gates that sum to 1 (noisy top-k, hierarchical) the upcycled model's output equals the dense
-model's at step 0. The run reuses the dense run's tokenizer, so the ids mean the same words.
+norms, softmax) is the dense run's; the run reuses the dense run's tokenizer, so the ids mean the same words. An
+expert then computes what the dense FFN did, so with gates that sum to 1 the upcycled model's output equals the
+dense model's at step 0. The pairs, each an FFN and an expert of the same function:
 
-Pairs: the LSTM LM `lstm-ffn-lstm` with one hidden layer (MoE-1-Deep's dense "expert") -> `lstm-moe-lstm`. The
-transformer's dense FFN (GELU, with biases) has no expert of the same function (ReLU, no biases): refused, as is any
+- the LSTM LM's `lstm-ffn-lstm` with one hidden layer (MoE-1-Deep's dense "expert", `W_out relu(W_in x)`) ->
+  `lstm-moe-lstm` with any gate (ReLU experts `scale · W_out relu(W_in x)`: W_out is copied divided by the scale);
+- the llama block's dense SwiGLU FFN -> its SwiGLU experts (Mixtral's: the gate and up rows stacked in w_in).
+
+The default transformer block's dense FFN (GELU, with biases) has no expert of its function: refused, as is any
 pair whose shared weights differ in shape.
 """
 
@@ -25,9 +27,8 @@ from moe_scale.deepspeed_internals import MODEL_STATES_FILE
 from moe_scale.errors import UserError
 
 # Settings the copied weights' shapes (and meaning) depend on: they must be the dense run's.
-_SHARED = ("d_model", "lstm_hidden", "expert_hidden", "vocab_size", "tokenizer", "min_count", "softmax",
-           "adaptive_cutoffs")
-_FFN_PREFIX = "ffn."
+_SHARED = ("model", "d_model", "lstm_hidden", "block", "num_layers", "tie_embeddings", "rope_theta", "attention",
+           "num_heads", "head_dim", "vocab_size", "tokenizer", "min_count", "softmax", "adaptive_cutoffs")
 
 
 def dense_run_to_upcycle(config: RunConfig) -> tuple[Path, str]:
@@ -46,19 +47,34 @@ def dense_run_to_upcycle(config: RunConfig) -> tuple[Path, str]:
 
 
 def _check_pair(config: RunConfig, dense: RunConfig, flag: str) -> None:
-    if config.model.kind == "transformer" or dense.model.kind == "transformer":
-        raise UserError(f"{flag}: upcycling copies a dense FFN into experts of the same function, and the "
-                        f"transformer's dense FFN (GELU, with biases) has none among the experts (ReLU, no biases); "
-                        f"upcycle an LSTM run (--layout lstm-ffn-lstm --ffn-layers 1)")
-    if dense.model.lstm.layout != "lstm-ffn-lstm" or dense.model.lstm.ffn_layers != 1:
-        raise UserError(f"{flag}: it is a --layout {dense.model.lstm.layout} run"
-                        + (f" with --ffn-layers {dense.model.lstm.ffn_layers}"
-                           if dense.model.lstm.layout == "lstm-ffn-lstm" else "")
-                        + "; upcycling needs a dense FFN of one hidden layer, as each expert has: a --layout "
-                          "lstm-ffn-lstm --ffn-layers 1 run")
-    if config.model.lstm.layout != "lstm-moe-lstm":
-        raise UserError(f"{flag}: this run is --layout {config.model.lstm.layout}, which has no experts to start "
-                        f"from the dense FFN; pass --layout lstm-moe-lstm")
+    if config.model.kind != dense.model.kind:
+        raise UserError(f"{flag}: it is a --model {dense.model.kind} run, this one --model {config.model.kind}; "
+                        f"upcycle a run of the same model")
+    if config.model.kind == "transformer":
+        blocks, dense_blocks = config.model.transformer, dense.model.transformer
+        if blocks.block != "llama" or dense_blocks.block != "llama":
+            raise UserError(f"{flag}: the default transformer block's dense FFN (GELU, with biases) has no expert of "
+                            f"its function (ReLU, no biases); upcycle a --block llama run (SwiGLU FFN and experts)")
+        if dense_blocks.ffn != "dense" or blocks.ffn != "moe":
+            raise UserError(f"{flag}: upcycling starts an --ffn moe run from an --ffn dense one; this pair is --ffn "
+                            f"{dense_blocks.ffn} -> --ffn {blocks.ffn}")
+        if config.moe.experts.hidden != dense_blocks.ffn_hidden:
+            raise UserError(f"{flag}: its FFN is --ffn-hidden {dense_blocks.ffn_hidden} wide, this run's experts "
+                            f"--expert-hidden {config.moe.experts.hidden}; pass --expert-hidden "
+                            f"{dense_blocks.ffn_hidden}")
+    else:
+        lstm = dense.model.lstm
+        if lstm.layout != "lstm-ffn-lstm" or lstm.ffn_layers != 1:
+            raise UserError(f"{flag}: it is a --layout {lstm.layout} run"
+                            + (f" with --ffn-layers {lstm.ffn_layers}" if lstm.layout == "lstm-ffn-lstm" else "")
+                            + "; upcycling needs a dense FFN of one hidden layer, as each expert has: a --layout "
+                              "lstm-ffn-lstm --ffn-layers 1 run")
+        if config.model.lstm.layout != "lstm-moe-lstm":
+            raise UserError(f"{flag}: this run is --layout {config.model.lstm.layout}, which has no experts to start "
+                            f"from the dense FFN; pass --layout lstm-moe-lstm")
+        if config.moe.experts.hidden != dense.moe.experts.hidden:
+            raise UserError(f"{flag}: its FFN is --expert-hidden {dense.moe.experts.hidden} wide, this run asks for "
+                            f"{config.moe.experts.hidden}; pass --expert-hidden {dense.moe.experts.hidden}")
     leaves = RunConfig.leaves()
     for key in _SHARED:
         if config.get(key) != dense.get(key):
@@ -68,29 +84,50 @@ def _check_pair(config: RunConfig, dense: RunConfig, flag: str) -> None:
 
 
 def upcycle(model: torch.nn.Module, run: Path, tag: str, noise: float, seed: int) -> None:
-    """Loads the dense run's weights into `model` (an LSTM-MoE built from the paired config): the FFN into
-    every expert this process holds, the rest by name; the router keeps its fresh initialisation."""
+    """Loads the dense run's weights into `model` (built from the paired config): each MoE layer's experts that
+    this process holds from the dense FFN in its place, the rest by name; the routers keep their fresh
+    initialisation."""
     state = torch.load(run / "checkpoints" / tag / MODEL_STATES_FILE, map_location="cpu", weights_only=False)["module"]
-    ffn = {name[len(_FFN_PREFIX):]: value for name, value in state.items() if name.startswith(_FFN_PREFIX)}
-    rest = {name: value for name, value in state.items() if not name.startswith(_FFN_PREFIX)}
-    missing = set(model.state_dict()) - set(rest)
-    if any(not name.startswith("moe.") for name in missing) or set(rest) - set(model.state_dict()):
+    layers = _moe_layers_and_their_ffns(model)
+    ffn_keys = {name for name in state if any(name.startswith(ffn) for ffn in layers.values())}
+    rest = {name: value for name, value in state.items() if name not in ffn_keys}
+    ours = set(model.state_dict())
+    if any(not any(name.startswith(moe) for moe in layers) for name in ours - set(rest)) or set(rest) - ours:
         raise UserError(f"--upcycle-from {run}: checkpoint {tag} does not hold the dense model its config.json "
                         f"describes; restore the run or upcycle another")
     with torch.no_grad():
         model.load_state_dict(rest, strict=False)
-        experts = model.moe.experts
-        w_in_FD, w_out_DF = ffn["hidden.0.weight"].float(), ffn["out.weight"].float()
-        for local, (e_in, e_out) in enumerate(zip(experts.w_in, experts.w_out)):
-            factor_in, factor_out = _noise(noise, seed, experts.first_global_expert + local, e_in.shape)
-            e_in.copy_(w_in_FD * factor_in)
-            e_out.copy_(w_out_DF.t() / experts.output_scale * factor_out)
+        for prefix, ffn in layers.items():
+            experts = model.get_submodule(prefix.rstrip(".")).experts
+            w_in_FD, w_out_FD = _expert_weights({name[len(ffn):]: value for name, value in state.items()
+                                                 if name.startswith(ffn)}, experts)
+            for local, (e_in, e_out) in enumerate(zip(experts.w_in, experts.w_out)):
+                factor_in, factor_out = _noise(noise, seed, experts.first_global_expert + local,
+                                               e_in.shape, e_out.shape)
+                e_in.copy_(w_in_FD * factor_in)
+                e_out.copy_(w_out_FD * factor_out)
 
 
-def _noise(noise: float, seed: int, expert: int, shape: torch.Size) -> tuple[torch.Tensor | float, ...]:
+def _moe_layers_and_their_ffns(model: torch.nn.Module) -> dict[str, str]:
+    """{prefix of each MoE layer's state: prefix of the dense FFN in its place}: the LSTM LM's `moe.` <- `ffn.`;
+    a transformer block's `blocks.i.ffn.` <- the same."""
+    from moe_scale.moe.layer import MoELayer
+
+    return {name + ".": "ffn." if name == "moe" else name + "."
+            for name, module in model.named_modules() if isinstance(module, MoELayer)}
+
+
+def _expert_weights(ffn: dict[str, torch.Tensor], experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_in, w_out) of one expert computing the dense FFN `ffn` (its state by name)."""
+    if experts.activation == "swiglu":
+        return torch.cat([ffn["gate_proj.weight"], ffn["up_proj.weight"]]).float(), ffn["down_proj.weight"].float().t()
+    return ffn["hidden.0.weight"].float(), ffn["out.weight"].float().t() / experts.output_scale
+
+
+def _noise(noise: float, seed: int, expert: int, *shapes: torch.Size) -> tuple[torch.Tensor | float, ...]:
     """Each expert's multiplicative noise 1 + noise·N(0, 1) per weight, drawn from (seed, global expert): the same on
     every layout, so expert parallelism changes nothing."""
     if not noise:
-        return 1.0, 1.0
+        return tuple(1.0 for _ in shapes)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + 7_919 * expert + 17)
-    return tuple(1 + noise * torch.randn(shape, generator=generator) for _ in range(2))
+    return tuple(1 + noise * torch.randn(shape, generator=generator) for shape in shapes)

@@ -55,6 +55,22 @@ def test_at_step_0_the_upcycled_model_computes_what_the_dense_one_did(tmp_path, 
                if ".router." in name or name.startswith("moe.router"))
 
 
+def test_a_llama_blocks_swiglu_ffn_upcycles_into_mixtral_experts(tmp_path):
+    """--block llama: the dense SwiGLU FFN into SwiGLU experts; Mixtral's gates (renormalised top-k) sum to 1."""
+    llama = {"model": "transformer", "block": "llama", "num_layers": 2, "num_heads": 2, "seq_len": 8}
+    torch.manual_seed(0)
+    dense = build_model(_config(**llama, ffn="dense", ffn_hidden=24), VOCAB)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    (tmp_path / "dense" / "checkpoints" / TAG).mkdir(parents=True)
+    torch.save({"module": dense.state_dict()}, tmp_path / "dense" / "checkpoints" / TAG / MODEL_STATES_FILE)
+    moe = build_model(_config(**llama, ffn="moe", gate="softmax_topk", moa_renormalize="full"), VOCAB)
+    upcycle(moe, tmp_path / "dense", TAG, noise=0.0, seed=5)
+    ids_BT = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_log_probs(moe, ids_BT), _log_probs(dense, ids_BT), rtol=1e-5, atol=1e-5)
+
+
 def test_noise_sets_the_copies_apart_by_its_size_and_the_same_on_every_layout(tmp_path):
     run, dense = _dense_run(tmp_path)
     one = build_model(_config(), VOCAB)
