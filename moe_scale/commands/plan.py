@@ -6,19 +6,24 @@ import argparse
 import json
 
 from moe_scale.accounting.plan import GIB, MAX_NODES, OPTIMIZERS, PRECISIONS, Cluster, plan, smallest_fitting
+from moe_scale.commands.help_format import HelpFormatter
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="per-GPU memory of a preset on a cluster, and the smallest cluster that fits",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description="Per-GPU memory (parameters, gradients, optimizer state, activations) of an "
+                                   "LSTM preset on a cluster under moe_scale's expert-parallel and ZeRO layout, "
+                                   "whether it fits, and the smallest number of nodes that does.",
+                       formatter_class=HelpFormatter)
     p.add_argument("--preset", required=True, help="an LSTM preset (`moe-scale flops --list`)")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
     p.add_argument("--gpu-mem", type=float, default=80.0, metavar="GIB", help="memory of one GPU in GiB")
     p.add_argument("--zero", type=int, default=2, metavar="STAGE", help="DeepSpeed ZeRO stage (0, 1, 2)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
                    help="expert optimizer: Adam, or App. D's β1=0 factored second moment")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="bf16: 2-byte weights and gradients beside fp32 master weights")
     p.add_argument("--batch-tokens", type=int, default=None,
                    help="tokens per global batch (default: the paper's batch for the preset)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
