@@ -6,9 +6,9 @@ width.
 DeepSpeed has no public API for these: building and finding its expert-parallel process groups, switching off
 the engine's stage-0 gradient all-reduce when ours does the same sums in place, reading ZeRO 1/2 and bf16
 optimizer partitions (portable checkpoints), the name of its CPU all-reduce's /dev/shm segment, its checkpoint
-file names, its Triton grouped GEMM, and two notices it prints in every process that tell a user nothing. An upgrade of DeepSpeed reads this file and runs
-tests/test_deepspeed_internals.py, which checks that the installed DeepSpeed still has every name in
-`PRIVATE_NAMES` and that no other module of moe_scale uses one.
+file names, its Triton grouped GEMM, and two notices it prints in every process that tell a user nothing. An
+upgrade of DeepSpeed reads this file and runs tests/test_deepspeed_internals.py, which checks that the installed
+DeepSpeed still has every name in `PRIVATE_NAMES` and that no other module of moe_scale uses one.
 
 Nothing here imports DeepSpeed at module level: DeepSpeed picks its accelerator when first imported, after
 distributed/launch.py has selected it.
