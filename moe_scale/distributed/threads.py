@@ -1,8 +1,8 @@
 """Torch threads per process: each process of a launch takes its share of the cores, not all of them.
 
 torch's thread pool takes every core in every process. The deepspeed launcher starts its ranks with nothing set,
-so 2 ranks on 2 cores ran 4 threads on 2 cores, about 4 times slower than with one thread each (what torchrun and
-`accelerate launch` set through OMP_NUM_THREADS; tools/bench_threads.py, docs/clusters.md#threads).
+so 2 ranks on 2 cores ran 4 threads on 2 cores: up to 4 times slower than one thread each, what torchrun and
+`accelerate launch` set through OMP_NUM_THREADS (tools/bench_threads.py, docs/clusters.md#threads).
 
 Unless OMP_NUM_THREADS is set (by the user, or by a launcher: torchrun, accelerate, `deepspeed
 --bind_cores_to_rank`), a process that shares its node with other ranks takes cores // local ranks threads, at
