@@ -17,7 +17,9 @@ import sys
 
 from moe_scale.commands import eval as eval_command
 from moe_scale.commands import export, flops, generate, plan, prune_heads, train
+from moe_scale.console import drop_library_notices
 from moe_scale.distributed.launch import select_accelerator, shutdown_distributed
+from moe_scale.distributed.threads import apply_thread_share
 from moe_scale.errors import UserError
 from moe_scale.host_memory import apply_process_settings
 
@@ -41,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     apply_process_settings()   # process-wide memory settings: here, never on import
     args = build_parser().parse_args(argv)
+    apply_thread_share()   # before the command's first torch op; logged by init_distributed
+    drop_library_notices()
     select_accelerator()   # before anything imports deepspeed
     try:
         args.run_command(args)

@@ -6,9 +6,9 @@ width.
 DeepSpeed has no public API for these: building and finding its expert-parallel process groups, switching off
 the engine's stage-0 gradient all-reduce when ours does the same sums in place, reading ZeRO 1/2 and bf16
 optimizer partitions (portable checkpoints), the name of its CPU all-reduce's /dev/shm segment, its checkpoint
-file names and its Triton grouped GEMM. An upgrade of DeepSpeed reads this file and runs
-tests/test_deepspeed_internals.py, which checks that the installed DeepSpeed still has every name in
-`PRIVATE_NAMES` and that no other module of moe_scale uses one.
+file names, its Triton grouped GEMM, and two notices it prints in every process that tell a user nothing. An
+upgrade of DeepSpeed reads this file and runs tests/test_deepspeed_internals.py, which checks that the installed
+DeepSpeed still has every name in `PRIVATE_NAMES` and that no other module of moe_scale uses one.
 
 Nothing here imports DeepSpeed at module level: DeepSpeed picks its accelerator when first imported, after
 distributed/launch.py has selected it.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,8 @@ PRIVATE_NAMES = {
     "_group_gemm": ("ops/triton_ops/group_gemm_triton.py", "def _group_gemm("),
     "_grouped_dw": ("ops/triton_ops/group_gemm_triton.py", "def _grouped_dw("),
     "_triton": ("ops/triton_ops/_triton.py", "def is_triton_available("),
+    "built successfully": ("comm/torch.py", "print(f'DeepSpeed {builder.absolute_name()} built successfully')"),
+    "all_gather_into_tensor": ("comm/torch.py", "return torch.distributed.all_gather_into_tensor"),
 }
 
 
@@ -169,6 +172,17 @@ def cpu_comm_op_built() -> bool:
     except Exception:   # noqa: BLE001 - only decides whether to announce the build
         return True
     return any(directory.glob("deepspeed_shm_comm*.so"))
+
+
+# ---------------------------------------------------------------- notices (moe_scale/console.py drops them)
+
+# Printed on stdout by every process at every start, once the CPU communication op is loaded (built now or long
+# ago): no news. Its first build is announced by moe_scale instead (distributed/launch.py).
+OP_LOADED_LINE = re.compile(r"DeepSpeed \S+ built successfully")
+
+# ZeRO 1/2 gather their partitions with torch.distributed.all_gather_into_tensor, which torch 2.13 deprecates: a
+# FutureWarning on every rank for DeepSpeed's developers. The table entry fails when DeepSpeed stops calling it.
+DEPRECATED_GATHER_WARNING = r"`torch\.distributed\.all_gather_into_tensor` is deprecated"
 
 
 # ---------------------------------------------------------------- Triton grouped GEMM

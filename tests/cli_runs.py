@@ -20,18 +20,25 @@ from typing import Callable
 from moe_scale.cli import main as cli_main
 from moe_scale.distributed.ports import free_port
 from tests import forked
+from tests.paths import REPO
 
 # Small enough for about 2 s per run on 2 CPU cores.
 TINY = ["--d-model", "32", "--expert-hidden", "32", "--num-experts", "8", "--top-k", "2", "--seq-len", "16",
         "--batch-size", "8", "--log-interval", "2", "--eval-max-batches", "4"]
 # For commands refused before they train: if one were accepted by mistake, it ends after one small step.
 FAST = ["--max-steps", "1", "--batch-size", "4", "--seq-len", "8", "--eval-max-batches", "1"]
+# What no command shows a user: notices libraries print for their own developers (moe_scale/console.py).
+NOT_FOR_USERS = ("shm_comm_op", "CUDA_VISIBLE_DEVICES", "FutureWarning")
+# The deepspeed launcher's flags in the README's command: its warnings and errors, not its progress lines.
+LAUNCHER_FLAGS = ("--log_level", "warning")
 
 
 def cli_env(cache: Path | None = None) -> dict[str, str]:
-    """The environment of a command: this process's, on CPU with one thread per process (as the launcher's
-    OMP_NUM_THREADS), with the embedded corpus cached in `cache`."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    """The environment of a command: this process's, on CPU with one thread per process (tests run beside each
+    other), with the embedded corpus cached in `cache`, importing this checkout's moe_scale (the processes a
+    launcher starts too, whatever checkout is installed)."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if cache is not None:
         env["MOE_SCALE_CACHE"] = str(cache)
     return env
@@ -83,8 +90,8 @@ def launch_train(args: list[str], cwd: Path, cache: Path | None = None, nprocs: 
     """`deepspeed --num_gpus N --module moe_scale train ARGS` with DeepSpeed's own launcher, in real processes: for
     the tests whose point is the launcher (the README's command); it must succeed."""
     forked.note_ranks(nprocs)
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs), "--master_port",
-           str(free_port()), *launcher, "--module", "moe_scale", "train", *args]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", *LAUNCHER_FLAGS, "--num_gpus", str(nprocs),
+           "--master_port", str(free_port()), *launcher, "--module", "moe_scale", "train", *args]
     proc = subprocess.run(cmd, cwd=cwd, env=cli_env(cache), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -95,6 +102,13 @@ def run_eval(args: list[str], cwd: Path, cache: Path | None = None) -> dict:
     proc = run_cli("eval", "--json", *args, cwd=cwd, cache=cache)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(proc.stdout)
+
+
+def assert_only_what_helps(proc: subprocess.CompletedProcess) -> None:
+    """Neither stdout nor stderr shows a line of NOT_FOR_USERS."""
+    for name, text in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+        shown = [notice for notice in NOT_FOR_USERS if notice in text]
+        assert not shown, f"{name} shows {shown}:\n{text[-4000:]}"
 
 
 def step_log(run: Path) -> list[dict]:

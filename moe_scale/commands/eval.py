@@ -9,14 +9,19 @@ import json
 import sys
 from pathlib import Path
 
+from moe_scale.commands.help_format import HelpFormatter
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="perplexity of a trained run on a split or on other text")
+    p = sub.add_parser("eval", help="perplexity of a trained run on a split or on other text",
+                       description="Per-word perplexity of a trained run on its validation or test split, or on "
+                                   "other text; with --expert-stats the load and importance of every MoE layer's "
+                                   "experts, with --top-tokens what each expert is given.",
+                       formatter_class=HelpFormatter)
     p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
-    p.add_argument("--split", choices=("valid", "test"), default="valid")
+    p.add_argument("--split", choices=("valid", "test"), default="valid", help="the run's split to evaluate")
     p.add_argument("--data", metavar="PATH", help="evaluate on this text instead (file, dir or glob)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--checkpoint", metavar="TAG", help="evaluate this checkpoint (e.g. step00000400) instead of "

@@ -9,9 +9,14 @@ import contextlib
 import sys
 from pathlib import Path
 
+from moe_scale.commands.help_format import HelpFormatter
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("export", help="a trained run as a HuggingFace transformers model directory")
+    p = sub.add_parser("export", help="a trained run as a HuggingFace transformers model directory",
+                       description="Write a trained run as a HuggingFace transformers model directory (remote code, "
+                                   "safetensors weights, a word-level tokenizer) that AutoModelForCausalLM."
+                                   "from_pretrained(DIR, trust_remote_code=True) loads.",
+                       formatter_class=HelpFormatter)
     p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
     p.add_argument("--format", choices=("hf",), default="hf", help="hf: transformers' from_pretrained (with "
                                                                  "trust_remote_code=True, but a --block llama run: "

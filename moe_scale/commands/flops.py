@@ -12,13 +12,18 @@ import json
 
 from moe_scale.accounting.flops import (SOFTMAX_KINDS, MoATransformer, SoftmaxCost, lstm_lm_accounting,
                                      moa_layer_macs, moa_layer_params)
+from moe_scale.commands.help_format import HelpFormatter
 from moe_scale.models.meta_build import build_lstm_lm_on_meta, parameters_per_child
 from moe_scale.errors import UserError
 from moe_scale.accounting.presets import PRESETS, get_preset, preset_config
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("flops", help="parameters, ops/timestep and training FLOPs of a paper preset")
+    p = sub.add_parser("flops", help="parameters, ops/timestep and training FLOPs of a paper preset",
+                       description="Parameters, ops per timestep and training FLOPs per token of a paper's model "
+                                   "(Shazeer et al. 2017's LSTM-MoE presets, counted from the module built on "
+                                   "the meta device; MoA's transformers), beside the paper's numbers.",
+                       formatter_class=HelpFormatter)
     p.add_argument("--preset", help="preset name (see --list)")
     p.add_argument("--list", action="store_true", help="list the presets")
     p.add_argument("--softmax", choices=SOFTMAX_KINDS, help="count this softmax instead of the preset's")

@@ -14,12 +14,16 @@ import contextlib
 import sys
 from pathlib import Path
 
+from moe_scale.commands.help_format import HelpFormatter
 from moe_scale.errors import UserError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       help="sample text from a trained run (LSTM or transformer), word by word")
+    p = sub.add_parser("generate", formatter_class=HelpFormatter,
+                       help="sample text from a trained run (LSTM or transformer), word by word",
+                       description="Sample text from a trained run (LSTM or transformer) in one process: the "
+                                   "prompt continued word by word (BPE piece by piece) until its sentence ends or "
+                                   "--max-new-tokens; --show-experts adds the experts each word was routed to.")
     p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", metavar="TEXT", help="words to continue (default: start a sentence)")
@@ -49,9 +53,11 @@ def run(args: argparse.Namespace) -> None:
                         f"{args.num_samples})")
     prompt = _prompt_words(args.prompt, args.prompt_file)
     with contextlib.redirect_stdout(sys.stderr):   # only the samples on stdout
-        text = run_generate(Path(args.run), prompt, args.max_new_tokens, args.num_samples, sampling, args.seed,
-                            args.show_experts, args.checkpoint)
-    print(text)
+        text, note = run_generate(Path(args.run), prompt, args.max_new_tokens, args.num_samples, sampling,
+                                  args.seed, args.show_experts, args.checkpoint)
+    print(text, flush=True)
+    if note is not None:
+        print(f"moe-scale: {note}", file=sys.stderr)
 
 
 def _prompt_words(prompt: str | None, prompt_file: str | None) -> list[str]:
@@ -71,7 +77,8 @@ def _prompt_words(prompt: str | None, prompt_file: str | None) -> list[str]:
 
 
 def run_generate(run: Path, prompt: list[str], max_new: int, num_samples: int, sampling, seed: int,
-                 show_experts: bool, checkpoint: str | None) -> str:
+                 show_experts: bool, checkpoint: str | None) -> tuple[str, str | None]:
+    """(the samples as printed, a note where some ended their sentence before any new token)."""
     from moe_scale.inference.trained_run import open_trained_run
 
     text = " ".join(prompt)
@@ -79,14 +86,14 @@ def run_generate(run: Path, prompt: list[str], max_new: int, num_samples: int, s
         config, len(tokenizer.encode(text)), max_new, show_experts))
     import torch
 
-    from moe_scale.inference.generate import format_samples, generate
+    from moe_scale.inference.generate import ended_at_once, format_samples, generate
 
     tokenizer = trained.tokenizer
     prompt_ids = tokenizer.encode(text)
     generator = torch.Generator().manual_seed(seed)
     samples = generate(trained.model, tokenizer, prompt_ids, num_samples, max_new, sampling, generator,
                        trained.env.device, show_experts)
-    return format_samples(tokenizer, prompt_ids, samples, show_experts)
+    return format_samples(tokenizer, prompt_ids, samples, show_experts), ended_at_once(samples, sampling.greedy)
 
 
 def _check_context(config, prompt_tokens: int, max_new: int, show_experts: bool) -> None:

@@ -17,6 +17,7 @@ from moe_scale.accounting.gpus import GPUS, get_gpu
 from moe_scale.accounting.layout import PRECISIONS, Layout
 from moe_scale.accounting.memory import DEFAULT_DROPLESS_LOAD, DEFAULT_MARGIN
 from moe_scale.accounting.plan import MAX_NODES, Planner
+from moe_scale.commands.help_format import HelpFormatter
 from moe_scale.commands.train import _DEST, _add_config_flags, config_from_args
 from moe_scale.errors import UserError
 
@@ -26,7 +27,7 @@ def add_parser(sub) -> None:
                        description="Plan any model `moe-scale train` can build (its flags, --config or --preset) on a "
                                    "cluster: memory per GPU with reserves and a margin, predicted step time, "
                                    "tokens/s, TFLOPS/GPU and MFU; --search ranks the layouts that fit.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     cluster = p.add_argument_group("cluster and layout")
     cluster.add_argument("--gpu", default="h100-sxm", help=f"GPU type: {', '.join(GPUS)}")
     cluster.add_argument("--gpus-per-node", type=int, default=None, help="default: the GPU type's usual server")

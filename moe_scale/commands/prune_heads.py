@@ -22,6 +22,7 @@ import torch
 from moe_scale.attention.prune_schedule import prune_schedule
 from moe_scale.attention.pruning import (ABS_GRANULARITIES, apply_pruning, head_importance, heads_to_prune,
                                          prunable_layers)
+from moe_scale.commands.help_format import HelpFormatter
 from moe_scale.data import LMWindows, load_sentences, resolve_text_files
 from moe_scale.models.softmax import IGNORE
 from moe_scale.errors import UserError
@@ -36,8 +37,11 @@ TIMING_REPEATS = 7
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("prune-heads", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       help="head importance and global head pruning of a transformer run (Michel et al. 2019)")
+    p = sub.add_parser("prune-heads", formatter_class=HelpFormatter,
+                       help="head importance and global head pruning of a transformer run (Michel et al. 2019)",
+                       description="Head importance of a transformer run (Michel et al. 2019) and global "
+                                   "iterative head pruning: perplexity and forward speed-up of each pruned "
+                                   "model, written to pruning.json, pruning.md and pruning.png.")
     p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
     p.add_argument("--data", metavar="PATH", help="text for importance and perplexity per token over full "
                                                   "windows (default: the run's validation split)")

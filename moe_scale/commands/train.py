@@ -6,6 +6,7 @@ import argparse
 import typing
 from pathlib import Path
 
+from moe_scale.commands.help_format import HelpFormatter, with_default
 from moe_scale.config import RunConfig
 from moe_scale.distributed.accelerate_env import ds_config_from_accelerate
 from moe_scale.errors import UserError
@@ -15,7 +16,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train an LSTM-MoE or a transformer language model",
                        description="Train an LSTM-MoE (Shazeer et al. 2017) or a transformer LM (MHA, MoA or MAE "
                                    "attention; dense or MoE feed-forward) on the built-in corpus or your text.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--config", metavar="FILE", help="reload a saved config.json (or a run directory); "
                                                      "flags given here override it")
     _add_config_flags(p)
@@ -30,8 +31,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             groups[leaf.section] = parser.add_argument_group(f"{leaf.section} settings")
         group = groups[leaf.section]
         choices = leaf.field.metadata.get("choices")
-        help_text = leaf.field.metadata["help"] + (f" ({', '.join(choices)})" if choices else "") + \
-            f" (default: {leaf.field.default})"
+        help_text = with_default(leaf.field.metadata["help"] + (f" ({', '.join(choices)})" if choices else ""),
+                                 leaf.field.default)
         if leaf.type is bool:
             group.add_argument(leaf.flag, dest=_DEST + key, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)

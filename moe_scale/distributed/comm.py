@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_autograd
 
 
 def world_size(group=None) -> int:
@@ -16,6 +15,23 @@ def collective_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce(SUM) with a backward that all-reduces the gradient (SUM) too: torch.distributed.nn.functional's
+    all_reduce, which torch 2.13 deprecates (a FutureWarning on every rank) for a functional collective without
+    a backward."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = t.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _SumOverGroup.apply(grad, ctx.group), None
 
 
 class BatchCollectives:
@@ -33,7 +49,7 @@ class BatchCollectives:
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         if not self._several:
             return t
-        return dist_autograd.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return _SumOverGroup.apply(t, self.group)
 
     def gather(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(rows of every rank in rank order, the index of this rank's first row among them)."""

@@ -13,17 +13,18 @@ first `import deepspeed`, which is why cli.py calls `select_accelerator()` first
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from moe_scale.console import deepspeed_stdout_to_stderr
 from moe_scale.deepspeed_internals import cpu_comm_op_built, shm_segment
 from moe_scale.distributed.ports import free_port
+from moe_scale.distributed.threads import thread_share
 
 
 @dataclass
@@ -142,9 +143,10 @@ def init_distributed() -> DistEnv:
         if accelerator == "cpu" and not cpu_comm_op_built() and os.environ.get("RANK", "0") == "0":
             print("moe-scale: building DeepSpeed's CPU communication op (first run on this machine, about a "
                   "minute; it is cached for later runs)", file=sys.stderr, flush=True)
-        with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed's progress lines are not the command's output
+        with deepspeed_stdout_to_stderr():   # DeepSpeed's progress lines are not the command's output
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         release_deepspeed_shm_name()
+        _log_threads()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if accelerator == "cpu":
         device = torch.device("cpu")
@@ -152,6 +154,14 @@ def init_distributed() -> DistEnv:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     return DistEnv(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device, backend)
+
+
+def _log_threads() -> None:
+    """One line per node where several ranks share it: the torch threads each runs with (distributed/threads.py;
+    cli.main set them)."""
+    share = replace(thread_share(), threads=torch.get_num_threads())
+    if share.local_ranks > 1 and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"moe-scale: {share.describe()}", file=sys.stderr, flush=True)
 
 
 def shutdown_distributed() -> None:

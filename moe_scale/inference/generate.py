@@ -118,3 +118,21 @@ def format_samples(vocab: Vocab | SubwordTokenizer, prompt_ids: list[int], sampl
                 cells = ["  ".join(f"e{e} {g:.2f}" for e, g in pairs) for pairs in routes.values()]
                 lines.append(f"    {word:<{width}}  " + "  |  ".join(cells))
     return "\n".join(lines)
+
+
+def ended_at_once(samples: list[Sample], greedy: bool) -> str | None:
+    """What to tell the user when samples end their sentence (</S>) before any new token: otherwise the output is
+    the prompt alone, as if nothing had run. None when every sample has new tokens."""
+    empty = [i + 1 for i, sample in enumerate(samples) if sample.finished and not sample.ids]
+    if not empty:
+        return None
+    if len(samples) == 1:
+        who = "the model ended the sentence at once"
+    else:
+        numbers = ", ".join(map(str, empty[:-1])) + (" and " if len(empty) > 1 else "") + str(empty[-1])
+        who = f"sample{'s' if len(empty) > 1 else ''} {numbers} of {len(samples)} ended the sentence at once"
+    if greedy:
+        return (f"{who}: the most likely token after the prompt is </S>, the end of a sentence, so nothing new "
+                f"was generated; drop --greedy to sample, or give a longer prompt")
+    return (f"{who}: </S>, the end of a sentence, was drawn right after the prompt, so nothing new was "
+            f"generated; try another --seed or a longer prompt")

@@ -1,6 +1,7 @@
 """`accelerate launch` as the third launcher: its DeepSpeed plugin's JSON becomes --ds-config (conflicts are one
 line), and 2 CPU processes started with the shipped accelerate config train exactly as the deepspeed launcher's
-(the README's command), as do the ranks the tests start themselves (tests/cli_runs.py)."""
+(the README's command), as do the ranks the tests start themselves (tests/cli_runs.py); neither launcher's run
+shows a notice not meant for users (tests/test_console.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from moe_scale.distributed.accelerate_env import ds_config_from_accelerate
 from moe_scale.errors import UserError
 from moe_scale.distributed.ports import free_port
-from tests.cli_runs import TINY, cli_env, launch_train, run_train, step_log
+from tests.cli_runs import TINY, assert_only_what_helps, cli_env, launch_train, run_train, step_log
 from tests.paths import REPO
 
 ZERO2 = str(REPO / "ds_configs" / "zero2_ep.json")
@@ -47,7 +48,9 @@ def test_accelerate_launch_trains_as_the_deepspeed_launcher(tmp_path, embedded_c
         pytest.skip("the accelerate command is not on PATH")
     settings = [*TINY, "--max-steps", "4", "--log-interval", "1", "--ep-size", "2", "--noise-rng", "global"]
     reference = tmp_path / "deepspeed"
-    launch_train([*settings, "--ds-config", ZERO2, "--out", str(reference)], cwd=tmp_path, cache=embedded_cache)
+    launched = launch_train([*settings, "--ds-config", ZERO2, "--out", str(reference)], cwd=tmp_path,
+                            cache=embedded_cache)
+    assert_only_what_helps(launched)   # with the README's launcher flags: no CUDA_VISIBLE_DEVICES on CPU
     run = tmp_path / "accelerate"
     proc = subprocess.run(["accelerate", "launch", "--config_file", str(REPO / "ds_configs" /
                                                                           "accelerate_deepspeed.yaml"),
@@ -55,6 +58,7 @@ def test_accelerate_launch_trains_as_the_deepspeed_launcher(tmp_path, embedded_c
                            "--out", str(run)], cwd=REPO, env=cli_env(embedded_cache), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_only_what_helps(proc)
     assert json.loads((run / "config.json").read_text())["parallel"]["ds_config"] == "ds_configs/zero2_ep.json"
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
     assert [r["loss"] for r in step_log(run)] == [r["loss"] for r in step_log(reference)]

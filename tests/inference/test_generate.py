@@ -1,6 +1,7 @@
 """Generation: with its cache, greedy generation picks the same words as re-running the whole sequence every
 step, and --show-experts reports the routing the full forward gives each word; the command on real runs (LSTM,
-and a transformer with MoA and an MoE FFN trained on 2 processes with --ep-size 2) prints only the samples."""
+and a transformer with MoA and an MoE FFN trained on 2 processes with --ep-size 2) prints only the samples, and
+says so when a sample ends its sentence before any new word."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from moe_scale.data import Vocab
-from moe_scale.inference.generate import RouteRecorder, generate
+from moe_scale.inference.generate import RouteRecorder, Sample, ended_at_once, generate
 from moe_scale.inference.sampling import SamplingConfig
 from tests.models.test_decode import MODELS, V, _model
 from tests.cli_runs import TINY, run_cli, run_train
@@ -86,3 +87,53 @@ def test_generate_from_a_two_process_expert_parallel_transformer(tmp_path, embed
     words = [vocab.words[i] if i else "<unk>" for i in ids if i != Vocab.EOS_ID]
     greedy = _generate(run, "--greedy", "--max-new-tokens", "5", cache=embedded_cache).stdout.split()
     assert [w for w in greedy if w != "..."] == words
+
+
+class _EndsAtOnce(torch.nn.Module):
+    """A model whose every next token is </S>: the decode of `inner` with all probability on </S>."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def decode(self, inputs_BT, state=None):
+        log_probs_BTV, state = self.inner.decode(inputs_BT, state)
+        only_eos = torch.full_like(log_probs_BTV, float("-inf"))
+        only_eos[..., Vocab.EOS_ID] = 0.0
+        return only_eos, state
+
+
+def test_a_sample_that_ends_at_once_is_finished_and_empty_and_said_so():
+    model = _EndsAtOnce(_model(MODELS["lstm-moe-lstm"]))
+    samples = generate(model, _vocab(), PROMPT, 2, 6, SamplingConfig(greedy=True), torch.Generator(),
+                       torch.device("cpu"))
+    assert [(s.finished, s.words, s.ids) for s in samples] == [(True, [], [])] * 2
+    assert ended_at_once(samples[:1], greedy=True) == (
+        "the model ended the sentence at once: the most likely token after the prompt is </S>, the end of a "
+        "sentence, so nothing new was generated; drop --greedy to sample, or give a longer prompt")
+    mixed = [Sample([], finished=True), Sample(["a"], [7], finished=True), Sample([], finished=True),
+             Sample([], finished=False)]   # the last one stopped at the token limit
+    assert ended_at_once(mixed, greedy=False) == (
+        "samples 1 and 3 of 4 ended the sentence at once: </S>, the end of a sentence, was drawn right after the "
+        "prompt, so nothing new was generated; try another --seed or a longer prompt")
+    assert ended_at_once(mixed[:2], greedy=False).startswith("sample 1 of 2 ended the sentence at once: ")
+    assert ended_at_once(mixed[1:2], greedy=False) is None and ended_at_once(mixed[3:], greedy=True) is None
+
+
+def _generate_ending_at_once(argv: list[str]) -> int:
+    """`moe-scale ARGV` where every token drawn is </S> (forked as a command: tests/forked.py)."""
+    from moe_scale.cli import main
+    from moe_scale.inference import generate as generation
+
+    generation.next_words = lambda log_probs_BV, sampling, generator: torch.full(
+        (log_probs_BV.shape[0],), Vocab.EOS_ID, dtype=torch.long)
+    return main(argv)
+
+
+def test_generate_says_when_the_model_ends_the_sentence_at_once(lstm_run, embedded_cache):
+    proc = run_cli("generate", "--run", str(lstm_run), "--prompt", "ROMEO:", "--greedy", cwd=lstm_run.parent,
+                   cache=embedded_cache, entry=_generate_ending_at_once, check=True)
+    assert proc.stdout == "<unk>\n"   # the prompt (a word the run never saw), and nothing after it
+    assert proc.stderr.splitlines() == [
+        "moe-scale: the model ended the sentence at once: the most likely token after the prompt is </S>, the end "
+        "of a sentence, so nothing new was generated; drop --greedy to sample, or give a longer prompt"]

@@ -57,9 +57,10 @@ class SoftmaxTopKRouter(Router):
     Every mean is over the whole data-parallel batch: the per-rank sums (prob sums per expert, importance per expert,
     selection counts per expert, Σ lse², token count) travel as one stacked ``[3E + 2]`` tensor through
     ``batch.sum`` -- one collective per forward, called on every rank even when it has no tokens. It must be an
-    autograd-aware all-reduce(SUM) (``torch.distributed.nn.functional.all_reduce``); a detached one shrinks the router
-    gradient by world_size. ``importance_E`` (Σ_tokens of the dense gates) and ``load_E`` (hard selection counts)
-    are global too. Counts are summed in the statistics' float dtype (exact up to 2^24 per expert in float32).
+    autograd-aware all-reduce(SUM) (``BatchCollectives.sum``: its backward sums the gradients too); a detached one
+    shrinks the router gradient by world_size. ``importance_E`` (Σ_tokens of the dense gates) and ``load_E`` (hard
+    selection counts) are global too. Counts are summed in the statistics' float dtype (exact up to 2^24 per
+    expert in float32).
 
     Loss reduction (spec §3.2, §7 item 11): these terms are meant to be added to a per-token **mean** cross-entropy,
     so ``aux_weight`` (α) and ``z_weight`` (β) are relative to the mean loss (the Switch Transformer convention).

@@ -1,0 +1,51 @@
+"""tools/bench_threads.py: both thread settings of a 2-process run at a tiny size, end to end; flag errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moe_scale.distributed.threads import usable_cores
+from tests.paths import TOOLS
+
+TOOL = TOOLS / "bench_threads.py"
+TINY = ["--extra", "--d-model", "16", "--expert-hidden", "16", "--seq-len", "8", "--batch-size", "8",
+        "--num-experts", "4", "--vocab-size", "500", "--log-interval", "5"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_before_and_after_on_2_processes(tmp_path):
+    out = tmp_path / "threads.json"
+    proc = subprocess.run([sys.executable, str(TOOL), "--max-steps", "5", "--timeout", "280", "--out", str(out),
+                           *TINY], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == report
+    cores = usable_cores()
+    assert (report["procs"], report["cores"], report["max_steps"]) == (2, cores, 5)
+    before, after = report["before"], report["after"]
+    assert (before["omp_num_threads"], before["threads_per_process"]) == (str(cores), cores)   # torch's old count
+    assert (after["omp_num_threads"], after["threads_per_process"]) == (None, max(1, cores // 2))
+    for side in (before, after):
+        assert len(side["runs"]) == 1 and side["tokens_per_s"] == side["runs"][0]["tokens_per_s"] > 0
+    assert report["ratio"] == after["tokens_per_s"] / before["tokens_per_s"]
+    assert report["command"].startswith("deepspeed --log_level warning --num_gpus 2 --module moe_scale train "
+                                        "--ep-size 2 --ds-config ds_configs/zero2_ep.json --max-steps 5 ")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--procs", "1"], "at least 2"),
+    (["--max-steps", "3"], "at least 5"),
+    (["--extra", "--ep-size", "4"], "must not set ['--ep-size']"),
+    (["--out", "no/such/dir/x.json"], "does not exist"),
+    (["--repeats", "0"], "positive integer"),
+    (["--timeout", "-1"], "positive integer"),
+])
+def test_flag_errors_are_one_line(tmp_path, flags, message):
+    proc = subprocess.run([sys.executable, str(TOOL), *flags], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
