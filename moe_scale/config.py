@@ -117,8 +117,8 @@ class TransformerConfig:
                   ("dense", "moe"))
     ffn_hidden: int = _f(256, "transformer: hidden width of the dense feed-forward")
     block: str = _f("default", "transformer: decoder block: pre-LayerNorm with sinusoidal positions, biases and GELU "
-                               "(default), or Mixtral's: RMSNorm, rotary positions, SwiGLU FFN and experts, no "
-                               "biases, its router (llama; exports as a native MixtralForCausalLM / "
+                               "(the original block), or Mixtral's: RMSNorm, rotary positions, SwiGLU FFN and "
+                               "experts, no biases, its router (llama; exports as a native MixtralForCausalLM / "
                                "LlamaForCausalLM)", ("default", "llama"))
     tie_embeddings: bool = _f(False, "llama block: the output layer shares the embedding matrix (Mixtral: not tied)",
                               needs=_LLAMA)

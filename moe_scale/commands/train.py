@@ -31,7 +31,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             groups[leaf.section] = parser.add_argument_group(f"{leaf.section} settings")
         group = groups[leaf.section]
         choices = leaf.field.metadata.get("choices")
-        help_text = with_default(leaf.field.metadata["help"] + (f" ({', '.join(choices)})" if choices else ""),
+        help_text = with_default(leaf.field.metadata["help"] + (f" [{', '.join(choices)}]" if choices else ""),
                                  leaf.field.default)
         if leaf.type is bool:
             group.add_argument(leaf.flag, dest=_DEST + key, action=argparse.BooleanOptionalAction,
