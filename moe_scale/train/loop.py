@@ -9,7 +9,9 @@ same steps.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -104,11 +106,12 @@ def run_training(config: RunConfig) -> dict:
 
 
 def _check_steps_left(config: RunConfig, state: TrainState, source: TrainingSource, tag: str) -> None:
-    """A resume of a run that has nothing left to train (its schedule, or its streamed pass, is done) is refused
-    before the run directory is touched: a finished run's summary, logs and plots are its results."""
+    """A resume of a finished run (nothing left to train: its schedule, or its streamed pass, is done, and its
+    summary is written) is refused before the run directory is touched: its summary, logs and plots are its
+    results. A run stopped after its last checkpoint but before its summary (killed) resumes to write it."""
     if source.last_step is not None:   # a streamed pass that ended: no batch after it
         state.end_with_the_data(source.last_step)
-    if state.step < state.max_steps:
+    if state.step < state.max_steps or not _summarised(Path(config.run.out), state.max_steps):
         return
     out = config.run.out
     if source.last_step is not None and state.max_steps == source.last_step + 1:
@@ -120,6 +123,15 @@ def _check_steps_left(config: RunConfig, state: TrainState, source: TrainingSour
     raise UserError(f"--resume: the run in {out} has finished (checkpoint {tag} is after step {state.step} of "
                     f"{state.max_steps}), so there is nothing to train and its results stay as they are; {more}, "
                     f"or start a new run with another --out")
+
+
+def _summarised(run: Path, steps: int) -> bool:
+    """Whether the run wrote its summary after its last step."""
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("steps") == steps
 
 
 def _record_data(run, record: dict, changed: list[str], step: int) -> None:

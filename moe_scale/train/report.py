@@ -119,7 +119,10 @@ class RunReport:
         self.logger.close()
 
     def finish(self, state: TrainState) -> dict:
-        """The summary (summary.json and a table); the last step's eval point has just run the validation pass."""
+        """The summary (summary.json and a table), after a validation pass if the run took none (it resumed a run
+        stopped after its last checkpoint, before its summary)."""
+        if not self.valid:
+            self._evaluate()
         summary = self._summary(state)
         peak_mib = torch.tensor([peak_rss_mib()], dtype=torch.float64, device=collective_device())
         dist.all_reduce(peak_mib, op=dist.ReduceOp.MAX)

@@ -175,3 +175,20 @@ def test_a_run_leaves_its_config_as_given_and_its_checkpoints_in_their_format(tm
     checkpoint = run / "checkpoints" / "step00000002"
     assert torch.load(checkpoint / "mp_rank_00_model_states.pt", weights_only=False)["step"] == 2
     assert set(torch.load(checkpoint / "data_stream_rank0.pt", weights_only=False)) == {"step", "layout", "readers"}
+
+
+def test_a_run_stopped_after_its_last_checkpoint_but_before_its_summary_resumes_to_write_it(tmp_path, lstm_run,
+                                                                                            embedded_cache):
+    """Killed between the last checkpoint and the summary: not finished, so --resume trains nothing and writes the
+    summary (a finished run's resume is refused: tests/commands/test_bad_input.py)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(lstm_run, run)
+    (run / "summary.json").unlink()
+    log = (run / "train_log.jsonl").read_bytes()
+    run_cli("train", "--resume", "--out", str(run), cwd=tmp_path, cache=embedded_cache, check=True)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    assert (run / "train_log.jsonl").read_bytes() == log
+    assert_one_line_error(run_cli("train", "--resume", "--out", str(run), cwd=tmp_path, cache=embedded_cache),
+                          "has finished")
