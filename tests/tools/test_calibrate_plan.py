@@ -29,23 +29,22 @@ def test_the_fits_recover_the_constants_they_were_made_from(load_tool):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_tiny_calibration_on_1_and_2_processes(tmp_path):
-    proc = subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path), "--models", "tiny", "--procs", "1,2",
+def test_tiny_calibration_on_2_processes(tmp_path):
+    proc = subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path), "--models", "tiny", "--procs", "2",
                            "--max-steps", "5"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "calibration.json").read_text())
     points = report["points"]
-    assert [(p["procs"], p["all_to_all"]) for p in points] == [(1, "flat"), (1, "hierarchical"), (2, "flat"),
-                                                               (2, "hierarchical")]
+    assert [(p["procs"], p["all_to_all"]) for p in points] == [(2, "flat"), (2, "hierarchical")]
     for p in points:
         summary = json.loads((tmp_path / "runs" / f"tiny-p{p['procs']}-{p['all_to_all']}" / "summary.json").read_text())
         assert p["measured_step_s"] == summary["step_seconds"] and summary["ep_size"] == p["procs"]
         assert p["ratio"] == pytest.approx(p["predicted_step_s"] / p["measured_step_s"])
         assert p["within_25pct"] == (abs(p["ratio"] - 1) <= 0.25)
         assert p["predicted_step_s"] == pytest.approx(sum(v for k, v in p["predicted_parts_s"].items() if k != "step"))
-    assert points[0]["predicted_parts_s"]["all_to_all"] == 0 < points[2]["predicted_parts_s"]["all_to_all"]
-    assert set(report["constants"]) == {"1", "2"} and report["constants"]["2"]["all_to_all"]["gbs"] > 0
-    assert report["within"] == sum(p["within_25pct"] for p in points) and report["total"] == 4
+    assert all(p["predicted_parts_s"]["all_to_all"] > 0 for p in points)
+    assert set(report["constants"]) == {"2"} and report["constants"]["2"]["all_to_all"]["gbs"] > 0
+    assert report["within"] == sum(p["within_25pct"] for p in points) and report["total"] == 2
     assert (tmp_path / "calibration.md").read_text() in proc.stdout
 
 
