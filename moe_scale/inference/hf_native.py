@@ -1,6 +1,7 @@
 """A --block llama model as transformers' own MixtralForCausalLM (MoE FFN), Qwen2MoeForCausalLM (MoE FFN with
-shared experts) or LlamaForCausalLM (dense FFN), and back: one name mapping, used by `moe-scale export --format hf` (no remote code: plain
-`AutoModelForCausalLM.from_pretrained(DIR)` loads it) and by `train --init-from-hf DIR`.
+shared experts) or LlamaForCausalLM (dense FFN), and back: one name mapping, used by `moe-scale export --format
+hf` (no remote code: plain `AutoModelForCausalLM.from_pretrained(DIR)` loads it) and by `train --init-from-hf
+DIR`.
 
 Weights are written under the names Mixtral's released checkpoints use (`model.layers.N.block_sparse_moe.gate`,
 `...experts.E.w1/w2/w3`), which every transformers since 4.36 loads (5.x converts them to its fused

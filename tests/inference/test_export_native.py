@@ -1,8 +1,9 @@
 """`moe-scale export --format hf` of a --block llama run (issue 44): a native MixtralForCausalLM directory (with
-shared experts: Qwen2MoeForCausalLM), no remote code, that plain `AutoModelForCausalLM.from_pretrained(DIR)` loads; its logits are moe_scale's (float32,
-relative error ≤ 1e-4) and greedy `generate` gives the text `moe-scale generate --greedy` prints; `train
---init-from-hf DIR` imports it (round trip: import, then export, gives the same tensors and the same validation
-perplexity), and refuses in one line, with nothing written, a run of another shape or another vocabulary."""
+shared experts: Qwen2MoeForCausalLM), no remote code, that plain `AutoModelForCausalLM.from_pretrained(DIR)`
+loads; its logits are moe_scale's (float32, relative error ≤ 1e-4) and greedy `generate` gives the text
+`moe-scale generate --greedy` prints; `train --init-from-hf DIR` imports it (round trip: import, then export, gives
+the same tensors and the same validation perplexity), and refuses in one line, with nothing written, a run of
+another shape or another vocabulary."""
 
 from __future__ import annotations
 
@@ -107,8 +108,8 @@ def test_init_from_hf_then_export_gives_the_same_tensors(arch, request, embedded
 
     corpus, run, out = request.getfixturevalue(KINDS[arch][0])
     again = tmp_path / "again"
-    run_train([*TINY, *KINDS[arch][1], "--data", str(corpus), "--max-steps", "1", "--lr", "0", "--init-from-hf", str(out),
-               "--out", str(again)], cwd=tmp_path, cache=embedded_cache)
+    run_train([*TINY, *KINDS[arch][1], "--data", str(corpus), "--max-steps", "1", "--lr", "0", "--init-from-hf",
+               str(out), "--out", str(again)], cwd=tmp_path, cache=embedded_cache)
     run_cli("export", "--run", str(again), "--out", str(tmp_path / "hf"), cwd=tmp_path, cache=embedded_cache,
             check=True)
     first, second = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
