@@ -1,9 +1,10 @@
-"""The llama block (`--block llama`) against transformers' own Mixtral and Llama: its rotary positions and RMSNorm
-equal transformers' functions; the whole model, written by inference/hf_native.py and loaded by
+"""The llama block (`--block llama`) against transformers' own Mixtral, Qwen2-MoE and Llama: its rotary positions
+and RMSNorm equal transformers' functions; the whole model, written by inference/hf_native.py and loaded by
 `AutoModelForCausalLM.from_pretrained` (no remote code), gives moe_scale's logits (float32, relative error
-≤ 1e-4) with an MoE or a dense FFN, tied or untied embeddings; the import reads back exactly what the export
-wrote (Mixtral's released layout and transformers 5's fused one; an expert-parallel rank takes its experts), and
-a checkpoint of another shape is refused in one line naming the field and its flag."""
+≤ 1e-4) with an MoE FFN (with gated shared experts: Qwen2-MoE) or a dense one, tied or untied embeddings; the
+import reads back exactly what the export wrote (the released layouts and transformers 5's fused one; an
+expert-parallel rank takes its experts), and a checkpoint of another shape (or with nonzero Qwen2 attention
+biases) is refused in one line naming the field and its flag."""
 
 from __future__ import annotations
 
