@@ -19,9 +19,9 @@ shared experts' hidden layer and output (S·h_s + d; SwiGLU: 3·S·h_s + d); the
 logits (V, or S + 1 sampled; the adaptive softmax's per-token MACs / d); per layer output d and its mask.
 Transformer, per block: two LayerNorms (input and output, 2d each), q, k, v and the context (4w, w = heads x head
 width), the attention probabilities (heads x T: the math attention CPUs run; flash attention keeps none, so this is
-an upper bound on GPUs), the dense FFN's pre- and post-GELU hidden (2f) or the MoE gate logits, two sub-layer
-outputs d with their masks; MoA's k expert queries and contexts (2k·w_e), its shared K, V (2w_e) and k x T
-probabilities.
+an upper bound on GPUs), the dense FFN's pre- and post-GELU hidden (2f; the llama block's SwiGLU: gate, up and their
+product, 3f) or the MoE gate logits, two sub-layer outputs d with their masks; MoA's k expert queries and contexts
+(2k·w_e), its shared K, V (2w_e) and k x T probabilities.
 """
 
 from __future__ import annotations
