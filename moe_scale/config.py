@@ -702,10 +702,10 @@ class RunConfig:
             if self.moe.dispatch.mode != "dropless":
                 raise UserError(f"--block llama sends every token to its k experts, as Mixtral does: pass --dispatch "
                                 f"dropless, not {self.moe.dispatch.mode}{fix}")
-            if self.moe.experts.shared:
-                raise UserError(f"--shared-experts {self.moe.experts.shared}: the llama block's shared experts "
-                                f"(Qwen2-MoE's, SwiGLU) are not built yet, and ReLU ones would export as neither "
-                                f"Mixtral nor Qwen2-MoE; drop --shared-experts, or use --block default")
+            if self.moe.experts.shared and not self.moe.experts.shared_gate:
+                raise UserError(f"--shared-experts {self.moe.experts.shared}: the llama block's shared experts are "
+                                f"Qwen2-MoE's, whose output always passes a sigmoid gate; add --shared-expert-gate "
+                                f"(or drop --shared-experts)")
 
 
 def _fields(cls) -> tuple[dataclasses.Field, ...]:

@@ -114,12 +114,16 @@ def sharded_gating_params(config: RunConfig) -> int:
 
 
 def shared_experts(config: RunConfig) -> int:
-    """Parameters of one MoE layer's shared experts, also their forward MACs per token: S FFNs d -> h_s -> d and,
-    with --shared-expert-gate, the gate's d (0 without shared experts)."""
+    """Parameters of one MoE layer's shared experts, also their forward MACs per token: S FFNs d -> h_s -> d (the
+    llama block's SwiGLU ones: three matrices, gate, up and down) and, with --shared-expert-gate, the gate's d (0
+    without shared experts)."""
     experts, d = config.moe.experts, config.model.d_model
     if not experts.shared:
         return 0
-    return experts.shared * ffn_macs(d, experts.shared_hidden or experts.hidden) + (d if experts.shared_gate else 0)
+    hidden = experts.shared_hidden or experts.hidden
+    swiglu = config.model.kind == "transformer" and config.model.transformer.block == "llama"
+    per_expert = 3 * d * hidden if swiglu else ffn_macs(d, hidden)
+    return experts.shared * per_expert + (d if experts.shared_gate else 0)
 
 
 def active_experts(config: RunConfig) -> int:

@@ -15,12 +15,13 @@ size), so its parameter counts are the module's, exactly.
 Activation values per token (stored for the backward, in the training dtype; 1-byte dropout masks apart). LSTM LM:
 the embedding output d; per LSTM of u units its four gates, cell, tanh(cell) and hidden (7u, + d for a projection
 back to d); per MoE layer the gate logits (one per gating column a token evaluates) and the sigmoid (d), and the
-shared experts' hidden layer and output (S·h_s + d); the dense FFN's hidden layers; the softmax logits (V, or S + 1
-sampled; the adaptive softmax's per-token MACs / d); per layer output d and its mask. Transformer, per block: two
-LayerNorms (input and output, 2d each), q, k, v and the context (4w, w = heads x head width), the attention
-probabilities (heads x T: the math attention CPUs run; flash attention keeps none, so this is an upper bound on
-GPUs), the dense FFN's pre- and post-GELU hidden (2f) or the MoE gate logits, two sub-layer outputs d with their
-masks; MoA's k expert queries and contexts (2k·w_e), its shared K, V (2w_e) and k x T probabilities.
+shared experts' hidden layer and output (S·h_s + d; SwiGLU: 3·S·h_s + d); the dense FFN's hidden layers; the softmax
+logits (V, or S + 1 sampled; the adaptive softmax's per-token MACs / d); per layer output d and its mask.
+Transformer, per block: two LayerNorms (input and output, 2d each), q, k, v and the context (4w, w = heads x head
+width), the attention probabilities (heads x T: the math attention CPUs run; flash attention keeps none, so this is
+an upper bound on GPUs), the dense FFN's pre- and post-GELU hidden (2f; the llama block's SwiGLU: gate, up and their
+product, 3f) or the MoE gate logits, two sub-layer outputs d with their masks; MoA's k expert queries and contexts
+(2k·w_e), its shared K, V (2w_e) and k x T probabilities.
 """
 
 from __future__ import annotations
@@ -123,8 +124,11 @@ def _activations_per_token(config: RunConfig, logits: float) -> tuple[float, int
     d = config.model.d_model
     gate_logits = moe_gating(config)[1] / d if config.has_moe_ffn else 0
     experts = config.moe.experts
+    swiglu = config.model.kind == "transformer" and config.model.transformer.block == "llama"
+    hidden_values = 3 if swiglu else 1   # SwiGLU keeps gate, up and their product; ReLU its hidden layer
     if config.has_moe_ffn and experts.shared:   # the shared experts' hidden layer and output (and the gate's scale)
-        gate_logits += experts.shared * (experts.shared_hidden or experts.hidden) + d + int(experts.shared_gate)
+        gate_logits += hidden_values * experts.shared * (experts.shared_hidden or experts.hidden) + d \
+            + int(experts.shared_gate)
     if config.model.kind == "transformer":
         attention, blocks = config.attention, config.model.transformer
         T, w_e = config.data.seq_len, attention.head_width(d)
@@ -134,7 +138,7 @@ def _activations_per_token(config: RunConfig, logits: float) -> tuple[float, int
         else:
             width = attention.num_heads * w_e
             attend = 4 * width + attention.num_heads * T
-        ffn = 2 * blocks.ffn_hidden if blocks.ffn == "dense" else gate_logits
+        ffn = (3 if swiglu else 2) * blocks.ffn_hidden if blocks.ffn == "dense" else gate_logits
         per_block = 4 * d + attend + ffn + 2 * d
         return d + blocks.num_layers * per_block + 2 * d + logits, (1 + 2 * blocks.num_layers) * d
     lstm = config.model.lstm

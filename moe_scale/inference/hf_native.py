@@ -1,6 +1,7 @@
-"""A --block llama model as transformers' own MixtralForCausalLM (MoE FFN) or LlamaForCausalLM (dense FFN), and
-back: one name mapping, used by `moe-scale export --format hf` (no remote code: plain
-`AutoModelForCausalLM.from_pretrained(DIR)` loads it) and by `train --init-from-hf DIR`.
+"""A --block llama model as transformers' own MixtralForCausalLM (MoE FFN), Qwen2MoeForCausalLM (MoE FFN with
+shared experts) or LlamaForCausalLM (dense FFN), and back: one name mapping, used by `moe-scale export --format
+hf` (no remote code: plain `AutoModelForCausalLM.from_pretrained(DIR)` loads it) and by `train --init-from-hf
+DIR`.
 
 Weights are written under the names Mixtral's released checkpoints use (`model.layers.N.block_sparse_moe.gate`,
 `...experts.E.w1/w2/w3`), which every transformers since 4.36 loads (5.x converts them to its fused
@@ -14,6 +15,12 @@ Weights are written under the names Mixtral's released checkpoints use (`model.l
     blocks.N.ffn.experts.w_out[e]      ...experts.e.w2 (transposed)
     blocks.N.ffn.{gate,up,down}_proj   model.layers.N.mlp.{gate,up,down}_proj (Llama)
     final_norm, softmax.proj           model.norm, lm_head (absent when tied)
+
+Qwen2-MoE (shared experts): the router is `model.layers.N.mlp.gate`, expert e's matrices `mlp.experts.e.gate_proj /
+up_proj / down_proj` (its released names; 5.x fuses them as Mixtral's), the S shared experts of width h_s are its one
+`mlp.shared_expert` of intermediate size S·h_s (`gate_proj`, `up_proj`, `down_proj`: blocks.N.ffn.shared's own
+names) and `blocks.N.ffn.shared.w_gate [D]` is `mlp.shared_expert_gate.weight [1, D]`. Qwen2's attention has q/k/v
+biases: they are written as zeros (`qkv_bias` true, so every transformers loads them) and must be zero to import.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from moe_scale.models.rms_norm import RMS_NORM_EPS
 from moe_scale.models.transformer_lm import LLAMA_INIT_STD
 
 _LEGACY = "model.layers.{}.block_sparse_moe."   # Mixtral's released checkpoints (and transformers 4.x)
-_FUSED = "model.layers.{}.mlp."                 # transformers 5's own layout
+_FUSED = "model.layers.{}.mlp."                 # transformers 5's own layout (and Qwen2-MoE's released one)
+# per-expert names of the released layouts: prefix, then the gate, up and down matrices
+_RELEASED = {"mixtral": (_LEGACY, "w1", "w3", "w2"), "qwen2_moe": (_FUSED, "gate_proj", "up_proj", "down_proj")}
 
 
 def is_native(config) -> bool:
@@ -37,14 +46,18 @@ def is_native(config) -> bool:
 
 
 def architecture(config) -> tuple[str, str]:
-    """(model_type, architecture) of a llama-block run: Mixtral with an MoE FFN, Llama with a dense one."""
+    """(model_type, architecture) of a llama-block run: Mixtral with an MoE FFN, Qwen2-MoE with shared experts
+    too, Llama with a dense FFN."""
     if config.model.transformer.ffn == "moe":
+        if config.moe.experts.shared:
+            return "qwen2_moe", "Qwen2MoeForCausalLM"
         return "mixtral", "MixtralForCausalLM"
     return "llama", "LlamaForCausalLM"
 
 
 def hf_config(config, vocab_size: int, bos_id: int, eos_id: int) -> dict:
-    """transformers' config.json for the run (what Mixtral/LlamaConfig(...).to_dict() holds, for 4.x and 5.x)."""
+    """transformers' config.json for the run (what Mixtral/Qwen2Moe/LlamaConfig(...).to_dict() holds, for 4.x
+    and 5.x)."""
     transformer, attention, d = config.model.transformer, config.attention, config.model.d_model
     model_type, arch = architecture(config)
     theta = transformer.rope_theta
@@ -66,6 +79,17 @@ def hf_config(config, vocab_size: int, bos_id: int, eos_id: int) -> dict:
             "output_router_logits": False,
             # transformers' balancing loss pools every layer's tokens and is k times a switch loss: with this
             # coefficient it equals moe_scale's sum of per-layer losses when the layers route alike (no z-loss)
+            "router_aux_loss_coef": router.softmax_topk.aux_weight * transformer.num_layers / router.top_k})
+    elif model_type == "qwen2_moe":
+        router, experts = config.moe.router, config.moe.experts
+        shared = experts.shared * (experts.shared_hidden or experts.hidden)
+        out.update({
+            "intermediate_size": shared, "moe_intermediate_size": experts.hidden,
+            "shared_expert_intermediate_size": shared, "num_experts": experts.num_experts,
+            "num_experts_per_tok": router.top_k, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "qkv_bias": True, "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": transformer.num_layers, "output_router_logits": False,
+            # the same balancing loss as Mixtral's (see above)
             "router_aux_loss_coef": router.softmax_topk.aux_weight * transformer.num_layers / router.top_k})
     else:
         out.update({"intermediate_size": transformer.ffn_hidden, "attention_bias": False, "mlp_bias": False,
@@ -99,13 +123,22 @@ def _block_tensors(i: int, block, config) -> dict[str, torch.Tensor]:
         for name in ("gate_proj", "up_proj", "down_proj"):
             out[f"{layer}mlp.{name}.weight"] = getattr(ffn, name).weight
         return out
-    moe = _LEGACY.format(i)
+    model_type, _ = architecture(config)
+    prefix, w_gate, w_up, w_down = _RELEASED[model_type]
+    moe = prefix.format(i)
     out[moe + "gate.weight"] = ffn.router.w_gate.t()
     f = ffn.experts.d_hidden
     for e in range(ffn.experts.num_local_experts):
         w_in, w_out = ffn.experts.w_in[e], ffn.experts.w_out[e]
-        out[f"{moe}experts.{e}.w1.weight"], out[f"{moe}experts.{e}.w3.weight"] = w_in[:f], w_in[f:]
-        out[f"{moe}experts.{e}.w2.weight"] = w_out.t()
+        out[f"{moe}experts.{e}.{w_gate}.weight"], out[f"{moe}experts.{e}.{w_up}.weight"] = w_in[:f], w_in[f:]
+        out[f"{moe}experts.{e}.{w_down}.weight"] = w_out.t()
+    if model_type == "qwen2_moe":
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{moe}shared_expert.{name}.weight"] = getattr(ffn.shared, name).weight
+        out[moe + "shared_expert_gate.weight"] = ffn.shared.w_gate[None, :]
+        for name in ("q_proj", "k_proj", "v_proj"):   # Qwen2's attention biases: zero
+            weight = getattr(attn, name).weight
+            out[f"{layer}self_attn.{name}.bias"] = weight.new_zeros(weight.shape[0])
     return out
 
 
@@ -143,28 +176,37 @@ def check_config(hf: dict, config, vocab_size: int, where: str) -> None:
     expected = hf_config(config, vocab_size, 1, 2)
     model_type, _ = architecture(config)
     if hf.get("model_type") != model_type:
-        other = "--ffn moe" if hf.get("model_type") == "mixtral" else "--ffn dense" \
-            if hf.get("model_type") == "llama" else None
+        other = {"mixtral": "--ffn moe without --shared-experts", "llama": "--ffn dense",
+                 "qwen2_moe": "--ffn moe --shared-experts 1 --shared-expert-gate"}.get(hf.get("model_type"))
         raise UserError(f"{where}: it holds a {hf.get('model_type')!r} model and this run builds {model_type!r}; "
-                        + (f"pass {other}" if other else "only Mixtral and Llama checkpoints import"))
-    moe = model_type == "mixtral"
+                        + (f"pass {other}" if other else "only Mixtral, Qwen2-MoE and Llama checkpoints import"))
+    moe, qwen = model_type != "llama", model_type == "qwen2_moe"
     flags = {"vocab_size": "the vocabulary (--vocab-size, --tokenizer)", "hidden_size": "--d-model",
              "num_hidden_layers": "--num-layers", "num_attention_heads": "--num-heads", "head_dim": "--head-dim",
-             "intermediate_size": "--expert-hidden" if moe else "--ffn-hidden", "rope_theta": "--rope-theta",
-             "tie_word_embeddings": "--tie-embeddings / --no-tie-embeddings", "num_local_experts": "--num-experts",
-             "num_experts_per_tok": "--top-k"}
+             "intermediate_size": "--expert-hidden" if moe and not qwen else "--ffn-hidden",
+             "rope_theta": "--rope-theta", "tie_word_embeddings": "--tie-embeddings / --no-tie-embeddings",
+             "num_local_experts": "--num-experts", "num_experts": "--num-experts", "num_experts_per_tok": "--top-k",
+             "moe_intermediate_size": "--expert-hidden",
+             "shared_expert_intermediate_size": "--shared-experts × --shared-expert-hidden (their product)"}
     theirs = dict(hf)
     theirs.setdefault("head_dim", None)
     if theirs["head_dim"] is None:
         theirs["head_dim"] = hf.get("hidden_size", 0) // max(1, hf.get("num_attention_heads", 1))
     theirs.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
-    theirs.setdefault("tie_word_embeddings", moe is False)   # transformers' defaults: Llama ties, Mixtral does not
+    theirs.setdefault("tie_word_embeddings", moe is False)   # transformers' defaults: Llama ties, MoEs do not
     theirs.setdefault("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    theirs.setdefault("rms_norm_eps", 1e-6 if not moe else 1e-5)
+    theirs.setdefault("rms_norm_eps", 1e-6 if not moe or qwen else 1e-5)
+    if qwen:   # Qwen2MoeConfig's defaults; intermediate_size sizes only mlp_only_layers' FFNs (there are none)
+        theirs.update(intermediate_size=expected["intermediate_size"], max_window_layers=None)
+        theirs.setdefault("norm_topk_prob", False)
+        theirs.setdefault("decoder_sparse_step", 1)
+        theirs["mlp_only_layers"] = theirs.get("mlp_only_layers") or []
+        if not theirs.get("use_sliding_window"):
+            theirs["sliding_window"] = None
     theirs.setdefault("hidden_act", "silu")
     theirs.setdefault("sliding_window", None)
     for field in (*flags, "num_key_value_heads", "rms_norm_eps", "hidden_act", "sliding_window", "attention_bias",
-                  "mlp_bias"):
+                  "mlp_bias", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
         if field not in expected or theirs.get(field, expected[field]) == expected[field]:
             continue
         if field == "sliding_window" and (theirs[field] or 0) >= config.data.seq_len:
@@ -201,6 +243,8 @@ def import_tensors(model, config, tensors: dict[str, torch.Tensor], where: str) 
     """Copies a checkpoint's tensors into a llama-block model; an expert-parallel rank takes its experts' rows.
     A tensor missing, of another shape, or without a place in the model is refused in one line."""
     tensors = dict(tensors)
+    if architecture(config)[0] == "qwen2_moe":
+        _drop_zero_attention_biases(tensors, where)
     wanted = _wanted(model, config, tensors, where)
     for name, (target, source_of) in wanted.items():
         if name not in tensors:
@@ -215,7 +259,15 @@ def import_tensors(model, config, tensors: dict[str, torch.Tensor], where: str) 
     leftover = sorted(name for name in tensors if not name.endswith("rotary_emb.inv_freq"))
     if leftover:
         raise UserError(f"{where}: {leftover[0]} (and {len(leftover) - 1} more) has no place in a --block llama "
-                        f"model; only Mixtral / Llama checkpoints without extra modules import")
+                        f"model; only Mixtral / Qwen2-MoE / Llama checkpoints without extra modules import")
+
+
+def _drop_zero_attention_biases(tensors: dict, where: str) -> None:
+    """Qwen2's q/k/v biases: the llama block's attention has none, so they import only when zero."""
+    for name in [n for n in tensors if n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))]:
+        if torch.count_nonzero(tensors.pop(name)):
+            raise UserError(f"{where}: {name} is not zero, and the llama block's attention has no biases; only "
+                            f"Qwen2-MoE checkpoints with zero q/k/v biases (what `moe-scale export` writes) import")
 
 
 def _wanted(model, config, tensors: dict, where: str) -> dict:
@@ -237,12 +289,18 @@ def _wanted(model, config, tensors: dict, where: str) -> dict:
             wanted.update({f"{layer}mlp.{name}.weight": (getattr(block.ffn, name).weight, same)
                            for name in ("gate_proj", "up_proj", "down_proj")})
         else:
-            wanted.update(_expert_sources(i, block.ffn, tensors))
+            wanted.update(_expert_sources(i, block.ffn, tensors, architecture(config)[0]))
+        if getattr(block.ffn, "shared", None) is not None:   # Qwen2-MoE's shared expert and its gate
+            shared, mlp = block.ffn.shared, _FUSED.format(i)
+            wanted.update({f"{mlp}shared_expert.{name}.weight": (getattr(shared, name).weight, same)
+                           for name in ("gate_proj", "up_proj", "down_proj")})
+            wanted[mlp + "shared_expert_gate.weight"] = (shared.w_gate, lambda t: t[0] if t.shape[:1] == (1,) else t)
     return wanted
 
 
-def _expert_sources(i: int, layer, tensors: dict) -> dict:
-    """The router and this rank's experts, from Mixtral's released layout or transformers 5's fused one."""
+def _expert_sources(i: int, layer, tensors: dict, model_type: str) -> dict:
+    """The router and this rank's experts, from Mixtral's (Qwen2-MoE's) released layout or transformers 5's
+    fused one."""
     experts = layer.experts
     first, local, f = experts.first_global_expert, experts.num_local_experts, experts.d_hidden
     fused = _FUSED.format(i)
@@ -251,15 +309,16 @@ def _expert_sources(i: int, layer, tensors: dict) -> dict:
         return {fused + "gate.weight": (layer.router.w_gate, lambda t: t.t()),
                 fused + "experts.gate_up_proj": (experts.w_in, lambda t: t[mine]),
                 fused + "experts.down_proj": (experts.w_out, lambda t: t[mine].transpose(1, 2))}
-    moe = _LEGACY.format(i)
+    prefix, w_gate, w_up, w_down = _RELEASED[model_type]
+    moe = prefix.format(i)
     out = {moe + "gate.weight": (layer.router.w_gate, lambda t: t.t())}
     for local_id in range(local):
         e = first + local_id
-        out[f"{moe}experts.{e}.w1.weight"] = (experts.w_in[local_id, :f], lambda t: t)
-        out[f"{moe}experts.{e}.w3.weight"] = (experts.w_in[local_id, f:], lambda t: t)
-        out[f"{moe}experts.{e}.w2.weight"] = (experts.w_out[local_id], lambda t: t.t())
+        out[f"{moe}experts.{e}.{w_gate}.weight"] = (experts.w_in[local_id, :f], lambda t: t)
+        out[f"{moe}experts.{e}.{w_up}.weight"] = (experts.w_in[local_id, f:], lambda t: t)
+        out[f"{moe}experts.{e}.{w_down}.weight"] = (experts.w_out[local_id], lambda t: t.t())
     for e in [*range(first), *range(first + local, layer.num_experts)]:   # other ranks' experts: not here
-        for w in ("w1", "w2", "w3"):
+        for w in (w_gate, w_up, w_down):
             tensors.pop(f"{moe}experts.{e}.{w}.weight", None)
     return out
 

@@ -144,9 +144,12 @@ class TransformerLM(nn.Module):
     @torch.no_grad()
     def _init_llama(self, tie: bool) -> None:
         """transformers' initialisation of Mixtral: N(0, 0.02²) for the embedding and every Linear (the router
-        and the experts keep their own); a tied output layer is the embedding matrix itself."""
+        and the experts, shared ones included, keep their own); a tied output layer is the embedding matrix
+        itself."""
+        shared = {id(m) for layer in self.moe_layers() if getattr(layer, "shared", None) is not None
+                  for m in layer.shared.modules()}
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding)) and id(module) not in shared:
                 module.weight.normal_(0.0, LLAMA_INIT_STD)
         if tie:
             self.softmax.proj.weight = self.embedding.weight

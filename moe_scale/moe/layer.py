@@ -61,7 +61,7 @@ class MoELayer(RoutedLayer):
         self.all_to_all, self.node_size = all_to_all, node_size
         # dense, on every rank (not in expert_shards); None: no shared experts, the state dict as before
         self.shared = SharedExperts(d_model, shared_hidden or d_hidden, shared_experts, shared_gate, seed=seed,
-                                    first_id=num_experts) if shared_experts else None
+                                    first_id=num_experts, activation=activation) if shared_experts else None
 
     def dispatch_units(self) -> tuple[int, int]:
         """(what the dispatcher sends tokens to, how many of them live here): the experts."""

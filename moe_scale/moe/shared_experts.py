@@ -21,25 +21,39 @@ import math
 import torch
 from torch import nn
 
+from moe_scale.moe.experts.ffn import SWIGLU_INIT_STD
+
 
 class SharedExperts(nn.Module):
     def __init__(self, d_model: int, d_hidden: int, num_shared: int, gate: bool = False, seed: int = 0,
-                 first_id: int = 0):
+                 first_id: int = 0, activation: str = "relu"):
         """`num_shared` experts of width `d_hidden`; the generator of expert s is seeded as routed expert
         `first_id + s`'s (moe/experts/ffn.py)."""
         super().__init__()
         if num_shared < 1 or d_hidden < 1:
             raise ValueError(f"shared experts need num_shared >= 1 and d_hidden >= 1, got {num_shared}, {d_hidden}")
+        if activation not in ("relu", "swiglu"):
+            raise ValueError(f"activation must be relu or swiglu, got {activation!r}")
         self.d_model, self.d_hidden, self.num_shared = d_model, d_hidden, num_shared
-        self.seed, self.first_id = seed, first_id
-        self.w_in = nn.Parameter(torch.empty(num_shared * d_hidden, d_model))    # nn.Linear's (out, in)
-        self.w_out = nn.Parameter(torch.empty(num_shared * d_hidden, d_model))
+        self.seed, self.first_id, self.activation = seed, first_id, activation
+        width = num_shared * d_hidden
+        if activation == "swiglu":
+            with torch.random.fork_rng(devices=[]):   # nn.Linear's own draws, overwritten below: the RNG untouched
+                self.gate_proj = nn.Linear(d_model, width, bias=False)
+                self.up_proj = nn.Linear(d_model, width, bias=False)
+                self.down_proj = nn.Linear(width, d_model, bias=False)
+        else:
+            self.w_in = nn.Parameter(torch.empty(width, d_model))    # nn.Linear's (out, in)
+            self.w_out = nn.Parameter(torch.empty(width, d_model))
         self.w_gate = nn.Parameter(torch.zeros(d_model)) if gate else None
-        self.output_scale = math.sqrt(d_model / d_hidden)   # each expert's, as a routed expert of width F
+        self.output_scale = math.sqrt(d_model / d_hidden)   # each ReLU expert's, as a routed expert of width F
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.w_in.is_meta:   # shapes only (moe-scale flops / plan)
+        if next(self.parameters()).is_meta:   # shapes only (moe-scale flops / plan)
+            return
+        if self.activation == "swiglu":
+            self._reset_swiglu()
             return
         bound = math.sqrt(6.0 / (self.d_model + self.d_hidden))
         f = self.d_hidden
@@ -52,13 +66,27 @@ class SharedExperts(nn.Module):
             if self.w_gate is not None:
                 self.w_gate.zero_()
 
+    @torch.no_grad()
+    def _reset_swiglu(self) -> None:
+        f = self.d_hidden
+        for s in range(self.num_shared):
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.first_id + s)
+            for weight in (self.gate_proj.weight[s * f:(s + 1) * f], self.up_proj.weight[s * f:(s + 1) * f],
+                           self.down_proj.weight[:, s * f:(s + 1) * f]):
+                weight.copy_(torch.empty(weight.shape).normal_(0.0, SWIGLU_INIT_STD, generator=generator))
+        if self.w_gate is not None:
+            self.w_gate.zero_()
+
     def extra_repr(self) -> str:
         return (f"num_shared={self.num_shared}, d_model={self.d_model}, d_hidden={self.d_hidden}, "
-                f"gate={self.w_gate is not None}")
+                f"gate={self.w_gate is not None}, activation={self.activation}")
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        hidden = torch.relu(nn.functional.linear(x_ND, self.w_in))    # [N, S·F]
-        y_ND = (hidden @ self.w_out.to(hidden.dtype)) * self.output_scale
+        if self.activation == "swiglu":
+            y_ND = self.down_proj(nn.functional.silu(self.gate_proj(x_ND)) * self.up_proj(x_ND))
+        else:
+            hidden = torch.relu(nn.functional.linear(x_ND, self.w_in))    # [N, S·F]
+            y_ND = (hidden @ self.w_out.to(hidden.dtype)) * self.output_scale
         if self.w_gate is not None:
             y_ND = y_ND * torch.sigmoid(x_ND @ self.w_gate.to(x_ND.dtype))[:, None].to(y_ND.dtype)
         return y_ND

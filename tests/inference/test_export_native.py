@@ -1,8 +1,9 @@
-"""`moe-scale export --format hf` of a --block llama run (issue 44): a native MixtralForCausalLM directory, no
-remote code, that plain `AutoModelForCausalLM.from_pretrained(DIR)` loads; its logits are moe_scale's (float32,
-relative error ≤ 1e-4) and greedy `generate` gives the text `moe-scale generate --greedy` prints; `train
---init-from-hf DIR` imports it (round trip: import, then export, gives the same tensors and the same validation
-perplexity), and refuses in one line, with nothing written, a run of another shape or another vocabulary."""
+"""`moe-scale export --format hf` of a --block llama run (issue 44): a native MixtralForCausalLM directory (with
+shared experts: Qwen2MoeForCausalLM), no remote code, that plain `AutoModelForCausalLM.from_pretrained(DIR)`
+loads; its logits are moe_scale's (float32, relative error ≤ 1e-4) and greedy `generate` gives the text
+`moe-scale generate --greedy` prints; `train --init-from-hf DIR` imports it (round trip: import, then export, gives
+the same tensors and the same validation perplexity), and refuses in one line, with nothing written, a run of
+another shape or another vocabulary."""
 
 from __future__ import annotations
 
@@ -19,19 +20,32 @@ LLAMA = ["--model", "transformer", "--block", "llama", "--ffn", "moe", "--num-la
          "--vocab-size", "400"]
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory, embedded_cache):
-    """(corpus, run, export) of a tiny Mixtral-style run trained 6 steps on WikiText-2 sentences."""
-    root = tmp_path_factory.mktemp("native")
+QWEN = [*LLAMA, "--shared-experts", "2", "--shared-expert-hidden", "16", "--shared-expert-gate"]
+KINDS = {"MixtralForCausalLM": ("exported", LLAMA), "Qwen2MoeForCausalLM": ("exported_qwen", QWEN)}
+
+
+def _export(root, flags, embedded_cache):
     corpus = root / "train.txt"
     corpus.write_text("\n".join(wikitext_sentences("valid")[:800]) + "\n", encoding="utf-8")
     run, out = root / "run", root / "hf"
-    run_train([*TINY, *LLAMA, "--data", str(corpus), "--max-steps", "6", "--out", str(run)], cwd=root,
+    run_train([*TINY, *flags, "--data", str(corpus), "--max-steps", "6", "--out", str(run)], cwd=root,
               cache=embedded_cache)
     proc = run_cli("export", "--run", str(run), "--format", "hf", "--out", str(out), cwd=root, cache=embedded_cache,
                    check=True)
     assert f"from_pretrained({str(out)!r})" in proc.stdout   # no trust_remote_code to pass
     return corpus, run, out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, embedded_cache):
+    """(corpus, run, export) of a tiny Mixtral-style run trained 6 steps on WikiText-2 sentences."""
+    return _export(tmp_path_factory.mktemp("native"), LLAMA, embedded_cache)
+
+
+@pytest.fixture(scope="module")
+def exported_qwen(tmp_path_factory, embedded_cache):
+    """The same with 2 gated shared experts of width 16: Qwen2-MoE's architecture."""
+    return _export(tmp_path_factory.mktemp("qwen"), QWEN, embedded_cache)
 
 
 def _open(run):
@@ -45,16 +59,18 @@ def _open(run):
         os.environ.update(environment)
 
 
-def test_transformers_loads_it_without_remote_code_with_the_same_logits_and_greedy_text(exported, embedded_cache):
+@pytest.mark.parametrize("arch", KINDS)
+def test_transformers_loads_it_without_remote_code_with_the_same_logits_and_greedy_text(arch, request,
+                                                                                        embedded_cache):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _, run, out = exported
+    _, run, out = request.getfixturevalue(KINDS[arch][0])
     assert not list(out.glob("*.py"))
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["MixtralForCausalLM"] and "auto_map" not in config
+    assert config["architectures"] == [arch] and "auto_map" not in config
     model = AutoModelForCausalLM.from_pretrained(str(out))
     tokenizer = AutoTokenizer.from_pretrained(str(out))
-    assert type(model).__name__ == "MixtralForCausalLM"
+    assert type(model).__name__ == arch
     ours = _open(run)
     text = " ".join(wikitext_sentences("test")[0].split()[:14])
     ids = tokenizer(text, return_tensors="pt").input_ids
@@ -85,14 +101,15 @@ def test_transformers_loads_it_without_remote_code_with_the_same_logits_and_gree
         ("" if ended else " ...") + "\n"
 
 
-def test_init_from_hf_then_export_gives_the_same_tensors(exported, embedded_cache, tmp_path):
+@pytest.mark.parametrize("arch", KINDS)
+def test_init_from_hf_then_export_gives_the_same_tensors(arch, request, embedded_cache, tmp_path):
     """--lr 0: the imported weights go through one optimizer step unchanged, so the round trip is exact."""
     from safetensors.torch import load_file
 
-    corpus, run, out = exported
+    corpus, run, out = request.getfixturevalue(KINDS[arch][0])
     again = tmp_path / "again"
-    run_train([*TINY, *LLAMA, "--data", str(corpus), "--max-steps", "1", "--lr", "0", "--init-from-hf", str(out),
-               "--out", str(again)], cwd=tmp_path, cache=embedded_cache)
+    run_train([*TINY, *KINDS[arch][1], "--data", str(corpus), "--max-steps", "1", "--lr", "0", "--init-from-hf",
+               str(out), "--out", str(again)], cwd=tmp_path, cache=embedded_cache)
     run_cli("export", "--run", str(again), "--out", str(tmp_path / "hf"), cwd=tmp_path, cache=embedded_cache,
             check=True)
     first, second = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))

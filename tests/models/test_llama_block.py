@@ -1,9 +1,10 @@
-"""The llama block (`--block llama`) against transformers' own Mixtral and Llama: its rotary positions and RMSNorm
-equal transformers' functions; the whole model, written by inference/hf_native.py and loaded by
+"""The llama block (`--block llama`) against transformers' own Mixtral, Qwen2-MoE and Llama: its rotary positions
+and RMSNorm equal transformers' functions; the whole model, written by inference/hf_native.py and loaded by
 `AutoModelForCausalLM.from_pretrained` (no remote code), gives moe_scale's logits (float32, relative error
-≤ 1e-4) with an MoE or a dense FFN, tied or untied embeddings; the import reads back exactly what the export
-wrote (Mixtral's released layout and transformers 5's fused one; an expert-parallel rank takes its experts), and
-a checkpoint of another shape is refused in one line naming the field and its flag."""
+≤ 1e-4) with an MoE FFN (with gated shared experts: Qwen2-MoE) or a dense one, tied or untied embeddings; the
+import reads back exactly what the export wrote (the released layouts and transformers 5's fused one; an
+expert-parallel rank takes its experts), and a checkpoint of another shape (or with nonzero Qwen2 attention
+biases) is refused in one line naming the field and its flag."""
 
 from __future__ import annotations
 
@@ -33,8 +34,17 @@ def llama_config(ffn: str = "moe", tie: bool = False, **settings) -> RunConfig:
     return config
 
 
+QWEN = dict(shared_experts=2, shared_expert_hidden=12, shared_expert_gate=True)   # Qwen2-MoE: one of width 24
+
+
+def kind_config(kind: str, tie: bool = False) -> RunConfig:
+    """moe (Mixtral), qwen (Qwen2-MoE: MoE with gated shared experts) or dense (Llama)."""
+    return llama_config("moe", tie, **QWEN) if kind == "qwen" else llama_config(kind, tie)
+
+
 def llama_model(config: RunConfig, seed: int = 0, **build):
-    """A llama-block model whose RMSNorm weights and router are not at their near-trivial initial values."""
+    """A llama-block model whose RMSNorm weights, router and shared-expert gate are not at their near-trivial
+    initial values."""
     torch.manual_seed(seed)
     model = build_model(config, V, seed=seed, **build).eval()
     with torch.no_grad():
@@ -43,6 +53,8 @@ def llama_model(config: RunConfig, seed: int = 0, **build):
             block.norm2.weight.uniform_(0.5, 1.5)
             if config.model.transformer.ffn == "moe":
                 block.ffn.router.w_gate.normal_(0.0, 0.5)
+            if getattr(block.ffn, "shared", None) is not None:
+                block.ffn.shared.w_gate.normal_(0.0, 0.5)
     return model
 
 
@@ -87,16 +99,19 @@ def _write(directory, model, config) -> None:
     (directory / "config.json").write_text(json.dumps(hf_native.hf_config(config, V, 1, 2)))
 
 
-@pytest.mark.parametrize("ffn", ["moe", "dense"])
+ARCHITECTURES = {"moe": "MixtralForCausalLM", "qwen": "Qwen2MoeForCausalLM", "dense": "LlamaForCausalLM"}
+
+
+@pytest.mark.parametrize("ffn", ["moe", "qwen", "dense"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_transformers_loads_the_export_natively_and_gives_the_same_logits(tmp_path, ffn, tie):
     from transformers import AutoModelForCausalLM
 
-    config = llama_config(ffn, tie)
+    config = kind_config(ffn, tie)
     model = llama_model(config)
     _write(tmp_path / "hf", model, config)
     theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-    assert type(theirs).__name__ == ("MixtralForCausalLM" if ffn == "moe" else "LlamaForCausalLM")
+    assert type(theirs).__name__ == ARCHITECTURES[ffn]
     ids = torch.randint(0, V, (3, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         logits = theirs(ids).logits
@@ -113,9 +128,10 @@ def _hidden(model, ids):
     return x
 
 
-@pytest.mark.parametrize("ffn, layout", [("moe", "released"), ("moe", "fused"), ("dense", "released")])
+@pytest.mark.parametrize("ffn, layout", [("moe", "released"), ("moe", "fused"), ("qwen", "released"),
+                                         ("qwen", "fused"), ("dense", "released")])
 def test_import_reads_back_exactly_what_the_export_wrote(ffn, layout):
-    config = llama_config(ffn)
+    config = kind_config(ffn)
     source = llama_model(config, seed=0)
     tensors = hf_native.export_tensors(source, config)
     if layout == "fused":   # transformers 5's in-memory layout: experts stacked, gate and up rows concatenated
@@ -127,14 +143,19 @@ def test_import_reads_back_exactly_what_the_export_wrote(ffn, layout):
 
 
 def _fused(tensors: dict, config) -> dict:
-    out = {n: t for n, t in tensors.items() if ".block_sparse_moe." not in n}
+    """transformers 5's layout of Mixtral's (block_sparse_moe.experts.E.w1/w3/w2) or Qwen2-MoE's
+    (mlp.experts.E.gate_proj/up_proj/down_proj) released experts."""
+    qwen = config.moe.experts.shared > 0
+    names = ("gate_proj", "up_proj", "down_proj") if qwen else ("w1", "w3", "w2")
+    out = {n: t for n, t in tensors.items() if ".block_sparse_moe." not in n and ".mlp.experts." not in n}
     for i in range(config.model.transformer.num_layers):
-        moe, mlp = f"model.layers.{i}.block_sparse_moe.", f"model.layers.{i}.mlp."
+        moe, mlp = f"model.layers.{i}.{'mlp' if qwen else 'block_sparse_moe'}.", f"model.layers.{i}.mlp."
         experts = range(config.moe.experts.num_experts)
         out[mlp + "gate.weight"] = tensors[moe + "gate.weight"]
         out[mlp + "experts.gate_up_proj"] = torch.stack(
-            [torch.cat([tensors[f"{moe}experts.{e}.w{w}.weight"] for w in (1, 3)]) for e in experts])
-        out[mlp + "experts.down_proj"] = torch.stack([tensors[f"{moe}experts.{e}.w2.weight"] for e in experts])
+            [torch.cat([tensors[f"{moe}experts.{e}.{w}.weight"] for w in names[:2]]) for e in experts])
+        out[mlp + "experts.down_proj"] = torch.stack([tensors[f"{moe}experts.{e}.{names[2]}.weight"]
+                                                      for e in experts])
     return out
 
 
@@ -157,7 +178,8 @@ def test_an_expert_parallel_rank_imports_its_own_experts(layout):
     ("intermediate_size", 99, "--expert-hidden"), ("rope_theta", 1e6, "--rope-theta"),
     ("tie_word_embeddings", True, "--tie-embeddings"), ("vocab_size", 7, "--vocab-size"),
     ("num_key_value_heads", 2, "no flag sets it"), ("rms_norm_eps", 1e-6, "no flag sets it"),
-    ("model_type", "llama", "--ffn dense"), ("model_type", "qwen2_moe", "only Mixtral and Llama"),
+    ("model_type", "llama", "--ffn dense"), ("model_type", "qwen2_moe", "--shared-experts 1 --shared-expert-gate"),
+    ("model_type", "gpt2", "only Mixtral, Qwen2-MoE and Llama"),
 ])
 def test_a_checkpoint_of_another_shape_is_refused_naming_the_field(field, value, flag):
     config = llama_config()
@@ -170,6 +192,37 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_field(field, value,
     message = str(refused.value)
     assert "\n" not in message and flag in message and (field in message or field == "model_type")
     hf_native.check_config(hf_native.hf_config(config, V, 1, 2), config, V, "--init-from-hf DIR")   # its own: fine
+
+
+@pytest.mark.parametrize("field, value, flag", [
+    ("moe_intermediate_size", 99, "--expert-hidden"), ("num_experts", 8, "--num-experts"),
+    ("shared_expert_intermediate_size", 36, "--shared-expert-hidden"), ("norm_topk_prob", False, "no flag sets it"),
+    ("decoder_sparse_step", 2, "no flag sets it"), ("mlp_only_layers", [1], "no flag sets it"),
+    ("model_type", "mixtral", "--ffn moe without --shared-experts"),
+])
+def test_a_qwen2_moe_checkpoint_of_another_shape_is_refused_naming_the_field(field, value, flag):
+    config = kind_config("qwen")
+    hf = hf_native.hf_config(config, V, 1, 2)
+    assert (hf["model_type"], hf["shared_expert_intermediate_size"]) == ("qwen2_moe", 24)
+    hf[field] = value
+    with pytest.raises(UserError) as refused:
+        hf_native.check_config(hf, config, V, "--init-from-hf DIR")
+    message = str(refused.value)
+    assert "\n" not in message and flag in message and (field in message or field == "model_type")
+    hf_native.check_config(hf_native.hf_config(config, V, 1, 2), config, V, "--init-from-hf DIR")   # its own: fine
+    one_wide = hf_native.hf_config(kind_config("qwen"), V, 1, 2)   # 2 shared experts of 12 import as 1 of 24
+    hf_native.check_config(one_wide, llama_config("moe", shared_experts=1, shared_expert_hidden=24,
+                                                  shared_expert_gate=True), V, "--init-from-hf DIR")
+
+
+def test_qwen2_moe_attention_biases_import_only_when_zero():
+    config = kind_config("qwen")
+    tensors = hf_native.export_tensors(llama_model(config), config)
+    assert not torch.count_nonzero(tensors["model.layers.0.self_attn.q_proj.bias"])
+    tensors["model.layers.1.self_attn.v_proj.bias"] = torch.full_like(tensors["model.layers.1.self_attn.v_proj.bias"],
+                                                                       0.1)
+    with pytest.raises(UserError, match="model.layers.1.self_attn.v_proj.bias is not zero"):
+        hf_native.import_tensors(llama_model(config), config, tensors, "--init-from-hf DIR")
 
 
 def test_a_missing_or_extra_tensor_is_refused_in_one_line():

@@ -104,6 +104,52 @@ def test_with_the_routed_experts_zeroed_the_layer_is_the_dense_ffn_of_the_shared
     torch.testing.assert_close(x_grad, x.grad)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_swiglu_shared_experts_are_one_dense_swiglu_ffn_of_their_summed_width(gated):
+    """The llama block's (Qwen2-MoE's shared_expert): with the routed SwiGLU experts zeroed, the layer is
+    sigmoid(x w_gate) · down(silu(gate(x)) * up(x)) of width S·h_s, the sum of S SwiGLU FFNs of width h_s."""
+    torch.manual_seed(0)
+    layer = MoELayer(D, H, E, K, router=SoftmaxTopKRouter(D, E, K, renormalize="full"), shared_experts=3,
+                     shared_hidden=12, shared_gate=gated, seed=2, activation="swiglu")
+    layer = _zero_routed(layer).double().train()
+    shared = layer.shared
+    assert {n for n, _ in shared.named_parameters()} == \
+        {"gate_proj.weight", "up_proj.weight", "down_proj.weight"} | ({"w_gate"} if gated else set())
+    assert shared.gate_proj.weight.shape == (36, D) and shared.down_proj.weight.shape == (D, 36)
+    if gated:
+        with torch.no_grad():
+            shared.w_gate.normal_()
+    x = torch.randn(24, D, dtype=torch.float64, requires_grad=True)
+    y, _ = layer(x)
+    g, u, w = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+    want = sum(((torch.nn.functional.silu(x @ g[s * 12:(s + 1) * 12].t()) * (x @ u[s * 12:(s + 1) * 12].t()))
+                @ w[:, s * 12:(s + 1) * 12].t()) for s in range(3))
+    if gated:
+        want = want * torch.sigmoid(x @ shared.w_gate)[:, None]
+    torch.testing.assert_close(y, want)
+    assert torch.count_nonzero(y) > 0
+    y.sum().backward()
+    assert all(torch.count_nonzero(p.grad) > 0 for p in shared.parameters())
+
+
+def test_swiglu_shared_experts_start_from_their_own_generators():
+    """N(0, 0.02²) per expert from routed expert E + s's generator: the same on every rank, the global RNG
+    untouched, and kept by the llama block's initialisation."""
+    state = torch.get_rng_state()
+    one = SharedExperts(D, H, 2, seed=7, first_id=E, activation="swiglu")
+    assert torch.equal(torch.get_rng_state(), state)
+    two = SharedExperts(D, H, 2, seed=7, first_id=E, activation="swiglu")
+    assert torch.equal(one.gate_proj.weight, two.gate_proj.weight) and torch.equal(one.down_proj.weight,
+                                                                                   two.down_proj.weight)
+    assert 0.01 < one.up_proj.weight.std().item() < 0.03
+    config = RunConfig.from_settings(model="transformer", block="llama", ffn="moe", d_model=16, num_heads=2,
+                                     num_layers=1, expert_hidden=24, num_experts=4, shared_experts=2,
+                                     shared_expert_gate=True)
+    lm = build_model(config, 50)
+    fresh = SharedExperts(16, 24, 2, gate=True, seed=lm.blocks[0].ffn.shared.seed, first_id=4, activation="swiglu")
+    assert torch.equal(lm.blocks[0].ffn.shared.gate_proj.weight, fresh.gate_proj.weight)
+
+
 def test_without_shared_experts_the_layer_is_as_before():
     torch.manual_seed(0)
     plain = MoELayer(D, H, E, K)
@@ -127,15 +173,17 @@ def test_shared_experts_are_dense_parameters_with_checkpoint_safe_names():
         assert torch.equal(dict(layer.named_parameters())[name], dict(other.named_parameters())[name])
 
 
-@pytest.mark.parametrize("model", ["lstm", "transformer"])
+@pytest.mark.parametrize("model", ["lstm", "transformer", "llama"])
 def test_the_accounting_counts_the_shared_experts(model):
     settings = dict(model=model, d_model=16, expert_hidden=24, num_experts=4, top_k=2, shared_experts=2,
                     shared_expert_hidden=20, shared_expert_gate=True)
-    if model == "transformer":
-        settings.update(ffn="moe", num_heads=2, num_layers=2)
+    if model != "lstm":
+        settings.update(model="transformer", ffn="moe", num_heads=2, num_layers=2)
+    if model == "llama":
+        settings.update(block="llama")
     config = RunConfig.from_settings(**settings)
     plain = RunConfig.from_settings(**{**settings, "shared_experts": 0})
-    per_layer = 2 * 2 * 16 * 20 + 16                     # two FFNs d -> 20 -> d and the gate's d
+    per_layer = 2 * (3 if model == "llama" else 2) * 16 * 20 + 16   # two FFNs d -> 20 -> d and the gate's d
     lm, plain_lm = build_model(config, 50), build_model(plain, 50)
     built = sum(p.numel() for n, p in lm.named_parameters() if ".shared." in n)
     layers = 1 if model == "lstm" else 2

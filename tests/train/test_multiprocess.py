@@ -51,6 +51,20 @@ def test_two_processes_expert_parallel_equal_one_process(tmp_path, embedded_cach
         run_eval(["--run", str(one)], cwd=tmp_path, cache=embedded_cache)["ppl"], rel=1e-4)
 
 
+def _one_and_two_processes(tmp_path, embedded_cache, common: list[str]):
+    """`common` on 1 process and on 2 with --ep-size 2: every step's loss and aux loss and the validation
+    perplexity equal; (the two runs, their summaries)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train([*common, "--out", str(one)], cwd=tmp_path, cache=embedded_cache)
+    run_train([*common, "--ep-size", "2", "--out", str(two)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
+    for a, b in zip(step_log(one), step_log(two), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (a, b)
+        assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-6), (a, b)
+    first, second = (json.loads((run / "summary.json").read_text()) for run in (one, two))
+    assert second["valid_ppl"] == pytest.approx(first["valid_ppl"], rel=1e-4)
+    return one, two, first, second
+
+
 @pytest.mark.parametrize("gate_flags", [
     ["--gate", "hierarchical", "--num-groups", "2", "--top-k", "2", "--top-k-secondary", "2"],
     ["--gate", "batchwise", "--batchwise-scope", "global"],
@@ -62,14 +76,7 @@ def test_every_gate_two_processes_equal_one_process(tmp_path, embedded_cache, ga
     common = [*TINY, *gate_flags, "--noise-rng", "global", "--dropout", "0", "--lr", "0.01", "--warmup-steps", "0",
               "--max-steps", "4", "--eval-interval", "4", "--checkpoint-interval", "4",
               "--ds-config", str(DS_CONFIGS / "zero2_ep.json")]
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_train([*common, "--out", str(one)], cwd=tmp_path, cache=embedded_cache)
-    run_train([*common, "--ep-size", "2", "--out", str(two)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
-    for a, b in zip(step_log(one), step_log(two), strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (a, b)
-        assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-6), (a, b)
-    first, second = (json.loads((run / "summary.json").read_text()) for run in (one, two))
-    assert second["valid_ppl"] == pytest.approx(first["valid_ppl"], rel=1e-4)
+    one, two, first, second = _one_and_two_processes(tmp_path, embedded_cache, common)
     assert second["cv_load"] == pytest.approx(first["cv_load"], rel=1e-3, abs=1e-6)
     # the validation pass's balance (real tokens only: the padding mask travels with the rows)
     assert second["valid_cv_load"] == pytest.approx(first["valid_cv_load"], rel=1e-3, abs=1e-6)
@@ -131,14 +138,7 @@ def test_llama_block_two_processes_expert_parallel_equal_one_process_and_import_
     common = [*TINY, "--model", "transformer", "--block", "llama", "--ffn", "moe", "--num-layers", "2",
               "--tie-embeddings", "--dropout", "0", "--lr", "0.01", "--warmup-steps", "0", "--max-steps", "4",
               "--eval-interval", "4", "--checkpoint-interval", "4", "--ds-config", str(DS_CONFIGS / "zero2_ep.json")]
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_train([*common, "--out", str(one)], cwd=tmp_path, cache=embedded_cache)
-    run_train([*common, "--ep-size", "2", "--out", str(two)], cwd=tmp_path, cache=embedded_cache, nprocs=2)
-    for a, b in zip(step_log(one), step_log(two), strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (a, b)
-        assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-6), (a, b)
-    first, second = (json.loads((run / "summary.json").read_text()) for run in (one, two))
-    assert second["valid_ppl"] == pytest.approx(first["valid_ppl"], rel=1e-4)
+    one = _one_and_two_processes(tmp_path, embedded_cache, common)[0]
 
     run_cli("export", "--run", str(one), "--out", str(tmp_path / "hf"), cwd=tmp_path, cache=embedded_cache,
             check=True)

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from moe_scale.moe.cpu_backend import kernels as cpu_kernels
-from moe_scale.moe.experts.grouped_gemm import Counts, GroupLayout, per_expert_outer, row_dot, rows_times_expert
+from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gated_rows, per_expert_outer, row_dot,
+                                                rows_times_expert)
 from moe_scale.moe.experts.swiglu import swiglu_expert_ffn
 
 
@@ -117,15 +118,12 @@ class _ExpertFFN(torch.autograd.Function):
         layout = GroupLayout(counts, rows_RD, kernel)
         hidden_MF = rows_times_expert(rows_RD, w_in_LFD.transpose(1, 2), layout, row_of_pair_M, relu=True)
         y_MD = rows_times_expert(hidden_MF, w_out_LFD, layout)
-        y_MD.mul_(scale if gate_M is None else gate_M.to(y_MD.dtype)[:, None] * scale)
         ctx.save_for_backward(rows_RD, w_in_LFD, w_out_LFD, row_of_pair_M, gate_M,
                               None if recompute else hidden_MF)
         ctx.layout, ctx.scale = layout, scale
         # Only the native kernel writes into a given buffer; it runs where fresh pages cost the most.
         ctx.grad_buffers = grad_buffers if layout.kernel == "native" else None
-        if row_of_pair_M is None:
-            return y_MD
-        return y_MD.new_zeros(rows_RD.shape[0], y_MD.shape[1]).index_add_(0, row_of_pair_M, y_MD)
+        return gated_rows(y_MD, gate_M, scale, row_of_pair_M, rows_RD.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -1,7 +1,7 @@
 """Per-expert products as grouped GEMMs: one call for all experts, whatever their number.
 
 Legend (docs/shapes.md): M rows sorted by local expert (`counts_L[e]` of them for expert e), L local experts,
-I input width, O output width (of a product).
+I input width, O output width (of a product), D model width.
 
 Offsets are int32 row ends on the device, which is what grouped GEMMs read, so nothing here waits for the
 device.
@@ -225,6 +225,16 @@ def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout
         else:
             out_LIO[e].zero_()
     return out_LIO
+
+
+def gated_rows(y_MD: torch.Tensor, gate_M: torch.Tensor | None, scale: float, row_of_pair_M: torch.Tensor | None,
+               num_rows: int) -> torch.Tensor:
+    """An expert FFN's last step: each pair's output times its gate and the output scale (in place), then, with
+    `row_of_pair_M`, summed per row [num_rows, D]; without, per pair [M, D]."""
+    y_MD.mul_(scale if gate_M is None else gate_M.to(y_MD.dtype)[:, None] * scale)
+    if row_of_pair_M is None:
+        return y_MD
+    return y_MD.new_zeros(num_rows, y_MD.shape[1]).index_add_(0, row_of_pair_M, y_MD)
 
 
 def row_dot(a_MI: torch.Tensor, b_MI: torch.Tensor) -> torch.Tensor:

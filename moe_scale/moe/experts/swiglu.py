@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_scale.moe.experts.grouped_gemm import Counts, GroupLayout, per_expert_outer, row_dot, rows_times_expert
+from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gated_rows, per_expert_outer, row_dot,
+                                                rows_times_expert)
 
 
 def _hidden(gate_up_M2F: torch.Tensor) -> torch.Tensor:
@@ -36,14 +37,11 @@ class _SwiGLUExpertFFN(torch.autograd.Function):
         layout = GroupLayout(counts, rows_RD, kernel)
         gate_up_M2F = rows_times_expert(rows_RD, w_in_L2FD.transpose(1, 2), layout, row_of_pair_M)
         y_MD = rows_times_expert(_hidden(gate_up_M2F), w_out_LFD, layout)
-        y_MD.mul_(scale if gate_M is None else gate_M.to(y_MD.dtype)[:, None] * scale)
         ctx.save_for_backward(rows_RD, w_in_L2FD, w_out_LFD, row_of_pair_M, gate_M,
                               None if recompute else gate_up_M2F)
         ctx.layout, ctx.scale = layout, scale
         ctx.grad_buffers = grad_buffers if layout.kernel == "native" else None
-        if row_of_pair_M is None:
-            return y_MD
-        return y_MD.new_zeros(rows_RD.shape[0], y_MD.shape[1]).index_add_(0, row_of_pair_M, y_MD)
+        return gated_rows(y_MD, gate_M, scale, row_of_pair_M, rows_RD.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -281,10 +281,11 @@ def test_flop_counter_sees_the_grouped_gemm():
     assert counter.get_total_flops() == 3 * 2 * 2 * sum(counts) * d * h
 
 
-def test_recompute_keeps_no_hidden_activations():
-    """App. D: with recompute the function saves x and the weights, never the [M, H] hidden layer."""
+@pytest.mark.parametrize("activation, hidden", [("relu", 256), ("swiglu", 128)])   # first layer 256 wide either way
+def test_recompute_keeps_no_hidden_activations(activation, hidden):
+    """App. D: with recompute the function saves x and the weights, never the first layer's [M, 256] output."""
     counts = [40, 24]
-    experts = GroupedExperts(2, 8, 256, recompute=True)
+    experts = GroupedExperts(2, 8, hidden, recompute=True, activation=activation)
     x = torch.randn(64, 8, requires_grad=True)
     sizes = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(tuple(t.shape)) or t, lambda t: t):
