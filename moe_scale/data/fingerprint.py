@@ -81,9 +81,9 @@ def read_record(run: Path) -> dict | None:
     return record
 
 
-def check_resumed_data(run: Path, now: dict, accept: bool) -> list[str]:
-    """On --resume: the data's changes since the run recorded it; refused in one line unless `accept`."""
-    saved = read_record(run)
+def check_resumed_data(saved: dict | None, now: dict, accept: bool) -> list[str]:
+    """On --resume: the data's changes since the run recorded it (`saved`: read_record's; None, nothing to
+    compare); refused in one line unless `accept`."""
     found = changes(saved, now) if saved is not None else []
     if found and not accept:
         shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")

@@ -55,7 +55,8 @@ def run_training(config: RunConfig) -> dict:
     resume_tag = checkpoint_to_resume(run, run_dir.resume_from, config) if run_dir.resume else None   # files verified
     ds_config = complete_ds_config(user_ds_config, micro_batch, t.grad_accum, env.world_size, ds_source)
     data_record = fingerprint(config.data)
-    changed = check_resumed_data(run, data_record, run_dir.accept_changed_data) if run_dir.resume else []
+    saved_record = read_record(run) if run_dir.resume else None
+    changed = check_resumed_data(saved_record, data_record, run_dir.accept_changed_data)
     upcycled = dense_run_to_upcycle(config) if t.upcycle_from and not run_dir.resume else None
     data = build_lm_data(config.data, env, global_rows=t.batch_size, seed=t.seed,
                          saved_run=run if run_dir.resume else upcycled[0] if upcycled else None)
@@ -84,13 +85,13 @@ def run_training(config: RunConfig) -> dict:
     state = TrainState.planned(config, data.train.state_dict())
     if run_dir.resume:
         load_checkpoint(trainer.engine, run, resume_tag, state, data.train)
-        _check_steps_left(config, state, data.train, resume_tag)
+        _check_steps_left(config, run, state, data.train, resume_tag)
     # Only now, with every input checked and the engine built, does the run directory change.
     lock = claim_run_dir(run, run_dir.resume, run_dir.overwrite) if env.rank == 0 else None
     try:
         if env.rank == 0:
             save_run_tokenizer(data.vocab, run)
-            _record_data(run, data_record, changed, state.step)
+            _record_data(run, data_record, saved_record, changed, state.step)
             _as_planned(config, state).save(run / "config.json")
             write_json_atomic(run / "ds_config.json", ds_config)
         dist.barrier()
@@ -105,22 +106,21 @@ def run_training(config: RunConfig) -> dict:
             lock.release()
 
 
-def _check_steps_left(config: RunConfig, state: TrainState, source: TrainingSource, tag: str) -> None:
+def _check_steps_left(config: RunConfig, run: Path, state: TrainState, source: TrainingSource, tag: str) -> None:
     """A resume of a finished run (nothing left to train: its schedule, or its streamed pass, is done, and its
     summary is written) is refused before the run directory is touched: its summary, logs and plots are its
     results. A run stopped after its last checkpoint but before its summary (killed) resumes to write it."""
     if source.last_step is not None:   # a streamed pass that ended: no batch after it
         state.end_with_the_data(source.last_step)
-    if state.step < state.max_steps or not _summarised(Path(config.run.out), state.max_steps):
+    if state.step < state.max_steps or not _summarised(run, state.max_steps):
         return
-    out = config.run.out
     if source.last_step is not None and state.max_steps == source.last_step + 1:
         more = "its streamed training data ended there (one pass over --data); start a new run to train on more data"
     elif config.data.stream and config.data.token_budget:
         more = "pass a larger --token-budget with --resume to train on"
     else:
         more = "pass a larger --max-steps with --resume to train on"
-    raise UserError(f"--resume: the run in {out} has finished (checkpoint {tag} is after step {state.step} of "
+    raise UserError(f"--resume: the run in {run} has finished (checkpoint {tag} is after step {state.step} of "
                     f"{state.max_steps}), so there is nothing to train and its results stay as they are; {more}, "
                     f"or start a new run with another --out")
 
@@ -134,11 +134,10 @@ def _summarised(run: Path, steps: int) -> bool:
     return isinstance(summary, dict) and summary.get("steps") == steps
 
 
-def _record_data(run, record: dict, changed: list[str], step: int) -> None:
+def _record_data(run: Path, record: dict, previous: dict | None, changed: list[str], step: int) -> None:
     """data_files.json: the files this run trains on; a resume that accepted changed data says so, in the log and
     in the record's history."""
-    previous = read_record(run) or {}
-    accepted = previous.get("accepted", [])
+    accepted = (previous or {}).get("accepted", [])
     if changed:
         print(f"moe-scale: resuming at step {step} on changed data (--accept-changed-data): {'; '.join(changed)}",
               flush=True)
