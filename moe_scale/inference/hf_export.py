@@ -86,23 +86,26 @@ def _remove(partial: Path, created: list[Path]) -> None:
             pass
 
 
-def _write(target: Path, config, vocab, model, run: Path, tag: str) -> None:
+def _save_tensors(target: Path, tensors: dict) -> None:
     from safetensors.torch import save_file
 
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(target / "model.safetensors", new_file_mode())   # save_file writes it owner-only
+
+
+def _write(target: Path, config, vocab, model, run: Path, tag: str) -> None:
     from moe_scale.inference import hf_native
 
     provenance = {"run_config": config.to_dict(), "exported_from": {"run": str(run.resolve()), "checkpoint": tag}}
     if hf_native.is_native(config):   # transformers' own Mixtral / Llama: no remote code
-        save_file(hf_native.export_tensors(model, config), str(target / "model.safetensors"), metadata={"format": "pt"})
-        os.chmod(target / "model.safetensors", new_file_mode())
+        _save_tensors(target, hf_native.export_tensors(model, config))
         hf_config = {**hf_native.hf_config(config, len(vocab), vocab.BOS_ID, vocab.EOS_ID), **provenance}
         (target / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         _write_tokenizer(target, vocab, config.data.seq_len)
         (target / "README.md").write_text(_model_card(config, vocab, tag, hf_config["architectures"][0]))
         return
     state = {f"lm.{name}": t.detach().cpu().clone().contiguous() for name, t in _tensors_by_module_path(model)}
-    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(target / "model.safetensors", new_file_mode())   # save_file writes it owner-only
+    _save_tensors(target, state)
     context = config.data.seq_len if config.model.kind == "transformer" else 0
     hf_config = {
         "model_type": "moe_scale", "architectures": ["MoEScaleForCausalLM"],
