@@ -125,7 +125,8 @@ def release_deepspeed_shm_name() -> None:
     until reboot (a test suite leaks gigabytes). Once every rank has mapped every other rank's segment
     (which DeepSpeed's init does before returning; hence the barrier), the names are no longer needed: the
     mappings stay valid, and the memory is freed when the last process exits. Call collectively, after
-    deepspeed.init_distributed; a no-op where there is no such segment (GPUs, other versions).
+    deepspeed.init_distributed, on the CPU accelerator (init_distributed does); a no-op where there is no such
+    segment (other versions).
     """
     name = shm_segment(torch.distributed.get_rank())
     torch.distributed.barrier()
@@ -133,26 +134,29 @@ def release_deepspeed_shm_name() -> None:
 
 
 def init_distributed() -> DistEnv:
-    """Initialise torch.distributed through DeepSpeed (idempotent) and describe this process."""
+    """Initialise torch.distributed through DeepSpeed (idempotent) and describe this process.
+
+    On GPUs the rank's device is set before the first collective: NCCL binds a communicator to the current device,
+    so a barrier before set_device would put every rank of a node on GPU 0 (a hang, or its memory filled)."""
     accelerator = select_accelerator()
     fill_env_from_launcher()
     import deepspeed  # after select_accelerator: DeepSpeed picks its accelerator at import
 
-    backend = "gloo" if accelerator == "cpu" else "nccl"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if accelerator == "cpu":
+        backend, device = "gloo", torch.device("cpu")
+    else:
+        backend, device = "nccl", torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
     if not torch.distributed.is_initialized():
         if accelerator == "cpu" and not cpu_comm_op_built() and os.environ.get("RANK", "0") == "0":
             print("moe-scale: building DeepSpeed's CPU communication op (first run on this machine, about a "
                   "minute; it is cached for later runs)", file=sys.stderr, flush=True)
         with deepspeed_stdout_to_stderr():   # DeepSpeed's progress lines are not the command's output
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-        release_deepspeed_shm_name()
+        if accelerator == "cpu":   # the segment exists only for DeepSpeed's CPU communication op
+            release_deepspeed_shm_name()
         _log_threads()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if accelerator == "cpu":
-        device = torch.device("cpu")
-    else:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
     return DistEnv(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device, backend)
 
 

@@ -79,3 +79,35 @@ def test_main_shuts_down_only_after_success(monkeypatch):
     monkeypatch.setattr(cli, "shutdown_distributed", lambda: calls.append(1))
     assert cli.main(["flops", "--list"]) == 0 and calls == [1]
     assert cli.main(["flops", "--preset", "no-such-preset"]) == 2 and calls == [1]
+
+
+@pytest.mark.parametrize("accelerator", ["cuda", "cpu"])
+def test_gpu_rank_sets_its_device_before_the_first_collective(monkeypatch, accelerator):
+    """NCCL binds a communicator to the current device: set_device comes before DeepSpeed's init (whose barrier is the
+    first collective); the /dev/shm clean-up (a barrier of its own) runs only for DeepSpeed's CPU communication op."""
+    import deepspeed
+    import torch
+
+    from moe_scale.distributed import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "select_accelerator", lambda: accelerator)
+    for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="3", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", str(device))))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: bool(calls and calls[-1][0] != "set_device"))
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: calls.append(("init", kw["dist_backend"])))
+    monkeypatch.setattr(launch, "release_deepspeed_shm_name", lambda: calls.append(("release_shm", None)))
+    monkeypatch.setattr(launch, "cpu_comm_op_built", lambda: True)
+    monkeypatch.setattr(launch, "_log_threads", lambda: None)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 3)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
+    env = launch.init_distributed()
+    if accelerator == "cuda":
+        assert calls == [("set_device", "cuda:3"), ("init", "nccl")]
+        assert (env.device, env.backend) == (torch.device("cuda", 3), "nccl")
+    else:
+        assert calls == [("init", "gloo"), ("release_shm", None)]
+        assert (env.device, env.backend) == (torch.device("cpu"), "gloo")
+    assert (env.rank, env.world_size, env.local_rank) == (3, 4, 3)
