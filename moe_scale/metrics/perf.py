@@ -5,7 +5,8 @@ else fp32). On CPU, and on a GPU missing from the table, the peak is measured on
 few large matmuls, on every rank at the same time (so processes sharing cores each see their share), kept in
 $MOE_SCALE_CACHE/peaks/ (default ~/.cache/moe_scale/peaks) under a key of what it depends on (device, dtype,
 torch version, threads, ranks on the machine). Timed again at every start, it swung with whatever else ran:
-one run's MFU read 1% to 36% on a busy machine. The source string says which peak, and when it was measured.
+one run's MFU read 1% to 36% on a busy machine. The source string says which peak, and when it was measured;
+a run that beats a measured peak removes it (forget_exceeded_peak), so the next start measures it again.
 
 All-to-all time: every exchange times its all-to-all calls (moe/dispatch/exchange.py), forward and backward; the
 time includes waiting for the slowest rank of the expert-parallel group, which is what a user pays.
@@ -144,18 +145,42 @@ def device_peak_tflops(device: torch.device, half_precision: bool, ranks_on_mach
     all-reduce), so that either all read it or all measure at the same time."""
     name = device_name(device)
     table = table_peak_tflops(name, half_precision) if device.type == "cuda" else None
-    dtype = torch.bfloat16 if half_precision and device.type == "cuda" else torch.float32
-    key = peak_cache_key(device, dtype, ranks_on_machine)
+    key = _measured_peak_key(device, half_precision, ranks_on_machine)
     cached = None if table is not None else cached_peak(key)
     if all_found(table is not None or cached is not None):   # asked on every path: a collective on every rank
         if table is not None:
             return table, f"table: {name}"
         tflops, measured = cached
     else:
-        tflops = measured_matmul_tflops(device, dtype)
+        tflops = measured_matmul_tflops(device, getattr(torch, key["dtype"]))
         measured = store_peak(key, tflops)
     return tflops, (f"measured {key['dtype']} matmul on {device.type} on {measured}, cached in "
                     f"{peak_cache_path(key)}; delete the file to measure again")
+
+
+def _measured_peak_key(device: torch.device, half_precision: bool, ranks_on_machine: int) -> dict:
+    dtype = torch.bfloat16 if half_precision and device.type == "cuda" else torch.float32
+    return peak_cache_key(device, dtype, ranks_on_machine)
+
+
+def forget_exceeded_peak(device: torch.device, half_precision: bool, ranks_on_machine: int, peak_tflops: float,
+                         achieved_tflops: float) -> str | None:
+    """A run that beat its measured peak (MFU over 100%) shows the peak was measured while the machine was busier:
+    its cache file is removed, so the next start measures it again. Returns the warning to log, or None (a table
+    peak, or one not exceeded). Call on one rank."""
+    if device.type == "cuda" and table_peak_tflops(device_name(device), half_precision) is not None:
+        return None
+    if not achieved_tflops > peak_tflops:
+        return None
+    path = peak_cache_path(_measured_peak_key(device, half_precision, ranks_on_machine))
+    try:
+        path.unlink(missing_ok=True)
+        removed = f"its cache file {path} is removed: the next run measures the peak again"
+    except OSError as e:
+        removed = f"delete {path} ({e.strerror or e}) so that the next run measures it again"
+    return (f"warning: this run's {achieved_tflops:.4g} TFLOPS per device exceeded the measured peak of "
+            f"{peak_tflops:.4g} (an MFU of {achieved_tflops / peak_tflops:.0%}): the peak was measured while the "
+            f"machine was busier; {removed}")
 
 
 def all_to_all_seconds(moe_layers) -> float:

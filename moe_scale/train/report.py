@@ -7,6 +7,7 @@ Every rank takes part (the numbers are all-reduced, a divergence stops all ranks
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,8 @@ from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
 from moe_scale.metrics.balance import MeanTracker, MoEMetrics
 from moe_scale.metrics.logging import RunLogger, summary_table
-from moe_scale.metrics.perf import all_to_all_seconds, device_peak_tflops, efficiency, peak_rss_mib
+from moe_scale.metrics.perf import (all_to_all_seconds, device_peak_tflops, efficiency, forget_exceeded_peak,
+                                    peak_rss_mib)
 from moe_scale.models.build import describe_parameters, forward_macs_per_token
 from moe_scale.train.context import TrainContext
 from moe_scale.train.evaluate import evaluate
@@ -130,6 +132,11 @@ class RunReport:
         if self.ctx.env.rank == 0:
             write_json_atomic(self.ctx.run / "summary.json", summary)
             self.logger.line(summary_table(summary))
+            env = self.ctx.env
+            warning = forget_exceeded_peak(env.device, _half_precision(self.ctx.ds_config), _ranks_on_machine(env),
+                                           self.peak[0], summary["tflops_per_device"])
+            if warning:
+                print(f"moe-scale: {warning}", file=sys.stderr, flush=True)
         self.logger.close()
         return summary
 
@@ -196,21 +203,28 @@ def _exp(nll: float) -> float:
     return math.exp(nll) if nll < 700 else float("inf")
 
 
+def _half_precision(ds_config: dict) -> bool:
+    return any(ds_config.get(key, {}).get("enabled") for key in ("bf16", "fp16"))
+
+
+def _ranks_on_machine(env: DistEnv) -> int:
+    try:
+        return ranks_per_node(0)
+    except ValueError:   # no launcher said: all ranks count as one machine's
+        return env.world_size
+
+
 def _peak(env: DistEnv, ds_config: dict) -> tuple[float, str]:
     """One device's peak, averaged over the ranks (each measures its share of a shared CPU, all at once, unless
     every rank finds its measurement cached)."""
-    half = any(ds_config.get(key, {}).get("enabled") for key in ("bf16", "fp16"))
+    half = _half_precision(ds_config)
 
     def all_found(found: bool) -> bool:
         flag = torch.tensor([1.0 if found else 0.0], dtype=torch.float64, device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    try:
-        on_machine = ranks_per_node(0)
-    except ValueError:   # no launcher said: all ranks count as one machine's
-        on_machine = env.world_size
-    peak, source = device_peak_tflops(env.device, half, on_machine, all_found)
+    peak, source = device_peak_tflops(env.device, half, _ranks_on_machine(env), all_found)
     peak_t = torch.tensor([peak], dtype=torch.float64, device=collective_device())
     dist.all_reduce(peak_t)
     return peak_t.item() / env.world_size, source

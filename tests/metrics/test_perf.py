@@ -121,3 +121,22 @@ def test_every_rank_measures_when_one_misses_the_cache(measurements):
     asked = []
     device_peak_tflops(cpu, False, all_found=lambda found: asked.append(found) or found)
     assert asked == [True]
+
+
+def test_a_run_that_beats_its_measured_peak_forgets_it(measurements, tmp_path):
+    """MFU over 100% means the cached peak was measured on a busier machine: the file goes, the next start measures
+    again; a peak that held, or a table peak, stays."""
+    cpu = torch.device("cpu")
+    peak, _ = device_peak_tflops(cpu, False)
+    (path,) = (tmp_path / "peaks").iterdir()
+    assert perf.forget_exceeded_peak(cpu, False, 1, peak, 0.9 * peak) is None and path.exists()
+    assert "is removed" in perf.forget_exceeded_peak(cpu, False, 2, peak, 1.5 * peak)   # another key: not this file
+    assert path.exists()
+    warning = perf.forget_exceeded_peak(cpu, False, 1, peak, 1.5 * peak)
+    assert "exceeded the measured peak of 2 (an MFU of 150%)" in warning and str(path) in warning
+    assert not path.exists()
+    assert device_peak_tflops(cpu, False)[0] == 3.0 and len(measurements) == 2      # measured again
+    gpu = torch.device("cuda", 0)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(perf, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+        assert perf.forget_exceeded_peak(gpu, True, 1, 989.4, 2000.0) is None       # the table's peak stays

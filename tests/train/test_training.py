@@ -128,3 +128,27 @@ def test_a_model_without_moe_layers_reports_no_gate_and_no_balance(tmp_path, emb
     log = proc.stdout.split("-----")[0]
     assert "cv(load)" not in log and "nan" not in log.lower() and "experts" not in log
     assert "MFU against a peak of" in log and "this interval: not timed (the first 3 steps warm up)" in log
+
+
+def test_a_run_that_beats_its_cached_peak_removes_it(tmp_path, embedded_cache, monkeypatch):
+    """A peak measured on a busy machine (here planted at 1e-9 TFLOPS) gives an MFU far over 100%: the run warns at
+    its end and removes the cached file, so the next start measures again."""
+    import torch
+
+    from moe_scale.metrics import perf
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for entry in embedded_cache.iterdir():         # the session's corpus and kernels, not its peaks
+        if entry.name != "peaks":
+            (cache / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    monkeypatch.setenv("MOE_SCALE_CACHE", str(cache))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)             # the run's: OMP_NUM_THREADS=1
+    path = perf.peak_cache_path(perf.peak_cache_key(torch.device("cpu"), torch.float32, 1))
+    perf.store_peak(perf.peak_cache_key(torch.device("cpu"), torch.float32, 1), 1e-9)
+    proc = run_train([*TINY, "--max-steps", "4", "--eval-interval", "4", "--checkpoint-interval", "0",
+                      "--out", str(tmp_path / "run")], cwd=tmp_path, cache=cache)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["peak_tflops_per_device"] == 1e-9 and summary["mfu"] > 1
+    assert "exceeded the measured peak of 1e-09" in proc.stderr and str(path) in proc.stderr
+    assert not path.exists()
