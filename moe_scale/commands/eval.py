@@ -40,6 +40,15 @@ def run(args: argparse.Namespace) -> None:
         print(json.dumps(result) if args.json else format_eval(result))
 
 
+def check_expert_stats_world(config, world_size: int) -> None:
+    """The hierarchical gate picks a token's experts on the rank that holds them, among rows from every rank: its
+    pairs name that rank's rows, not the token's position, so its per-expert report is made in one process."""
+    if world_size > 1 and config.has_moe_ffn and config.moe.router.gate == "hierarchical":
+        raise UserError(f"--expert-stats/--top-tokens with the hierarchical gate runs in one process (its experts "
+                        f"pick among rows from every rank; this launch has {world_size}): start eval without a "
+                        f"launcher")
+
+
 def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = False,
              top_tokens: int = 0, checkpoint: str | None = None) -> dict | None:
     """Evaluates checkpoint `checkpoint` (default: the newest complete one) on every process of the launch (the
@@ -57,6 +66,8 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
     run = Path(run_dir)
     trained = open_trained_run(run, checkpoint, "eval", experts_over_processes=True)
     config, vocab, model, env, tag = trained.config, trained.tokenizer, trained.model, trained.env, trained.checkpoint
+    if expert_stats or top_tokens:
+        check_expert_stats_world(config, env.world_size)
     if files is not None:
         sentences, source = load_sentences(files), [str(f) for f in files]
     else:

@@ -1,7 +1,8 @@
 """`moe-scale eval --expert-stats / --top-tokens N`: which tokens each expert of each MoE layer takes.
 
-A forward hook on every layer's router records, per batch, each (token, expert, gate) pair of the real
-(non-padding) tokens. At the end, per layer: the load (tokens routed) and importance (summed gates) per
+Every expert layer records its routes (`RoutedLayer.record_routes`: the flat gates' pairs and the hierarchical
+gate's, which are chosen beside the experts after the exchange), and a forward hook on the layer keeps, per batch,
+each (token, expert, gate) pair of the real (non-padding) tokens. At the end, per layer: the load (tokens routed) and importance (summed gates) per
 expert with CV and max/mean over the whole evaluation set, and per expert (like Shazeer et al.'s Table 9,
 which sorts a batch's inputs by G(x)_i and shows the words around each position) the N positions with the
 largest gate, shown as the input word with its two preceding words, plus the words routed there most often.
@@ -28,14 +29,16 @@ class ExpertTokenStats:
         self.layers, self.vocab, self.tokens, self.top_n = list(layers), vocab, tokens, top_n
         self.pairs: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]
         self._positions_N: torch.Tensor | None = None
-        self._hooks = [layer.router.register_forward_hook(self._hook(i)) for i, layer in enumerate(self.layers)]
+        for layer in self.layers:
+            layer.record_routes, layer.routes = True, None
+        self._hooks = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(self.layers)]
 
     def begin_batch(self, positions_BT: torch.Tensor) -> None:
         self._positions_N = positions_BT.reshape(-1)
 
     def _hook(self, layer_index: int):
-        def record(router, inputs, route):
-            token_C, expert_C, gate_C = (t.detach().cpu() for t in route.pairs())
+        def record(layer, inputs, output):
+            token_C, expert_C, gate_C = (t.detach().cpu() for t in layer.routes)
             position_C = self._positions_N[token_C]
             real_C = position_C >= 0
             self.pairs[layer_index].append((position_C[real_C], expert_C[real_C], gate_C[real_C].float()))
@@ -44,6 +47,8 @@ class ExpertTokenStats:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        for layer in self.layers:
+            layer.record_routes, layer.routes = False, None
 
     def report(self) -> dict:
         """Per layer `layer<i>`: balance over the whole set and per-expert loads / top tokens (all ranks)."""

@@ -73,19 +73,35 @@ def test_perplexity_by_hand_on_a_unigram_model():
         assert "</S>" in result["counted"] and "<S> is never predicted" in result["counted"]
 
 
-def test_expert_token_stats_count_every_real_token_k_times():
-    vocab = _vocab()
+GATES = {"noisy_topk": ({}, 2), "hierarchical": ({"gate": "hierarchical", "num_groups": 2, "top_k_secondary": 2}, 4)}
+
+
+def _model(vocab: Vocab, gate: str) -> LSTMMoELM:
     torch.manual_seed(0)
-    model = LSTMMoELM(RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=4, top_k=2), len(vocab))
+    model = LSTMMoELM(RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=4, top_k=2, **GATES[gate][0]),
+                      len(vocab))
     with torch.no_grad():
-        model.moe.router.w_gate.normal_(0, 1.0)
+        for name, param in model.moe.router.named_parameters():
+            if name.startswith("w_gate"):
+                param.normal_(0, 1.0)
+    return model
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_expert_token_stats_count_every_real_token_k_times(gate):
+    """Flat top-2: 2 pairs per token; hierarchical top-2 of top-2: 4 (its experts are chosen after the exchange,
+    beside them: the layer's recorded routes, not a router's output)."""
+    vocab = _vocab()
+    model = _model(vocab, gate)
     windows = EvalWindows(SENTENCES, vocab, 4, 4)
     stats = ExpertTokenStats(model.moe_layers(), vocab, windows.tokens, top_n=2)
     evaluate(model, windows, observer=stats)
     report = stats.report()["layer0"]
-    inputs = len(windows.tokens) - 1                          # every stream token but the last is an input
-    assert report["tokens"] == 2 * inputs                      # k = 2 copies, padding excluded
-    assert sum(e["load"] for e in report["experts"]) == 2 * inputs
+    stats.close()
+    assert not model.moe.record_routes and model.moe.routes is None
+    inputs, k = len(windows.tokens) - 1, GATES[gate][1]        # every stream token but the last is an input
+    assert report["tokens"] == k * inputs                      # k copies, padding excluded
+    assert sum(e["load"] for e in report["experts"]) == k * inputs
     assert sum(e["importance"] for e in report["experts"]) == pytest.approx(inputs, rel=1e-5)
     for e in report["experts"]:
         gates = [t["gate"] for t in e["top_by_gate"]]
@@ -110,15 +126,13 @@ def test_oov_rate_is_the_share_of_words_that_became_unk_by_hand():
 BALANCE = ("cv_importance", "cv_load", "max_over_mean_load")
 
 
-def test_padding_leaves_a_pass_balance_alone_and_it_equals_the_expert_stats_block():
+@pytest.mark.parametrize("gate", GATES)
+def test_padding_leaves_a_pass_balance_alone_and_it_equals_the_expert_stats_block(gate):
     """The 19-token stream in windows of 3 makes 6 windows: batches of 2 or 6 rows hold no padding, batches of 4
     end in two rows of it (windows of 4 end in a padded tail). The pass's balance numbers are the real tokens'
     whatever the padding, the same numbers as eval --expert-stats' per-layer block (one definition)."""
     vocab = _vocab()
-    torch.manual_seed(0)
-    model = LSTMMoELM(RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=4, top_k=2), len(vocab))
-    with torch.no_grad():
-        model.moe.router.w_gate.normal_(0, 1.0)
+    model = _model(vocab, gate)
     results = {}
     for seq_len, rows in ((3, 2), (3, 4), (3, 6), (4, 2)):
         windows = EvalWindows(SENTENCES, vocab, seq_len, rows)
@@ -185,3 +199,14 @@ def test_empty_shard_is_a_logged_skip(tmp_path, monkeypatch, capsys):
     (tmp_path / "b.txt").write_text("\n  \n")
     assert len(load_sentences([tmp_path / "a.txt", tmp_path / "b.txt"])) == 2
     assert f"moe-scale: skipping empty shard {tmp_path / 'b.txt'}" in capsys.readouterr().err
+
+
+def test_hierarchical_expert_stats_on_several_processes_is_one_line():
+    from moe_scale.commands.eval import check_expert_stats_world
+
+    hierarchical = RunConfig.from_settings(num_experts=4, top_k=2, **GATES["hierarchical"][0])
+    check_expert_stats_world(hierarchical, 1)
+    check_expert_stats_world(RunConfig.from_settings(num_experts=4, top_k=2), 2)     # flat pairs are the rank's own
+    with pytest.raises(UserError, match=r"hierarchical gate runs in one process .* this launch has 2\): start eval "
+                                        r"without a launcher"):
+        check_expert_stats_world(hierarchical, 2)
