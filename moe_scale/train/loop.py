@@ -187,6 +187,7 @@ def _step(ctx: TrainContext, state: TrainState, report: RunReport) -> None:
     sums = torch.zeros(3, dtype=torch.float64, device=collective_device())   # [NLL sum, tokens, aux sum]
     for micro_inputs, micro_targets in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)):
         out = engine(to_device(micro_inputs, env.device), to_device(micro_targets, env.device))
+        report.forward_done()   # every micro-batch's routing counts, before a recompute in backward re-runs it
         ctx.trainer.backward_and_step(out.nll_sum / out.num_tokens + out.aux_loss)
         sums += torch.stack([out.nll_sum.detach().double(), out.nll_sum.new_full((), out.num_tokens).double(),
                              out.aux_loss.detach().double()]).to(sums.device)

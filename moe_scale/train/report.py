@@ -62,10 +62,13 @@ class RunReport:
         if state.steps_this_run >= TIMING_WARMUP_STEPS:   # the first steps pay for allocation and lazy setup
             self.timer.start()
 
+    def forward_done(self) -> None:
+        """A micro-batch's forward: its layers' routing joins the interval's balance numbers (device additions)."""
+        self.interval_moe.add()
+
     def step_done(self, done: int, lr: float, sums_3: torch.Tensor, grad_norm) -> None:
         """`sums_3`: the step's [NLL sum, tokens, aux sum] over all ranks, left on the device."""
         self.pending.add(done, lr, sums_3, grad_norm)
-        self.interval_moe.add()
         self.timer.step_done()
 
     def read_steps(self) -> None:

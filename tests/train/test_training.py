@@ -152,3 +152,17 @@ def test_a_run_that_beats_its_cached_peak_removes_it(tmp_path, embedded_cache, m
     assert summary["peak_tflops_per_device"] == 1e-9 and summary["mfu"] > 1
     assert "exceeded the measured peak of 1e-09" in proc.stderr and str(path) in proc.stderr
     assert not path.exists()
+
+
+def test_grad_accum_logs_every_micro_batchs_routing(tmp_path, embedded_cache):
+    """Deterministic routing (no noise, no dropout): one step of 2 micro-batches routes the same tokens with the
+    same weights as one step of the whole batch, so the step's balance numbers are the same (they counted the last
+    micro-batch only)."""
+    balance = {}
+    for accum in (1, 2):
+        run = tmp_path / f"accum{accum}"
+        run_train([*TINY, "--max-steps", "1", "--grad-accum", str(accum), "--no-noisy-gating", "--dropout", "0",
+                   "--checkpoint-interval", "0", "--out", str(run)], cwd=tmp_path, cache=embedded_cache)
+        summary = json.loads((run / "summary.json").read_text())
+        balance[accum] = {key: summary[key] for key in ("cv_importance", "cv_load", "max_over_mean_load")}
+    assert balance[2] == pytest.approx(balance[1], rel=1e-5)
