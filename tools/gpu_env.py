@@ -5,9 +5,10 @@
 
 GPU_CHECK_REQUIRED (default: torch deepspeed datasets moe_scale, what every later stage needs), torch first and
 then (unless REHEARSE=1) a CUDA device; then GPU_CHECK_OPTIONAL (default: triton transformers tokenizers: reported,
-not required). One JSON object, written to OUT.json and printed: versions, seconds per import, the device's name,
-compute capability, memory, CUDA and NCCL versions, whether F.grouped_mm is there; `missing` names a failed
-import and `error` says what stopped the check.
+not required). REHEARSE=1 also compiles what CPU runs build on first use (GPU_CHECK_WARM=0: not). One JSON
+object, written to OUT.json and printed: versions, seconds per import, the device's name, compute capability,
+memory, CUDA and NCCL versions, whether F.grouped_mm is there; `missing` names a failed import and `error` says
+what stopped the check.
 """
 
 from __future__ import annotations
