@@ -24,7 +24,8 @@
 # OUT (at most 8 files come back from a lent machine): summary.json (every stage's status ok / failed / timeout /
 # skipped, seconds, limit and key numbers; the targets), report.md, log.txt (every stage's output in order and every
 # Python process's stacks each STACK_PERIOD seconds), layer.jsonl, layer_fp32.jsonl, step_syncs.jsonl.
-# Everything else (caches, training runs, per-stage logs, the installed wheels) goes under WORK, on local disk.
+# Everything else goes under WORK, on local disk: caches, the installed wheels (py/), and per stage (stages/NAME/,
+# new for each run of it; GPU_CHECK_STAGE_<name> commands find it in STAGE_DIR) its log and what it wrote.
 #
 # Environment: BUDGET (seconds for the whole check), LIMIT_<stage> (seconds), STAGES (comma list), EXPERTS (8,64,256),
 # STEPS (60), LAYER_FLAGS, TRAIN_FLAGS, SYNCS_FLAGS (more flags for those tools), TRITON_CONFIGS (autotune
@@ -63,7 +64,7 @@ done
 
 export out repo PY=${PYTHON:-python3}
 work=${WORK:-${TMPDIR:-/tmp}/moe_scale_gpu_check}
-mkdir -p "$work/logs" && work=$(cd "$work" && pwd) || bad "cannot create the work directory $work"
+mkdir -p "$work/stages" && work=$(cd "$work" && pwd) || bad "cannot create the work directory $work"
 export work
 export wheels=${WHEELS:-}
 if [ -z "$wheels" ] && compgen -G "$repo/wheels/*.whl" > /dev/null; then wheels=$repo/wheels; fi
@@ -110,7 +111,7 @@ stage_env() {
         timeout 15 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
     install_wheels || return 2
     prefix_site
-    "$PY" tools/gpu_env.py "$work/env.json"
+    "$PY" tools/gpu_env.py "$STAGE_DIR/env.json"
 }
 
 gpu_pytest() {   # pytest on tests/gpu, one line per test as it ends (gpu_report.py counts them, also when cut)
@@ -163,7 +164,7 @@ stage_train() {
     # shellcheck disable=SC2086
     "$PY" -m moe_scale train --model transformer --ffn moe --top-k 2 --dropout 0.0 "${shape[@]}" --max-steps "$STEPS" \
         --log-interval 20 --eval-interval "$STEPS" --eval-max-batches 2 --checkpoint-interval 0 --overwrite \
-        --out "$work/train" $TRAIN_FLAGS
+        --out "$STAGE_DIR/run" $TRAIN_FLAGS
 }
 export -f prefix_site install_wheels stage_env gpu_pytest stage_tests_bf16 stage_tests_fp32 stage_tests_rest \
     stage_step_syncs bench_layer stage_layer stage_layer_fp32 stage_train
@@ -199,12 +200,12 @@ for name in "${stages[@]}"; do
     ((limit > left)) && limit=$left
     log "" "== $name (limit $limit s; $SECONDS s of $budget s used) $(date -u +%H:%M:%S)"
     rm -f "$out/$name.jsonl"
-    : > "$work/logs/$name.log"
-    rm -f "$work/logs/.pipe" && mkfifo "$work/logs/.pipe"
-    tee -a "$out/log.txt" "$work/logs/$name.log" < "$work/logs/.pipe" &
+    export STAGE_DIR=$work/stages/$name   # what the stage leaves beside OUT, new for every run of it
+    rm -rf "$STAGE_DIR" && mkdir -p "$STAGE_DIR" && mkfifo "$STAGE_DIR/.pipe"
+    tee -a "$out/log.txt" "$STAGE_DIR/log" < "$STAGE_DIR/.pipe" &
     tee_pid=$!
     start=$(micros)
-    timeout -s ABRT -k 5 "$limit" bash -c "$cmd" < /dev/null > "$work/logs/.pipe" 2>&1
+    timeout -s ABRT -k 5 "$limit" bash -c "$cmd" < /dev/null > "$STAGE_DIR/.pipe" 2>&1
     rc=$?
     # tee ends with the stage's last writer; one that escaped the kill (a new session) must not hold the check
     for _ in $(seq 50); do kill -0 "$tee_pid" 2> /dev/null || break; sleep 0.1; done

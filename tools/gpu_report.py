@@ -7,8 +7,8 @@
     python tools/gpu_report.py OUT                          # report.md again from summary.json (and printed)
 
 --record adds (or replaces) one stage: its status (ok, failed, timeout, skipped), seconds, limit and key numbers,
-read from what the stage left: WORK/env.json (env), the pytest lines of WORK/logs/NAME.log (stages named tests*),
-OUT/NAME.jsonl (the layer benchmarks, the whole-step probe), WORK/NAME/summary.json (training runs). It then
+read from what the stage left in WORK/stages/NAME: env.json (env), the pytest lines of its log (stages named
+tests*), run/summary.json (training runs); and OUT/NAME.jsonl (the layer benchmarks, the whole-step probe). It then
 checks the GPU targets against the numbers so far and rewrites OUT/report.md. summary.json is written to a new
 file and renamed over the old, so a check cut at any moment leaves a whole one.
 
@@ -113,16 +113,17 @@ def probe_rows(rows: list[dict]) -> list[dict]:
 
 
 def stage_numbers(name: str, out: Path, work: Path | None) -> dict:
-    if name == "env" and work:
-        return env_numbers(work / "env.json")
-    if name.startswith("tests") and work:
-        return pytest_numbers(work / "logs" / f"{name}.log")
+    left = work / "stages" / name if work else None
+    if name == "env" and left:
+        return env_numbers(left / "env.json")
+    if name.startswith("tests") and left:
+        return pytest_numbers(left / "log")
     if name.startswith("layer"):
         return {"rows": layer_rows(jsonl_rows(out / f"{name}.jsonl"))}
     if name == "step_syncs":
         return {"rows": probe_rows(jsonl_rows(out / f"{name}.jsonl"))}
-    if work and (work / name / "summary.json").is_file():
-        return training_numbers(work / name)
+    if left and (left / "run" / "summary.json").is_file():
+        return training_numbers(left / "run")
     return {}
 
 

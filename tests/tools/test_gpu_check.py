@@ -89,6 +89,21 @@ def test_the_budget_trims_a_limit_and_skips_what_no_longer_fits(tmp_path):
     assert "next ran" not in (out / "log.txt").read_text()
 
 
+def test_a_stage_cut_short_never_reports_an_earlier_runs_numbers(tmp_path):
+    """Its folder under WORK/stages/ and its JSONL in OUT are new for every run of it."""
+    _, _, first = _check(
+        tmp_path, STAGES="train,step_syncs",
+        GPU_CHECK_STAGE_train='mkdir "$STAGE_DIR/run" && echo \'{"mfu": 0.4}\' > "$STAGE_DIR/run/summary.json"',
+        GPU_CHECK_STAGE_step_syncs='echo \'{"host_reads": 1}\' > "$out/step_syncs.jsonl"')
+    assert first["stages"][0]["mfu"] == 0.4 and first["stages"][1]["rows"] == [{"host_reads": 1}]
+    _, _, again = _check(tmp_path, STAGES="train,step_syncs", GPU_CHECK_STAGE_train="exit 1",
+                         GPU_CHECK_STAGE_step_syncs="exit 1")
+    assert again["stages"] == [{"name": "train", "status": "failed", "seconds": again["stages"][0]["seconds"],
+                                "limit_s": 100.0},
+                               {"name": "step_syncs", "status": "failed", "seconds": again["stages"][1]["seconds"],
+                                "limit_s": 35.0, "rows": []}]
+
+
 def test_an_unknown_stage_is_refused_before_anything_runs(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(TOOLS / "gpu_check.sh"), str(out)], capture_output=True, text=True,

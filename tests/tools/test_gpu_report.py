@@ -36,17 +36,17 @@ def _layer_rows(dtype: str) -> list[dict]:
 
 
 def _stages(out: Path, work: Path, mfu: float) -> None:
-    (work / "logs").mkdir(parents=True)
-    (work / "env.json").write_text(json.dumps({
+    for name in ("env", "tests_bf16", "train/run"):
+        (work / "stages" / name).mkdir(parents=True)
+    (work / "stages" / "env" / "env.json").write_text(json.dumps({
         "python": "3.12.3", "device": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gib": 79.2,
         "cuda_available": True, "error": None,
         "imports": {"torch": {"version": "2.11.0+cu130", "seconds": 2.0}, "deepspeed": {"version": "0.19.8",
                                                                                         "seconds": 3.0}}}))
-    (work / "logs" / "tests_bf16.log").write_text(PYTEST_LOG)
+    (work / "stages" / "tests_bf16" / "log").write_text(PYTEST_LOG)
     (out / "layer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _layer_rows("bfloat16"))
                                      + '{"impl": "dropless", "experts": 1024')   # a line cut at the limit
-    (work / "train").mkdir()
-    (work / "train" / "summary.json").write_text(json.dumps(
+    (work / "stages" / "train" / "run" / "summary.json").write_text(json.dumps(
         {"steps": 60, "tokens_per_s": 1e6, "tflops_per_device": mfu * 989.4, "mfu": mfu,
          "peak_tflops_per_device": 989.4, "peak_source": "table: NVIDIA H100 80GB HBM3", "valid_ppl": 50.0}))
     (out / "step_syncs.jsonl").write_text(json.dumps({"model": "transformer", "host_reads": 2, "ops": 1400,
