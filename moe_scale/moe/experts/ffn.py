@@ -202,7 +202,8 @@ class GroupedExperts(nn.Module):
     The output is scaled by sqrt(D/F) (t2t's autoscale) so expert outputs keep unit scale whatever F is.
     Weights are Glorot-uniform per expert matrix, as t2t's default initializer, drawn from a generator
     seeded by (seed, global expert id): an expert starts the same whichever rank holds it, so runs with
-    different --ep-size start from the same model, and the global RNG is left untouched.
+    different --ep-size start from the same model, and the global RNG is left untouched. The generator is on
+    the device the weights are made on (a GPU's draws other numbers than the CPU's for the same seed).
 
     w_in is stored [L, F, D], as nn.Linear stores (out, in): the forward's x @ w_in[e].T and the backward's
     g @ w_in[e] then both take MKL's faster operand layouts for these shapes. It is drawn as [D, F] and
@@ -228,10 +229,11 @@ class GroupedExperts(nn.Module):
     def reset_parameters(self) -> None:
         if self.w_in.is_meta:   # shapes only (moe-scale flops / plan): nothing to draw
             return
+        device = self.w_in.device   # built on a GPU (torch.device context): drawn there, never through host memory
         if self.activation == "swiglu":
             with torch.no_grad():
                 for local_id in range(self.num_local_experts):
-                    generator = torch.Generator().manual_seed(
+                    generator = torch.Generator(device).manual_seed(
                         self.seed * 1_000_003 + self.first_global_expert + local_id)
                     self.w_in[local_id].normal_(0.0, SWIGLU_INIT_STD, generator=generator)
                     self.w_out[local_id].normal_(0.0, SWIGLU_INIT_STD, generator=generator)
@@ -239,8 +241,10 @@ class GroupedExperts(nn.Module):
         bound = math.sqrt(6.0 / (self.d_model + self.d_hidden))
         with torch.no_grad():
             for local_id in range(self.num_local_experts):
-                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.first_global_expert + local_id)
-                w_in_DF = torch.empty(self.d_model, self.d_hidden).uniform_(-bound, bound, generator=generator)
+                generator = torch.Generator(device).manual_seed(
+                    self.seed * 1_000_003 + self.first_global_expert + local_id)
+                w_in_DF = torch.empty(self.d_model, self.d_hidden, device=device).uniform_(-bound, bound,
+                                                                                          generator=generator)
                 self.w_in[local_id].copy_(w_in_DF.t())
                 self.w_out[local_id].uniform_(-bound, bound, generator=generator)
 
