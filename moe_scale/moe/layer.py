@@ -83,13 +83,24 @@ class MoELayer(RoutedLayer):
         with a per-sequence loss reads it; None: one sequence)."""
         self.require_groups()
         route = self.route(x_ND, seq_len)
-        rows_RD, state = self.dispatcher.dispatch_rows(x_ND, *route.pairs())
+        token_C, expert_C, gate_C = self.real_pairs(route.pairs(), x_ND.shape[0])
+        rows_RD, state = self.dispatcher.dispatch_rows(x_ND, token_C, expert_C, gate_C)
         self.keep_dropped_fraction(state)
         # The experts gather each arrived pair's row and return the gate-weighted sum per row.
         per_row_RD = self.experts(rows_RD, state.expert_counts(), state.pair_rows(),
-                                  self.dispatcher.follow_pairs(route.gate_C, state))
+                                  self.dispatcher.follow_pairs(gate_C, state))
         return self.plus_shared(x_ND, self.dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype)), \
             route.aux_loss
+
+    def real_pairs(self, pairs_C: tuple[torch.Tensor, ...], num_tokens: int) -> tuple[torch.Tensor, ...]:
+        """Capacity mode: the pairs of real tokens only, where real_tokens() marks padding (evaluation's last
+        windows), so padding neither takes an expert's capacity nor enlarges it: the real tokens keep what an
+        unpadded batch of them keeps. One host read (a mask's size), at evaluation only; otherwise the pairs."""
+        real_N = self.real_rows(num_tokens)
+        if self.dispatcher.mode != "capacity" or real_N is None:
+            return pairs_C
+        keep_C = real_N.index_select(0, pairs_C[0]).nonzero()[:, 0]
+        return tuple(t.index_select(0, keep_C) for t in pairs_C)
 
     def plus_shared(self, x_ND: torch.Tensor, routed_ND: torch.Tensor) -> torch.Tensor:
         """The routed output plus the shared experts' (moe/shared_experts.py), if the layer has them."""

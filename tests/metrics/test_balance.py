@@ -95,3 +95,30 @@ def test_padding_rows_leave_the_balance_as_the_real_tokens_alone_give_it(gate):
     assert unmarked_values["cv_load"] != pytest.approx(alone_values["cv_load"], rel=1e-3)
     with pytest.raises(ValueError, match="a mask of \\(24,\\) for 40 rows"):
         balance(padded, real[:24])
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.25])
+def test_capacity_mode_padding_takes_no_capacity(capacity_factor):
+    """Evaluation's padding rows (marked by real_tokens()) neither take an expert's capacity nor enlarge it: the
+    real tokens' outputs equal those of an unpadded batch of them (without the mark they do not)."""
+    d = 16
+    torch.manual_seed(0)
+    config = replace(MoEConfig(), router=GATES["noisy_topk"])
+    config = replace(config, dispatch=replace(config.dispatch, mode="capacity", capacity_factor=capacity_factor))
+    layer = build_moe_layer(config, d).eval()
+    with torch.no_grad():
+        for p in layer.router.parameters():
+            p.copy_(torch.randn(p.shape))
+    x = torch.randn(24, d)
+    real = torch.ones(40, dtype=torch.bool)
+    real[torch.randperm(40, generator=torch.Generator().manual_seed(1))[:16]] = False
+    padded = torch.empty(40, d)
+    padded[real], padded[~real] = x, torch.randn(d) * 3          # padding mostly routed alike, as </S> inputs are
+    with torch.no_grad():
+        alone, _ = layer(x)
+        with real_tokens([layer], real):
+            marked, _ = layer(padded)
+        unmarked, _ = layer(padded)
+    torch.testing.assert_close(marked[real], alone, rtol=1e-6, atol=1e-6)
+    assert (marked[~real] == 0).all()                              # padding reaches no expert
+    assert not torch.allclose(unmarked[real], alone, rtol=1e-4, atol=1e-4)
