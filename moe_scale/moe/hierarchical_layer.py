@@ -57,12 +57,16 @@ class HierarchicalMoELayer(MoELayer):
         n, kp, ks = x_ND.shape[0], router.k_primary, router.k_secondary
         groups = router.route_groups(x_ND)
         token_J = torch.arange(n, device=x_ND.device).repeat_interleave(kp, output_size=n * kp)
-        rows_RD, state = dispatcher.dispatch_rows(x_ND, token_J, groups.groups_J, groups.gates_J)
         keys_J = router.noise_keys(n, x_ND.device)
+        # capacity mode: padding's (token, group) rows are left out (MoELayer.real_pairs)
+        token_J, group_J, gate_J, *keys = self.real_pairs(
+            (token_J, groups.groups_J, groups.gates_J, *([] if keys_J is None else [keys_J])), n)
+        keys_J, padding_sent = (keys[0] if keys else None), token_J.shape[0] == n * kp
+        rows_RD, state = dispatcher.dispatch_rows(x_ND, token_J, group_J, gate_J)
         row_M = state.pair_rows()
         within = router.route_within_groups(
             rows_RD, row_M, state.expert_counts(), state.pair_local_experts(),
-            dispatcher.follow_pairs(groups.gates_J, state),
+            dispatcher.follow_pairs(gate_J, state),
             None if keys_J is None else dispatcher.follow_pairs(keys_J, state), n)
         aux_loss, importance_E, load_E = router.balance(groups, within)
 
@@ -76,7 +80,7 @@ class HierarchicalMoELayer(MoELayer):
         first = self.ep_rank * self.num_local_experts
         self.keep_stats(importance_E, load_E, {}, *(
             nn.functional.pad(local_L, (first, self.num_experts - first - self.num_local_experts))
-            for local_L in self._routed_balance(within, state, n)))
+            for local_L in self._routed_balance(within, state, n, padding_sent)))
         self.keep_dropped_fraction(state)
         self.keep_routes(lambda: (state.local_row_tokens().index_select(0, row_of_pair),   # one process: arrived
                                   expert_MKs.index_select(0, by_expert) + first, gate_of_pair))  # rows are its own
@@ -86,12 +90,13 @@ class HierarchicalMoELayer(MoELayer):
         per_row_RD = self.experts(rows_RD, (counts_L, host), row_of_pair, gate_of_pair)
         return self.plus_shared(x_ND, dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype)), aux_loss
 
-    def _routed_balance(self, within, state, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _routed_balance(self, within, state, num_tokens: int, padding_sent: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(pairs, summed gates) per local expert of the pairs that arrived here from real tokens: the mask
-        travels with the (token, group) rows (one more exchange, only while real_tokens() marks padding)."""
+        travels with the (token, group) rows (one more exchange, only while real_tokens() marks padding and its
+        rows were sent)."""
         real_N = self.real_rows(num_tokens)
         weight_MKs = None
-        if real_N is not None:
+        if real_N is not None and padding_sent:
             kp = self.router.k_primary
             real_J = real_N.float().repeat_interleave(kp, output_size=num_tokens * kp)   # token_J's order
             weight_MKs = self.dispatcher.follow_pairs(real_J, state)[:, None].expand_as(within.gates_MKs).reshape(-1)

@@ -97,13 +97,14 @@ def test_padding_rows_leave_the_balance_as_the_real_tokens_alone_give_it(gate):
         balance(padded, real[:24])
 
 
+@pytest.mark.parametrize("gate", ["noisy_topk", "hierarchical"])
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.25])
-def test_capacity_mode_padding_takes_no_capacity(capacity_factor):
+def test_capacity_mode_padding_takes_no_capacity(capacity_factor, gate):
     """Evaluation's padding rows (marked by real_tokens()) neither take an expert's capacity nor enlarge it: the
     real tokens' outputs equal those of an unpadded batch of them (without the mark they do not)."""
     d = 16
     torch.manual_seed(0)
-    config = replace(MoEConfig(), router=GATES["noisy_topk"])
+    config = replace(MoEConfig(), router=GATES[gate])
     config = replace(config, dispatch=replace(config.dispatch, mode="capacity", capacity_factor=capacity_factor))
     layer = build_moe_layer(config, d).eval()
     with torch.no_grad():
@@ -122,3 +123,9 @@ def test_capacity_mode_padding_takes_no_capacity(capacity_factor):
     torch.testing.assert_close(marked[real], alone, rtol=1e-6, atol=1e-6)
     assert (marked[~real] == 0).all()                              # padding reaches no expert
     assert not torch.allclose(unmarked[real], alone, rtol=1e-4, atol=1e-4)
+    with torch.no_grad(), real_tokens([layer], real):              # the balance: the real tokens' pairs alone
+        layer(padded)
+    marked_stats = layer.stats
+    with torch.no_grad():
+        layer(x)
+    torch.testing.assert_close(marked_stats.routed_E, layer.stats.routed_E, rtol=0, atol=0)
