@@ -233,6 +233,10 @@ class RouterConfig:
         if self.top_k > num_experts:
             raise UserError(f"--top-k {self.top_k} is larger than --num-experts {num_experts}; "
                             f"choose k <= number of experts")
+        if self.gate == "aux_free" and self.aux_free.score == "sigmoid" and self.top_k == 1:
+            raise UserError("--gate aux_free with --top-k 1 and sigmoid scores: the one chosen score divided by "
+                            "itself is always 1, so the router's weights would never get a gradient (and this gate "
+                            "has no balance loss); use --top-k 2 or more, or --aux-free-score softmax")
         if self.gate == "hierarchical":
             h = self.hierarchical
             if h.num_groups < 1 or num_experts % h.num_groups:

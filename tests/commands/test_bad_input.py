@@ -125,6 +125,8 @@ CASES = [
      ["--moa-aux-weight -1 is outside [0, 10]"]),
     ("bias-update-rate-negative", lambda w: ["train", "--gate", "aux_free", "--bias-update-rate", "-0.001", "--out",
                                              w.out(), *FAST], ["--bias-update-rate -0.001 is outside [0, 1]"]),
+    ("aux-free-sigmoid-top-1", lambda w: ["train", "--gate", "aux_free", "--top-k", "1", "--out", w.out(), *FAST],
+     ["--gate aux_free with --top-k 1 and sigmoid scores", "--aux-free-score softmax"]),
     ("bias-update-rate-without-aux-free", lambda w: ["train", "--bias-update-rate", "0.01", "--out", w.out(), *FAST],
      ["--bias-update-rate does nothing here", "--gate aux_free"]),
     ("shared-expert-gate-without-shared-experts", lambda w: ["train", "--shared-expert-gate", "--out", w.out(),
