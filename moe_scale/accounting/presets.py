@@ -172,6 +172,9 @@ def apply_preset(config: RunConfig, name: str) -> None:
     for values in (preset.model, preset.data, preset.train):
         for key, value in values.items():
             config.set(key, value)
+    if preset.softmax.kind == "sampled":   # the paper trains with it, and `flops` counts it
+        config.set("softmax", "sampled")
+        config.set("num_sampled", preset.softmax.num_samples)
     config.train.preset = preset.name
 
 

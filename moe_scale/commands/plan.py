@@ -109,11 +109,8 @@ def planner_from_args(args: argparse.Namespace) -> tuple[Planner, Layout, bool]:
     preset = get_preset(getattr(args, _DEST + "preset")) if "preset" in given else None
     config = config_from_args(args)
     batch_tokens = args.batch_tokens
-    if preset is not None:
-        if "softmax" not in given:   # the paper's own softmax (accounting/presets.py), as `moe-scale flops` counts
-            config.softmax.kind, config.softmax.num_sampled = preset.softmax.kind, preset.softmax.num_samples
-        if batch_tokens is None and preset.batch_words and "batch_size" not in given:
-            batch_tokens = preset.batch_words
+    if preset is not None and batch_tokens is None and preset.batch_words and "batch_size" not in given:
+        batch_tokens = preset.batch_words
     config.validate()
     gpu = get_gpu(args.gpu).with_memory(args.gpu_mem)
     base_ds = load_ds_config(config.parallel.ds_config)

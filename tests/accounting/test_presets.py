@@ -147,6 +147,24 @@ def test_preset_then_flags_override():
         and config.train.preset == "lm1b-moe-32-mini"
 
 
+def test_a_paper_preset_trains_with_the_softmax_its_flops_count():
+    """The paper's presets train with the importance-sampled softmax their FLOPs count (8192 samples); a flag
+    beside the preset overrides it; the miniatures keep the full softmax (their vocabulary is 2,000 words)."""
+    from moe_scale.cli import build_parser
+    from moe_scale.commands.train import config_from_args as _config_from_args
+
+    def softmax(*flags):
+        config = _config_from_args(build_parser().parse_args(["train", *flags]))
+        return config.softmax.kind, config.softmax.num_sampled
+
+    for name in ("lm1b-moe-32", "news100b-moe-4096-h", "news1t-moe-1048576-h"):
+        cost = get_preset(name).softmax
+        assert softmax("--preset", name) == (cost.kind, cost.num_samples) == ("sampled", 8192)
+    assert softmax("--preset", "lm1b-moe-32", "--num-sampled", "4096") == ("sampled", 4096)
+    assert softmax("--preset", "lm1b-moe-32", "--softmax", "full")[0] == "full"
+    assert softmax("--preset", "lm1b-moe-32-mini")[0] == "full"
+
+
 def test_text_report_shows_ours_beside_the_paper():
     from moe_scale.commands.flops import format_report
 
