@@ -31,17 +31,21 @@ import torch
 from moe_scale.data.embedded import cache_root
 from moe_scale.files import write_json_atomic
 
-# Dense matmul peaks in TFLOPS (vendor datasheets, without sparsity): (name substring, bf16/fp16, fp32).
-# First match wins, so the more specific names come first.
+# Dense matmul peaks in TFLOPS (vendor datasheets, without sparsity): (name substring, bf16/fp16, tf32, fp32).
+# float32 runs read TF32's where torch's float32 matmul precision allows it (train sets "high" on CUDA) and the
+# GPU has it; None: no TF32 units, or no sourced figure. First match wins, so the more specific names come first.
 PEAK_TFLOPS = [
-    ("H100 PCIe", 756.0, 51.2),
-    ("H200", 989.4, 66.9),
-    ("H100", 989.4, 66.9),        # SXM
-    ("A100", 312.0, 19.5),
-    ("V100", 125.0, 15.7),
-    ("A10G", 70.0, 31.2),
-    ("L4", 121.0, 30.3),
-    ("K40", 4.29, 4.29),          # the paper's GPU (no half-precision units)
+    ("H100 PCIe", 756.0, 378.0, 51.2),
+    ("GH200", 989.4, 494.7, 66.9),
+    ("H200", 989.4, 494.7, 66.9),
+    ("H100", 989.4, 494.7, 66.9),        # SXM
+    ("B200", 2250.0, 1100.0, 75.0),
+    ("A100", 312.0, 156.0, 19.5),
+    ("L40S", 362.0, 183.0, 91.6),
+    ("V100", 125.0, None, 15.7),
+    ("A10G", 70.0, None, 31.2),
+    ("L4", 121.0, None, 30.3),
+    ("K40", 4.29, None, 4.29),          # the paper's GPU (no half-precision units)
 ]
 
 
@@ -61,10 +65,18 @@ def table_peak_gbs(device_name: str) -> float | None:
     return next((gbs for key, gbs in PEAK_GBS if key.lower() in device_name.lower()), None)
 
 
-def table_peak_tflops(device_name: str, half_precision: bool) -> float | None:
-    for key, half, single in PEAK_TFLOPS:
+def tf32_matmuls() -> bool:
+    """Whether float32 matmuls may run as TF32 on CUDA (torch.set_float32_matmul_precision "high" or "medium")."""
+    return torch.get_float32_matmul_precision() != "highest"
+
+
+def table_peak_tflops(device_name: str, half_precision: bool, tf32: bool | None = None) -> float | None:
+    """The table's peak for this GPU: bf16/fp16, else TF32 where `tf32` (default: torch's current setting) and the
+    GPU has it, else fp32; None for a GPU not in the table."""
+    tf32 = tf32_matmuls() if tf32 is None else tf32
+    for key, half, tensor_f32, single in PEAK_TFLOPS:
         if key.lower() in device_name.lower():
-            return half if half_precision else single
+            return half if half_precision else (tensor_f32 if tf32 and tensor_f32 else single)
     return None
 
 
@@ -149,13 +161,19 @@ def device_peak_tflops(device: torch.device, half_precision: bool, ranks_on_mach
     cached = None if table is not None else cached_peak(key)
     if all_found(table is not None or cached is not None):   # asked on every path: a collective on every rank
         if table is not None:
-            return table, f"table: {name}"
+            return table, f"table: {name}, {_table_precision(name, half_precision)}"
         tflops, measured = cached
     else:
         tflops = measured_matmul_tflops(device, getattr(torch, key["dtype"]))
         measured = store_peak(key, tflops)
     return tflops, (f"measured {key['dtype']} matmul on {device.type} on {measured}, cached in "
                     f"{peak_cache_path(key)}; delete the file to measure again")
+
+
+def _table_precision(name: str, half_precision: bool) -> str:
+    if half_precision:
+        return "bf16/fp16"
+    return "tf32" if table_peak_tflops(name, False) != table_peak_tflops(name, False, tf32=False) else "fp32"
 
 
 def _measured_peak_key(device: torch.device, half_precision: bool, ranks_on_machine: int) -> dict:

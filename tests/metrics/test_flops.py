@@ -110,3 +110,24 @@ def test_paper_tflops_consistency_moe_4096_h():
     flops_per_token = lstm_lm_accounting(config, 793_471, SoftmaxCost("sampled", 8192)).training_flops_per_token
     step_seconds = 15 * 3600 / 27000
     assert tflops_per_device(flops_per_token * 300_000, step_seconds, 16) == pytest.approx(0.74, abs=0.01)
+
+
+def test_float32_mfu_reads_the_tf32_peak_where_matmuls_run_as_tf32(monkeypatch):
+    """train sets float32_matmul_precision("high") on CUDA: an A100's float32 matmuls then run on TF32 tensor cores
+    (156 TFLOPS), and an MFU against the 19.5 of its SIMT units would read 8x too high. GPUs without TF32 keep
+    their fp32 peak; the source names the precision."""
+    import torch
+
+    from moe_scale.metrics import perf
+
+    assert table_peak_tflops("NVIDIA A100-SXM4-80GB", False, tf32=True) == 156.0
+    assert table_peak_tflops("NVIDIA A100-SXM4-80GB", False, tf32=False) == 19.5
+    assert table_peak_tflops("NVIDIA H100 80GB HBM3", False, tf32=True) == 494.7
+    assert table_peak_tflops("Tesla V100-SXM2-32GB", False, tf32=True) == 15.7
+    assert table_peak_tflops("NVIDIA A100-SXM4-80GB", True, tf32=True) == 312.0
+    monkeypatch.setattr(perf, "device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    gpu = torch.device("cuda", 0)
+    for precision, expected in (("high", (156.0, "tf32")), ("highest", (19.5, "fp32"))):
+        monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: precision)
+        peak, source = perf.device_peak_tflops(gpu, half_precision=False)
+        assert (peak, source) == (expected[0], f"table: NVIDIA A100-SXM4-80GB, {expected[1]}")
