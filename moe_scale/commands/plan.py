@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
     cluster.add_argument("--plot", metavar="FILE", help="write memory and step time against nodes (PNG)")
     p.add_argument("--config", metavar="FILE", help="a saved config.json (or a run directory); flags given here "
                                                      "override it")
-    _add_config_flags(p)
+    _add_config_flags(p, leave_out=("run",), unlisted=("resume",))   # plan makes no run directory
     p.set_defaults(run_command=run)
 
 

@@ -23,16 +23,21 @@ def add_parser(sub) -> None:
     p.set_defaults(run_command=run)
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting of the config tree; defaults are suppressed so we can tell which flags were given."""
+def _add_config_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = (),
+                      unlisted: tuple[str, ...] = ()) -> None:
+    """One flag per setting of the config tree; defaults are suppressed so we can tell which flags were given.
+    `leave_out`: sections without flags (a command that makes no run leaves out "run"); `unlisted`: keys still
+    parsed (to be refused with advice) but not shown in --help."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for key, leaf in RunConfig.leaves().items():
+        if leaf.section in leave_out and key not in unlisted:
+            continue
         if leaf.section not in groups:
             groups[leaf.section] = parser.add_argument_group(f"{leaf.section} settings")
         group = groups[leaf.section]
         choices = leaf.field.metadata.get("choices")
-        help_text = with_default(leaf.field.metadata["help"] + (f" [{', '.join(choices)}]" if choices else ""),
-                                 leaf.field.default)
+        help_text = argparse.SUPPRESS if key in unlisted else with_default(
+            leaf.field.metadata["help"] + (f" [{', '.join(choices)}]" if choices else ""), leaf.field.default)
         if leaf.type is bool:
             group.add_argument(leaf.flag, dest=_DEST + key, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)

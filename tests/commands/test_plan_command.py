@@ -70,9 +70,17 @@ def test_auto_nodes_is_the_smallest_that_fits(tmp_path):
     (["--num-experts", "12", "--ep-size", "8", "--nodes", "1"], ["--num-experts 12 is not divisible by --ep-size 8"]),
     (["--plot", "missing/plan.png"], ["--plot missing/plan.png: give a file in an existing directory"]),
     (["--resume"], ["plan takes no --resume"]),
+    (["--out", "runs/x"], ["unrecognized arguments: --out runs/x"]),          # plan makes no run directory
     (["--preset", "nope"], ["--preset nope: unknown preset"]),
     (["--top", "0", "--search"], ["--top 0: must be at least 1"]),
 ])
 def test_bad_input_is_one_line(tmp_path, args, fragments):
     assert_one_line_error(plan(tmp_path, *args), *fragments)
     assert not any(tmp_path.iterdir())
+
+
+def test_help_lists_the_model_flags_and_none_of_a_run_directorys(tmp_path):
+    proc = plan(tmp_path, "--help")
+    assert proc.returncode == 0 and "--num-experts" in proc.stdout and "--gpus-per-node" in proc.stdout
+    for flag in ("--out", "--overwrite", "--resume", "--log-interval", "--keep-checkpoints", "--accept-changed-data"):
+        assert f"  {flag}" not in proc.stdout, flag
