@@ -2,10 +2,11 @@
 
 Every expert layer records its routes (`RoutedLayer.record_routes`: the flat gates' pairs and the hierarchical
 gate's, which are chosen beside the experts after the exchange), and a forward hook on the layer keeps, per batch,
-each (token, expert, gate) pair of the real (non-padding) tokens. At the end, per layer: the load (tokens routed) and importance (summed gates) per
-expert with CV and max/mean over the whole evaluation set, and per expert (like Shazeer et al.'s Table 9,
-which sorts a batch's inputs by G(x)_i and shows the words around each position) the N positions with the
-largest gate, shown as the input word with its two preceding words, plus the words routed there most often.
+each (token, expert, gate) pair of the real (non-padding) tokens. At the end, per layer: the load (tokens routed)
+and importance (summed gates) per expert with CV and max/mean over the whole evaluation set, and per expert (like
+Shazeer et al.'s Table 9, which sorts a batch's inputs by G(x)_i and shows the words around each position) the
+N positions with the largest gate, shown as the input word with its two preceding words, plus the words routed
+there most often.
 The MoE input at position i has read words up to w_i, so the context shown ends at w_i.
 
 Legend (docs/shapes.md): C (token, expert) pairs, E experts, B sequences, T positions.
