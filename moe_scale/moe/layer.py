@@ -83,7 +83,7 @@ class MoELayer(RoutedLayer):
         with a per-sequence loss reads it; None: one sequence)."""
         self.require_groups()
         route = self.route(x_ND, seq_len)
-        rows_RD, state = self.dispatcher.dispatch_rows(x_ND, *route.pairs())
+        rows_RD, state = self.dispatcher.dispatch_rows(x_ND, *route.pairs(), every_token=route.top_k is not None)
         self.keep_dropped_fraction(state)
         # The experts gather each arrived pair's row and return the gate-weighted sum per row.
         per_row_RD = self.experts(rows_RD, state.expert_counts(), state.pair_rows(),

@@ -13,7 +13,7 @@ from torch import nn
 
 from moe_scale.config import TrainConfig
 from moe_scale.deepspeed_internals import (backward_allreduce_is_plain_average, disable_backward_allreduce,
-                                           engine_data_parallel_size)
+                                           engine_data_parallel_size, zero_norm_without_host_reads)
 from moe_scale.moe.deepspeed_adapter import expert_data_parallel_groups
 from moe_scale.train.clipping import expert_aware_clip_
 from moe_scale.train.factored_optimizer import build_optimizer
@@ -51,6 +51,7 @@ class TrainingEngine:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(train.warmup_steps))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=ds_config, dist_init_required=False)
+        zero_norm_without_host_reads(self.engine.optimizer)   # ZeRO 1/2: the norm and clipping never wait for the GPU
         self.grad_norm = None   # last step's norm: a device tensor (or DeepSpeed's float), read at log points
         # Without ZeRO, DeepSpeed's backward all-reduce flattens every gradient into a buffer and copies it back
         # (two full copies of the gradients per step, even where an expert's group has one rank): one process
