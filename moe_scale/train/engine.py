@@ -9,6 +9,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 from torch import nn
 
 from moe_scale.config import TrainConfig
@@ -46,7 +47,10 @@ class TrainingEngine:
         ds_config = dict(ds_config)
         if zero_stage(ds_config) == 0 and not ds_config.get("bf16", {}).get("enabled") \
                 and not ds_config.get("fp16", {}).get("enabled"):
-            self.clip = float(ds_config.pop("gradient_clipping", 0.0))   # DeepSpeed's stage-0 norm is wrong
+            # DeepSpeed's stage-0 norm is wrong under expert parallelism: we clip (at DeepSpeed's threshold, its
+            # default where the JSON has none), and DeepSpeed must not clip again (0, not absent: absent is 1.0)
+            self.clip = float(ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+            ds_config["gradient_clipping"] = 0.0
         optimizer = build_optimizer(optimizer_groups(model), train)   # --optimizer adam|factored
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(train.warmup_steps))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
