@@ -88,7 +88,8 @@ def train_flags(args: argparse.Namespace, ranks: int) -> list[str]:
              str(args.heads)] if args.model == "transformer" else []
     return [*model, "--d-model", str(args.d_model), "--expert-hidden", str(args.hidden), "--num-experts",
             str(args.experts), "--top-k", str(args.k), "--seq-len", str(args.seq_len), "--batch-size",
-            str(args.batch_size), "--dropout", "0.0", "--ep-size", str(ranks), "--ds-config", str(args.ds_config.resolve())]
+            str(args.batch_size), "--dropout", "0.0", "--ep-size", str(ranks),
+            "--ds-config", str(args.ds_config.resolve())]
 
 
 def _rank(rank: int, port: int, flags: list[str], out: str, results) -> None:

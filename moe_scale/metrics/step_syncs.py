@@ -29,7 +29,8 @@ Reads of tensors that stay on the host in a GPU run (`HOST_SIDE`: e.g. the stop-
 are listed apart and not counted: on CPU every tensor is a host tensor, so these are named, with the reason.
 A branch moe_scale takes only on CUDA tensors (`device.type == "cuda"`) is not traced; each such branch in a step
 is free of reads by construction: pinned copies with non_blocking (train/loop.py), CUDA events read at log points
-only (moe/dispatch/exchange.py's CommTimer, train/step_stats.py's StepTimer).
+only (moe/dispatch/exchange.py's CommTimer, train/step_stats.py's StepTimer). Nor is a host tensor's `.to(device)`
+(on CPU no copy at all): none is made in a step (train/loop.py's batches are the pinned copies above).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def _caller() -> tuple[str, int, str, str]:
 
 
 class StepCounter(OpCounter):
-    """OpCounter by phase, each host read with its line; `phase` is set by the wrappers of `phase_wrappers`."""
+    """OpCounter by phase, each host read with its line; `phase` is set by the wrappers `_in_phase` puts around the
+    functions of `_phase_targets`."""
 
     def __init__(self):
         super().__init__()
@@ -232,10 +234,13 @@ def _record_stream(tensor, stream) -> None:
 _original_record_stream = torch.Tensor.record_stream
 
 
-def _blocking_copy(factory):
-    """torch.tensor / torch.as_tensor: host data given a device is a blocking copy on CUDA."""
+def _blocking_copy(factory, device_position: int | None):
+    """torch.tensor / torch.as_tensor: host data given a device is a blocking copy on CUDA (`device_position`: where
+    the device may come among the positional arguments after the data)."""
     def made(data, *args, **kwargs):
-        if kwargs.get("device") is not None and not isinstance(data, torch.Tensor):
+        device = kwargs.get("device", args[device_position] if device_position is not None
+                            and len(args) > device_position else None)
+        if device is not None and not isinstance(data, torch.Tensor):
             _note_read(f"torch.{factory.__name__}(host data, device=...)")
         return factory(data, *args, **kwargs)
     return made
@@ -264,12 +269,14 @@ def _phase_targets() -> list[tuple[object, str, str]]:
     from moe_scale import deepspeed_internals
     from moe_scale.train import engine
 
-    return [(deepspeed_internals, "_unscale_and_clip_grads", "clip"), (DeepSpeedEngine, "forward", "forward"), (DeepSpeedEngine, "backward", "backward"),
+    return [(DeepSpeedEngine, "forward", "forward"), (DeepSpeedEngine, "backward", "backward"),
             (DeepSpeedEngine, "step", "optimizer"),
             (engine, "reduce_gradients_in_place", "backward"), (engine, "expert_aware_clip_", "clip"),
             (DeepSpeedZeroOptimizer, "scaled_global_norm", "clip"),
             (DeepSpeedZeroOptimizer, "unscale_and_clip_grads", "clip"),
-            (bf16_optimizer, "get_global_norm_of_tensors", "clip"), (bf16_optimizer, "get_norm_with_moe_layers", "clip"),
+            (deepspeed_internals, "_unscale_and_clip_grads", "clip"),   # (what replaces it on moe_scale's engines)
+            (bf16_optimizer, "get_global_norm_of_tensors", "clip"),
+            (bf16_optimizer, "get_norm_with_moe_layers", "clip"),
             (bf16_optimizer, "clip_tensors_by_global_norm", "clip")]
 
 
@@ -353,8 +360,8 @@ def counting_step(counted_step: int, results: list[dict]):
         stack.enter_context(mock.patch.object(loop, "_step", step))
         stack.enter_context(mock.patch.object(loop, "_points", points))
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", _record_stream))
-        stack.enter_context(mock.patch.object(torch, "tensor", _blocking_copy(torch.tensor)))
-        stack.enter_context(mock.patch.object(torch, "as_tensor", _blocking_copy(torch.as_tensor)))
+        stack.enter_context(mock.patch.object(torch, "tensor", _blocking_copy(torch.tensor, None)))
+        stack.enter_context(mock.patch.object(torch, "as_tensor", _blocking_copy(torch.as_tensor, 1)))
         for owner, name, phase in _phase_targets():
             stack.enter_context(mock.patch.object(owner, name, _in_phase(phase, getattr(owner, name))))
         yield
