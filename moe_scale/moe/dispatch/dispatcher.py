@@ -195,8 +195,7 @@ class AllToAllDispatcher:
         source_M = torch.repeat_interleave(torch.arange(P, device=device).repeat(L), recv_pairs_PL.t().reshape(-1),
                                            output_size=num_arrived)
         arrived_row_M = (rows_from_P.cumsum(0) - rows_from_P).index_select(0, source_M) + row_in_message_M
-        per_expert = None if pair_route.recv_counts is None else \
-            [sum(column) for column in zip(*pair_route.recv_counts)]
+        per_expert = [sum(column) for column in zip(*pair_route.recv_counts)]
         state = DispatchState(sort_order_S, unique_token_U, row_route, pair_route, arrived_row_M,
                               row_route.num_arrived, per_expert, recv_pairs_PL.sum(0), num_tokens,
                               num_pairs - kept, num_pairs, rows_are_tokens)
