@@ -61,6 +61,7 @@ PRIVATE_NAMES = {
     "_triton": ("ops/triton_ops/_triton.py", "def is_triton_available("),
     "built successfully": ("comm/torch.py", "print(f'DeepSpeed {builder.absolute_name()} built successfully')"),
     "all_gather_into_tensor": ("comm/torch.py", "return torch.distributed.all_gather_into_tensor"),
+    "_model_parallel_all_reduce": ("runtime/zero/stage_1_and_2.py", "def _model_parallel_all_reduce(self, tensor, op)"),
 }
 
 
@@ -205,3 +206,80 @@ def triton_group_gemm(a_MI: torch.Tensor, b_LIO: torch.Tensor, offsets: torch.Te
 
 def triton_grouped_dw(a_MI: torch.Tensor, b_MO: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return triton_grouped_gemm()._grouped_dw(a_MI, b_MO, offsets, offsets.shape[0])
+
+
+# ---------------------------------------------------------------- ZeRO 1/2's gradient norm and clipping, on the device
+
+# DeepSpeedZeroOptimizer's methods that `zero_norm_without_host_reads` replaces, with the sha256 (first 16 hex digits)
+# of the source they replace: where the installed DeepSpeed's differs, nothing is replaced (DeepSpeed's own methods
+# run, correct but reading the device) and tests/test_deepspeed_internals.py fails until the replacements are
+# checked against the new source.
+ZERO_NORM_METHODS = {"get_grad_norm_direct": "72af0993ad8cde2c", "unscale_and_clip_grads": "6bf2ce6f97eafcc2"}
+
+
+def zero_methods_unchanged() -> bool:
+    """Whether the installed DeepSpeed's methods are the ones the replacements were written from."""
+    import hashlib
+    import inspect
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return all(hashlib.sha256(inspect.getsource(getattr(DeepSpeedZeroOptimizer, name)).encode()).hexdigest()[:16]
+               == digest for name, digest in ZERO_NORM_METHODS.items())
+
+
+def zero_norm_without_host_reads(optimizer) -> bool:
+    """On a ZeRO 1/2 optimizer, the gradient norm and clipping of its step without waiting for the device, with the
+    same numbers (tests/test_deepspeed_internals.py): `get_grad_norm_direct` takes every gradient's norm in one
+    fused call (torch._foreach_norm: one kernel launch per chunk of tensors, not a cast, a norm and a copy per
+    parameter) and marks a non-finite norm -1 on the device (DeepSpeed fills it from a tensor it copies from the host,
+    a blocking copy per parameter group); `unscale_and_clip_grads` makes an invalid norm infinite on the device
+    (DeepSpeed asks the host, `bool()`, per parameter group). Returns whether they were installed: only on a
+    DeepSpeedZeroOptimizer whose methods are the ones they were written from."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or not zero_methods_unchanged():
+        return False
+    # (looked up at each call, so that moe_scale/metrics/step_syncs.py can tell the clipping phase by them)
+    optimizer.get_grad_norm_direct = lambda *args, **kwargs: _grad_norm_direct(optimizer, *args, **kwargs)
+    optimizer.unscale_and_clip_grads = lambda *args, **kwargs: _unscale_and_clip_grads(optimizer, *args, **kwargs)
+    return True
+
+
+def _grad_norm_direct(self, gradients, params, norm_type=2):
+    """DeepSpeedZeroOptimizer.get_grad_norm_direct for the L2 norm (others: DeepSpeed's own)."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from torch import _foreach_norm   # torch's fused norms (the table above lists DeepSpeed's names)
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    if float(norm_type) != 2.0:
+        return type(self).get_grad_norm_direct(self, gradients, params, norm_type)
+    grads = [g.detach() for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
+             if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
+             and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
+    if grads:
+        total_norm = torch.stack(_foreach_norm(grads, 2, dtype=get_norm_dtype())).pow(2).sum().float()
+    else:
+        total_norm = torch.zeros((), dtype=torch.float32, device=self.device)
+    dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+    self._model_parallel_all_reduce(tensor=total_norm, op=dist.ReduceOp.SUM)
+    total_norm = total_norm.pow(0.5)
+    return total_norm.masked_fill_(~torch.isfinite(total_norm), -1.0)
+
+
+def _unscale_and_clip_grads(self, grad_groups_flat, total_norm):
+    """DeepSpeedZeroOptimizer.unscale_and_clip_grads with an invalid (non-finite or negative) norm made infinite on
+    the device: the same clipping factor, no read."""
+    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
+        return
+    combined_scale = self.loss_scale
+    if self.clip_grad > 0.:
+        clip_norm = torch.as_tensor(total_norm, dtype=torch.float, device=self.device)
+        clip_norm = clip_norm.masked_fill(~torch.isfinite(clip_norm) | (clip_norm < 0), float("inf"))
+        clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
+        combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
+    for grad in grad_groups_flat:
+        for g in grad if isinstance(grad, list) else [grad]:
+            g.data.mul_(1. / combined_scale)

@@ -79,3 +79,82 @@ def test_the_installed_deepspeed_still_has_it(name):
 
 def test_the_declared_versions_are_the_tested_ones():
     assert f'"deepspeed{TESTED_VERSIONS}"' in (REPO / "pyproject.toml").read_text()
+
+
+def test_the_replaced_zero_methods_are_the_ones_they_were_written_from():
+    """deepspeed_internals.ZERO_NORM_METHODS: an upgrade that changes DeepSpeed's get_grad_norm_direct or
+    unscale_and_clip_grads fails here (and the replacements are not installed) until they are checked again."""
+    from moe_scale.deepspeed_internals import zero_methods_unchanged
+
+    assert zero_methods_unchanged()
+
+
+def _zero_norm_worker(rank, world):
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from torch import nn
+
+    from moe_scale.config import TrainConfig
+    from moe_scale.metrics.op_count import OpCounter
+    from moe_scale.moe.layer import MoELayer
+    from moe_scale.train.ds_config import complete_ds_config, load_ds_config
+    from moe_scale.train.engine import TrainingEngine
+
+    class Net(nn.Module):   # dense and expert parameters: two parameter groups
+        def __init__(self):
+            super().__init__()
+            self.dense, self.moe = nn.Linear(8, 8), MoELayer(8, 16, 4, 2, reuse_grad_buffers=False)
+
+        def forward(self, x):
+            y, aux = self.moe(self.dense(x))
+            return y.float().pow(2).mean() + aux
+
+    torch.manual_seed(rank)
+    model = Net()
+    model.moe.set_deepspeed_parallelism()
+    source = str(REPO / "ds_configs" / "gpu_bf16_zero2.json")
+    trainer = TrainingEngine(model, complete_ds_config(load_ds_config(source), 4, 1, world, source), TrainConfig())
+    engine, optimizer = trainer.engine, trainer.engine.optimizer
+    engine.backward(engine(torch.randn(4, 8).bfloat16()) * 1000)   # gradients large enough to be clipped
+    assert "get_grad_norm_direct" in vars(optimizer) and "unscale_and_clip_grads" in vars(optimizer)
+    norms = []
+    for i in range(len(optimizer.bit16_groups)):
+        grads, params = optimizer.averaged_gradients[i], optimizer.params_in_partition[i]
+        norms.append((optimizer.get_grad_norm_direct(grads, params),
+                      DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, grads, params)))
+        broken = [g.clone() for g in grads]
+        for bad in (float("nan"), float("inf")):   # a non-finite norm: the -1 DeepSpeed marks it with
+            broken[0].view(-1)[0] = bad
+            norms.append((optimizer.get_grad_norm_direct(broken, params),
+                          DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, broken, params)))
+    clipped = []
+    flat = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 3
+    for total in (0.5, 50.0, float("nan"), float("inf"), -1.0):
+        ours, theirs = [flat.clone()], [flat.clone()]
+        with OpCounter() as reads:
+            optimizer.unscale_and_clip_grads(ours, torch.tensor(total))
+        with OpCounter() as deepspeeds_reads:
+            DeepSpeedZeroOptimizer.unscale_and_clip_grads(optimizer, theirs, torch.tensor(total))
+        clipped.append((total, ours[0], theirs[0], reads.host_syncs, deepspeeds_reads.host_syncs))
+    return norms, clipped
+
+
+def test_zero_norm_and_clipping_on_the_device_give_deepspeeds_numbers():
+    """The replacements of deepspeed_internals.zero_norm_without_host_reads, installed by TrainingEngine on a real
+    ZeRO-2 bf16 engine: each parameter group's norm as DeepSpeed's (non-finite ones marked -1 as it marks them), and
+    the clipped gradients as DeepSpeed clips them for a norm to clip by, one below the threshold, and invalid ones
+    (NaN, inf, DeepSpeed's -1 mark) - without DeepSpeed's read of the device."""
+    import torch
+
+    from tests.multiproc import run_ranks
+
+    ((norms, clipped),) = run_ranks(_zero_norm_worker, world_size=1, deepspeed=True)
+    assert len(norms) == 6
+    for ours, theirs in norms:
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    assert [float(ours) for ours, _ in norms[1::3] + norms[2::3]] == [-1.0] * 4
+    for total, ours, theirs, reads, deepspeeds_reads in clipped:
+        assert torch.equal(ours, theirs) or torch.isnan(ours).all() and torch.isnan(theirs).all(), total
+        assert (reads, deepspeeds_reads) == (0, 1), total
+    below, above = clipped[0][1], clipped[1][1]   # a norm of 0.5 is left alone; one of 50 scaled to 1 (clip 1.0)
+    torch.testing.assert_close(above, below / (50 + 1e-6), rtol=1e-6, atol=0)

@@ -75,22 +75,44 @@ class MoEMetrics:
         self.router_sums: dict[str, torch.Tensor | float] = {}
         self.count = 0
         self._summed: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        self._flat, self._layout = None, None   # every layer's sums in one float64 tensor; what each slice is
 
     def add(self) -> None:
-        """Record the last forward of every layer (device additions only)."""
+        """Record the last forward of every layer: device additions only, all layers' vectors in one (a concatenation,
+        a cast and an addition per step, whatever the number of layers: a GPU launches 3 kernels, not 6 per layer)."""
+        vectors, slots = [], []
         for index, layer in enumerate(self.layers):
             stats = layer.stats
             if stats.routed_E is not None:
-                self.routed[index] = _plus(self.routed[index], stats.routed_E)
-                self.gates[index] = _plus(self.gates[index], stats.routed_gates_E)
+                vectors += [stats.routed_E, stats.routed_gates_E]
+                slots += [("routed", index), ("gates", index)]
             if self.router_load:
-                self.load[index] = _plus(self.load[index], stats.load_E)
+                vectors.append(stats.load_E)
+                slots.append(("load", index))
             for name, value in stats.metrics.items():
                 key = self._prefix(index) + name
                 value = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
                 self.router_sums[key] = self.router_sums.get(key, 0.0) + value
+        if vectors:
+            self._add_vectors(vectors, slots)
         self.count += 1
         self._summed = None
+
+    def _add_vectors(self, vectors: list[torch.Tensor], slots: list[tuple[str, int]]) -> None:
+        """Adds each vector to its slot's float64 total (self.routed / gates / load [layer]): in place into the flat
+        tensor the totals are slices of, when the layers route as in the last step (always, in training)."""
+        flat = torch.cat([v.detach().reshape(-1) for v in vectors]).double()
+        layout = [(kind, index, v.numel()) for (kind, index), v in zip(slots, vectors)]
+        if layout == self._layout:
+            self._flat += flat
+            return
+        before = [getattr(self, kind)[index] for kind, index, _ in layout]   # the interval's first step: none
+        if any(total is not None for total in before):
+            flat = flat + torch.cat([flat.new_zeros(n) if total is None else total
+                                     for total, (_, _, n) in zip(before, layout)])
+        self._flat, self._layout = flat, layout
+        for (kind, index, _), total in zip(layout, flat.split([n for _, _, n in layout])):
+            getattr(self, kind)[index] = total
 
     def values(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -129,7 +151,3 @@ class MoEMetrics:
     def _prefix(self, index: int) -> str:
         return "" if len(self.layers) == 1 else f"layer{index}_"
 
-
-def _plus(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    value = value.detach().double()
-    return value if total is None else total + value

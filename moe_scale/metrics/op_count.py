@@ -29,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _ALWAYS_BLOCKING = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
                     "unique_consecutive", "unique_dim_consecutive", "bincount", "equal", "is_nonzero"}
 _HOST_COPIES = ("tolist", "numpy", "cpu")
-_METADATA_ONLY = {"_unsafe_view", "promote_types", "sym_size", "sym_stride", "sym_numel"}   # no kernel either
+_METADATA_ONLY = {"_unsafe_view", "promote_types", "sym_size", "sym_stride", "sym_numel",   # no kernel either
+                  "_record_function_enter_new", "_record_function_exit"}   # (profiler ranges)
 
 
 def _has_bool_index(args) -> bool:
@@ -74,8 +75,12 @@ class OpCounter(TorchDispatchMode):
         self.kernel_ops += not (func.is_view or name in _METADATA_ONLY)
         self.by_name[name] += 1
         if blocks_host(name, func._overloadname, args, kwargs):
-            self.syncs[name] += 1
+            self.host_sync(name)
         return func(*args, **kwargs)
+
+    def host_sync(self, name: str) -> None:
+        """One operation that makes the host wait for the device (subclasses also note where it came from)."""
+        self.syncs[name] += 1
 
     def __enter__(self):
         for method in _HOST_COPIES:
@@ -83,7 +88,7 @@ class OpCounter(TorchDispatchMode):
             self._patched[method] = original
 
             def counted(tensor, *args, _original=original, _method=method, **kwargs):
-                self.syncs[f"Tensor.{_method}"] += 1
+                self.host_sync(f"Tensor.{_method}")
                 return _original(tensor, *args, **kwargs)
 
             setattr(torch.Tensor, method, counted)

@@ -62,7 +62,7 @@ class HierarchicalMoELayer(MoELayer):
         token_J, group_J, gate_J, *keys = self.real_pairs(
             (token_J, groups.groups_J, groups.gates_J, *([] if keys_J is None else [keys_J])), n)
         keys_J, padding_sent = (keys[0] if keys else None), token_J.shape[0] == n * kp
-        rows_RD, state = dispatcher.dispatch_rows(x_ND, token_J, group_J, gate_J)
+        rows_RD, state = dispatcher.dispatch_rows(x_ND, token_J, group_J, gate_J, every_token=padding_sent)
         row_M = state.pair_rows()
         within = router.route_within_groups(
             rows_RD, row_M, state.expert_counts(), state.pair_local_experts(),
@@ -84,10 +84,12 @@ class HierarchicalMoELayer(MoELayer):
         self.keep_dropped_fraction(state)
         self.keep_routes(lambda: (state.local_row_tokens().index_select(0, row_of_pair),   # one process: arrived
                                   expert_MKs.index_select(0, by_expert) + first, gate_of_pair))  # rows are its own
-        # Per group the host knows its rows' Ks pairs from the exchange's one read: enough to split the experts'
-        # grouped GEMMs at group edges without reading counts_L.
-        host = BlockCounts(router.experts_per_group, [rows * ks for rows in state.expert_counts()[1]])
-        per_row_RD = self.experts(rows_RD, (counts_L, host), row_of_pair, gate_of_pair)
+        # Per group the host knows its rows' Ks pairs from the exchange's one read (where there was one): enough to
+        # split the experts' grouped GEMMs at group edges without reading counts_L.
+        group_rows = state.expert_counts()[1]
+        counts = counts_L if group_rows is None else \
+            (counts_L, BlockCounts(router.experts_per_group, [rows * ks for rows in group_rows]))
+        per_row_RD = self.experts(rows_RD, counts, row_of_pair, gate_of_pair)
         return self.plus_shared(x_ND, dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype)), aux_loss
 
     def _routed_balance(self, within, state, num_tokens: int, padding_sent: bool) -> tuple[torch.Tensor, torch.Tensor]:

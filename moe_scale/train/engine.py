@@ -9,11 +9,12 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 from torch import nn
 
 from moe_scale.config import TrainConfig
 from moe_scale.deepspeed_internals import (backward_allreduce_is_plain_average, disable_backward_allreduce,
-                                           engine_data_parallel_size)
+                                           engine_data_parallel_size, zero_norm_without_host_reads)
 from moe_scale.moe.deepspeed_adapter import expert_data_parallel_groups
 from moe_scale.train.clipping import expert_aware_clip_
 from moe_scale.train.factored_optimizer import build_optimizer
@@ -46,11 +47,15 @@ class TrainingEngine:
         ds_config = dict(ds_config)
         if zero_stage(ds_config) == 0 and not ds_config.get("bf16", {}).get("enabled") \
                 and not ds_config.get("fp16", {}).get("enabled"):
-            self.clip = float(ds_config.pop("gradient_clipping", 0.0))   # DeepSpeed's stage-0 norm is wrong
+            # DeepSpeed's stage-0 norm is wrong under expert parallelism: we clip (at DeepSpeed's threshold, its
+            # default where the JSON has none), and DeepSpeed must not clip again (0, not absent: absent is 1.0)
+            self.clip = float(ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+            ds_config["gradient_clipping"] = 0.0
         optimizer = build_optimizer(optimizer_groups(model), train)   # --optimizer adam|factored
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(train.warmup_steps))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=ds_config, dist_init_required=False)
+        zero_norm_without_host_reads(self.engine.optimizer)   # ZeRO 1/2: the norm and clipping never wait for the GPU
         self.grad_norm = None   # last step's norm: a device tensor (or DeepSpeed's float), read at log points
         # Without ZeRO, DeepSpeed's backward all-reduce flattens every gradient into a buffer and copies it back
         # (two full copies of the gradients per step, even where an expert's group has one rank): one process

@@ -49,6 +49,25 @@ def test_balance_metrics_by_hand_and_layer_prefixes():
     assert {"layer0_cv_load", "layer1_cv_load"} <= set(metrics.values())
 
 
+def test_the_interval_sums_every_layers_vectors_exactly_whichever_layers_route():
+    """add() sums all layers' vectors in one float64 tensor; a step where a layer did not route (its stats carry no
+    routed vectors) changes which slices there are, and the sums stay those of each layer's own forwards."""
+    first, second = fake_layer(), fake_layer()
+    metrics = MoEMetrics([first, second], router_load=True)
+    steps = [(torch.tensor([1.0, 2.0]), torch.tensor([3.0, 0.5, 1.0])), (torch.tensor([4.0, 0.0]), None),
+             (torch.tensor([0.25, 8.0]), torch.tensor([1.0, 1.0, 2.0])), (torch.tensor([1.0, 1.0]), torch.tensor(
+                 [0.0, 0.0, 7.0]))]
+    for a, b in steps:
+        first.stats = MoEStats(a * 3, a * 5, {}, routed_E=a, routed_gates_E=a * 2)
+        second.stats = MoEStats(torch.ones(3), torch.ones(3) * 9, {}, routed_E=b, routed_gates_E=None if b is None
+                                else b * 7)
+        metrics.add()
+    assert metrics.routed[0].tolist() == [6.25, 11.0] and metrics.gates[0].tolist() == [12.5, 22.0]
+    assert metrics.load[0].tolist() == [31.25, 55.0] and metrics.load[1].tolist() == [36.0] * 3
+    assert metrics.routed[1].tolist() == [4.0, 1.5, 10.0] and metrics.gates[1].tolist() == [28.0, 10.5, 70.0]
+    assert all(t.dtype == torch.float64 for t in metrics.routed + metrics.gates + metrics.load)
+
+
 GATES = {
     "noisy_topk": RouterConfig(gate="noisy_topk", top_k=2),
     "hierarchical": RouterConfig(gate="hierarchical", top_k=2,

@@ -59,3 +59,26 @@ def test_sum_of_squares_is_float64_accurate_and_the_same_for_any_expert_split():
     torch.testing.assert_close(halves, _sum_of_squares(experts), rtol=1e-14, atol=0)
     half = torch.randn(4, 64, 64, generator=gen).bfloat16()   # half-precision gradients: rows in float32
     assert abs(_sum_of_squares(half) - half.double().pow(2).sum()) <= 1e-6 * half.double().pow(2).sum()
+
+
+def _stage0_worker(rank, world, clip):
+    from torch import nn
+
+    from moe_scale.config import TrainConfig
+    from moe_scale.train.engine import TrainingEngine
+
+    config = {"zero_optimization": {"stage": 0}, "train_batch_size": 1, "train_micro_batch_size_per_gpu": 1}
+    if clip is not None:
+        config["gradient_clipping"] = clip
+    trainer = TrainingEngine(nn.Linear(2, 2), config, TrainConfig())
+    return trainer.clip, trainer.engine.gradient_clipping()
+
+
+def test_without_zero_we_clip_once_and_deepspeed_never():
+    """Stage 0 in float32: moe_scale clips (the norm right under expert parallelism) at the JSON's threshold, or
+    DeepSpeed's default 1.0 where it has none, and DeepSpeed's own stage-0 clipping is off (a config without the key
+    would otherwise get DeepSpeed's default, 1.0, applied again with its wrong norm after ours)."""
+    from tests.multiproc import run_ranks
+
+    for clip, expected in ((5.0, 5.0), (0.0, 0.0), (None, 1.0)):
+        assert run_ranks(_stage0_worker, world_size=1, args=(clip,), deepspeed=True) == [(expected, 0.0)], clip

@@ -20,7 +20,8 @@ Expert e lives on EP rank e // L. Memory grows with N*K, never with N*E: no dens
 Everything before the exchange works on all C pairs with static shapes (dropped copies sort last, distinct
 rows are marked rather than compacted), so the only device-to-host copy of the step is the exchange's read
 of the counts, which all_to_all_single needs as Python ints; what is compacted afterwards is cut at those
-counts. No unique, nonzero, bincount or item on the way.
+counts. No unique, nonzero, bincount or item on the way. With one rank, dropless, and every token routed (the
+caller says so: `every_token`), the sizes are known without the counts (C pairs, N rows), and nothing is read.
 
 The MoE layer uses the row-level halves: `dispatch_rows` stops at the arrived rows and `combine_rows` starts
 from the per-row sums, because its experts gather the pairs' rows and sum their gated outputs themselves
@@ -61,20 +62,20 @@ class DispatchState:
     """What `combine` needs to undo `dispatch`."""
 
     sort_order_S: torch.Tensor          # kept pairs, expert-sorted -> pair index
-    unique_token_U: torch.Tensor        # token of each sent row
+    unique_token_U: torch.Tensor | None   # token of each sent row (None where the rows are the tokens)
     row_route: Route                    # how the U rows travelled
     pair_route: Route                   # how the S pairs travelled
     arrived_row_M: torch.Tensor         # for each arrived pair, its row among the R arrived rows
     num_arrived_rows: int               # R
-    tokens_per_expert: list[int]        # pairs per local expert after the exchange (host)
+    tokens_per_expert: list[int] | None   # pairs per local expert after the exchange (host; None: not read)
     tokens_per_expert_L: torch.Tensor   # the same on the device
     num_tokens: int
     dropped_pairs: int                  # copies this rank dropped (capacity mode)
     num_pairs: int                      # copies this rank routed
     rows_are_tokens: bool               # one rank, every token routed: row u is token u, nothing moved
 
-    def expert_counts(self) -> tuple[torch.Tensor, list[int]]:
-        """Arrived pairs per local expert: (on the device [L], on the host)."""
+    def expert_counts(self) -> tuple[torch.Tensor, list[int] | None]:
+        """Arrived pairs per local expert: (on the device [L], on the host: None where nothing was read)."""
         return self.tokens_per_expert_L, self.tokens_per_expert
 
     def pair_rows(self) -> torch.Tensor:
@@ -90,7 +91,7 @@ class DispatchState:
     def local_row_tokens(self) -> torch.Tensor:
         """[R]: the token of each arrived row, when every row came from this rank (one process)."""
         if self.rows_are_tokens:
-            return torch.arange(self.num_tokens, device=self.unique_token_U.device)
+            return torch.arange(self.num_tokens, device=self.arrived_row_M.device)
         return self.unique_token_U
 
 
@@ -134,16 +135,22 @@ class AllToAllDispatcher:
         return math.ceil(self.capacity_factor * num_pairs / self.num_experts)
 
     def dispatch(self, x_ND: torch.Tensor, token_index_C: torch.Tensor, expert_C: torch.Tensor,
-                 gate_C: torch.Tensor | None = None) -> tuple[torch.Tensor, DispatchState]:
+                 gate_C: torch.Tensor | None = None, every_token: bool = False) -> tuple[torch.Tensor, DispatchState]:
         """Sends row x[token_index_C[p]] to expert expert_C[p] for every (token, expert) pair p: the arrived
-        pairs' rows [M, D], grouped by local expert. `gate_C` ranks the copies for dropping in capacity mode."""
-        rows_RD, state = self.dispatch_rows(x_ND, token_index_C, expert_C, gate_C)
+        pairs' rows [M, D], grouped by local expert. `gate_C` ranks the copies for dropping in capacity mode;
+        `every_token`: see dispatch_rows."""
+        rows_RD, state = self.dispatch_rows(x_ND, token_index_C, expert_C, gate_C, every_token)
         return rows_RD.index_select(0, state.arrived_row_M), state
 
     def dispatch_rows(self, x_ND: torch.Tensor, token_index_C: torch.Tensor, expert_C: torch.Tensor,
-                      gate_C: torch.Tensor | None = None) -> tuple[torch.Tensor, DispatchState]:
+                      gate_C: torch.Tensor | None = None, every_token: bool = False
+                      ) -> tuple[torch.Tensor, DispatchState]:
         """As `dispatch`, but returns the R arrived rows (one per (token, rank)); pair m reads row
-        state.arrived_row_M[m]."""
+        state.arrived_row_M[m]. `every_token`: the caller knows every token has a pair (top-k gates); with one rank
+        and dropless dispatch the rows are then the tokens themselves, and `_local_rows` sorts the pairs without
+        reading the device (the state's host counts are None)."""
+        if every_token and self.mode == "dropless" and isinstance(self.exchange, LocalExchange):
+            return x_ND, self._local_rows(x_ND.shape[0], token_index_C, expert_C)
         num_tokens, num_pairs = x_ND.shape[0], expert_C.shape[0]
         P, L, device = self.ep_size, self.num_local_experts, x_ND.device
         if self.mode == "capacity":
@@ -193,6 +200,18 @@ class AllToAllDispatcher:
                               row_route.num_arrived, per_expert, recv_pairs_PL.sum(0), num_tokens,
                               num_pairs - kept, num_pairs, rows_are_tokens)
         return arrived_rows_RD, state
+
+    def _local_rows(self, num_tokens: int, token_index_C: torch.Tensor, expert_C: torch.Tensor) -> DispatchState:
+        """dispatch_rows' state where nothing travels and every token is routed, every pair kept: row u is token u,
+        the pairs sorted by expert (stably: each expert's in pair order) read their tokens' rows. The same state as
+        the general path's (tests/moe/dispatch), in a few operations, and its sizes known without the counts."""
+        num_pairs = expert_C.shape[0]
+        order_C = torch.argsort(expert_C, stable=True)
+        counts_E = count_per_bin(expert_C, self.num_experts)   # one rank: its local experts are all of them
+        pair_route = Route([], None, counts_E[None, :], None, None, num_pairs)
+        row_route = Route([], None, counts_E.new_full((1, 1), num_tokens), None, None, num_tokens)
+        return DispatchState(order_C, None, row_route, pair_route, token_index_C.index_select(0, order_C), num_tokens,
+                             None, counts_E, num_tokens, 0, num_pairs, True)
 
     def follow(self, values_N: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """values_N[t] (any dtype, e.g. positions) delivered like token t's row by `dispatch`: [M, ...] in the

@@ -5,7 +5,8 @@ pairs, one of rows), W ranks per node, Q = P / W nodes, D row width.
 
 An exchange plans `Route`s from counts of rows per (destination rank, column) — one count exchange per
 hop for all streams together, then ONE read of every count to the host, the only device-to-host copy of a
-layer's step (all_to_all_single takes its split sizes as Python ints) — and then `move`s any tensor whose
+layer's step (all_to_all_single takes its split sizes as Python ints; where nothing travels and the dispatcher
+knows the sizes, not even that) — and then `move`s any tensor whose
 rows are sorted that way (token rows, int metadata, gates): the rows that arrive here come out grouped by
 column (column-major, then source rank, then the sender's order). `move_back` is its exact reverse, and
 reuses the split sizes read in the forward. Every step is a permutation or an autograd-aware all-to-all.
@@ -145,16 +146,17 @@ class Route:
     stages: list[_Stage]
     regroup: torch.Tensor | None        # arrival order -> (column, source rank) order
     recv_counts_PX: torch.Tensor        # rows that arrive from each source rank for each column (device)
-    send_counts: list[list[int]]        # the same counts on the host: [destination rank][column]
-    recv_counts: list[list[int]]        # [source rank][column]
+    send_counts: list[list[int]] | None   # the same counts on the host: [destination rank][column]; None: not read
+    recv_counts: list[list[int]] | None   # [source rank][column]; None: not read
+    known_total: int | None = None      # rows sent (= arrived: nothing travels) where the counts were not read
 
     @property
     def num_sent(self) -> int:
-        return sum(map(sum, self.send_counts))
+        return self.known_total if self.send_counts is None else sum(map(sum, self.send_counts))
 
     @property
     def num_arrived(self) -> int:
-        return sum(map(sum, self.recv_counts))
+        return self.known_total if self.recv_counts is None else sum(map(sum, self.recv_counts))
 
 
 def _read_to_host(tensors: list[torch.Tensor]) -> list[list[int]]:
@@ -208,7 +210,8 @@ class LocalExchange(_Exchange):
         self.group, self.timer = group, timer or CommTimer()
 
     def plan(self, counts: list[torch.Tensor]) -> list[Route]:
-        """One Route per [1, X_i] count tensor; reads them to the host in one copy."""
+        """One Route per [1, X_i] count tensor; reads them to the host in one copy (the dispatcher needs no plan
+        where it knows the sizes: AllToAllDispatcher.dispatch_rows with every_token)."""
         host = _read_to_host(counts)
         return [Route([], None, c, [h], [h]) for c, h in zip(counts, host)]
 

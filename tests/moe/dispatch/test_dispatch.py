@@ -8,6 +8,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
+from moe_scale.metrics.op_count import OpCounter
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.dispatch.exchange import block_transpose_index
 from tests.multiproc import run_ranks
@@ -244,6 +245,42 @@ def test_one_rank_row_level_dispatch_moves_nothing_unless_a_token_is_dropped():
     torch.testing.assert_close(rows, x[1:])
     out = capacity.combine_rows(torch.ones(2, D), state)
     assert out[0].abs().sum() == 0 and torch.equal(out[1:], torch.ones(2, D))
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_one_rank_with_every_token_routed_reads_nothing_and_gives_the_general_paths_state(k):
+    """every_token (top-k gates) on one rank, dropless: the rows are the tokens, the pairs sorted by expert, in a
+    few operations and without a read of the device (no count exchange needs one: nothing travels); the arrived
+    rows, their experts, the gates they follow and the counts are the general path's, which reads the counts."""
+    gen = torch.Generator().manual_seed(k)
+    n, e = 40, 8
+    experts = distinct_experts(n, k, list(range(e)), gen)
+    experts[:5] = experts[5]   # several tokens on the same experts: ties kept in pair order
+    tokens = torch.arange(n).repeat_interleave(k)
+    gates = torch.rand(n * k, generator=gen)
+    x = torch.randn(n, D, generator=gen)
+    dispatcher = AllToAllDispatcher(e, e)
+    general_rows, general = dispatcher.dispatch_rows(x, tokens, experts.reshape(-1), gates)
+    with OpCounter() as counter:
+        rows, state = dispatcher.dispatch_rows(x, tokens, experts.reshape(-1), gates, every_token=True)
+        followed = dispatcher.follow_pairs(gates, state)
+        counts_L, host = state.expert_counts()
+    assert counter.host_syncs == 0 and counter.kernel_ops <= 8, (counter.syncs, counter.by_name)
+    assert general.tokens_per_expert is not None and host is None   # the general path read them; this one did not
+    assert rows is x and general_rows is x and state.rows_are_tokens and general.rows_are_tokens
+    assert torch.equal(state.arrived_row_M, general.arrived_row_M) and torch.equal(state.pair_local_experts(),
+                                                                                   general.pair_local_experts())
+    assert torch.equal(counts_L, general.expert_counts()[0]) and counts_L.tolist() == general.tokens_per_expert
+    assert torch.equal(followed, dispatcher.follow_pairs(gates, general))
+    assert torch.equal(state.local_row_tokens(), general.local_row_tokens()) and state.num_arrived_rows == n
+    assert (state.dropped_pairs, state.num_pairs) == (general.dropped_pairs, general.num_pairs) == (0, n * k)
+    per_row = torch.randn(n, D)
+    assert dispatcher.combine_rows(per_row, state) is per_row
+    # capacity mode may drop copies: the general path (and its read) stays
+    capacity = AllToAllDispatcher(e, e, mode="capacity", capacity_factor=1.0)
+    with OpCounter() as counter:
+        capacity.dispatch_rows(x, tokens, experts.reshape(-1), gates, every_token=True)
+    assert counter.syncs["Tensor.tolist"] == 1
 
 
 def test_bad_dispatch_settings_are_refused():
