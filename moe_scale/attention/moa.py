@@ -96,7 +96,8 @@ class MoAAttention(RoutedLayer):
         kv_ZTd, group_rank = self._gather_over_experts(self.shared_kv(x_BTD))
         # Each query's position in the group's token list travels with its row.
         position_N1 = (group_rank * B * T + torch.arange(B * T, device=x_BTD.device))[:, None]
-        tokens_MD, state = self.dispatcher.dispatch(x_ND, token_C, expert_C)
+        # every token has its k rows (a top-k gate): on one rank the dispatch reads no counts
+        tokens_MD, state = self.dispatcher.dispatch(x_ND, token_C, expert_C, every_token=True)
         position_M = self.dispatcher.follow(position_N1, state)[:, 0]
         y_MD = self._experts(tokens_MD, position_M, kv_ZTd, T, state.expert_counts())
         return self.dispatcher.combine(y_MD, gate_C, state).to(x_BTD.dtype).view(B, T, D), route.aux_loss

@@ -140,3 +140,19 @@ def test_model_parameters_and_macs_match_eq18_20():
     assert sum(p.numel() for p in layer.parameters()) == moa_params(6, D, d)     # eq. 20 + router
     per_token = transformer_forward_macs_per_token(m, vocab_size=100, seq_len=T)["attention"]
     assert per_token == m.model.transformer.num_layers * (moa_macs(T, D, d, 2) // T + D * 6)
+
+
+def test_one_rank_forward_and_backward_read_nothing_from_the_device():
+    """As a GPU dispatches it (gpu_decisions): the top-k gate gives every token its k rows, so one rank's dispatch
+    needs no counts; forward and backward make no host-blocking read, and the output is the reference's."""
+    from moe_scale.metrics.op_count import OpCounter
+    from moe_scale.moe.kernel_policy import gpu_decisions
+
+    layer = _layer().train()
+    layer.dropout = 0.0
+    x = torch.randn(B, T, D, requires_grad=True)
+    with gpu_decisions(), OpCounter() as counter:
+        y, aux = layer(x)
+        (y.square().sum() + aux).backward()
+    assert counter.host_syncs == 0, dict(counter.syncs)
+    torch.testing.assert_close(y, _reference(layer, x), rtol=1e-5, atol=1e-5)
