@@ -30,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-scale",
         description="Train sparsely-gated mixture-of-experts language models (Shazeer et al. 2017; MoA, MAE) on "
-                    "DeepSpeed, from one CPU to GPU clusters; evaluate them and sample text from them; count their FLOPs and "
-                    "plan their memory.")
+                    "DeepSpeed, from one CPU to GPU clusters; evaluate them and sample text from them; count their "
+                    "FLOPs and plan their memory.")
     # The deepspeed launcher puts --local_rank=N before the subcommand; LOCAL_RANK is what we use.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

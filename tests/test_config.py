@@ -223,7 +223,8 @@ def test_every_gate_builds_and_routes(gate):
     from moe_scale.models.lstm_lm import LSTMMoELM
 
     torch.manual_seed(0)
-    model = LSTMMoELM(RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=8, top_k=2, gate=gate, num_groups=2),
+    model = LSTMMoELM(RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=8, top_k=2, gate=gate,
+                                              num_groups=2),
                       vocab_size=20)
     x = torch.randint(0, 20, (4, 6))
     out = model(x, x)

@@ -100,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="bench_moe_layer.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=positive_int_list, default=[8, 64, 256, 1024, 4096],
                    help="comma-separated expert counts E (default 8,64,256,1024,4096)")
-    p.add_argument("--k", type=positive_int_list, default=[1, 2, 4], help="comma-separated top-k values (default 1,2,4)")
+    p.add_argument("--k", type=positive_int_list, default=[1, 2, 4],
+                   help="comma-separated top-k values (default 1,2,4)")
     p.add_argument("--impls", type=_impl_list, default=list(IMPLS), help=f"subset of {','.join(IMPLS)}")
     p.add_argument("--tokens", type=positive_int, default=2048, help="tokens N per step (per rank; default 2048)")
     p.add_argument("--d", type=positive_int, default=256, help="model dim D (default 256)")
@@ -322,7 +323,8 @@ def measure_peaks(args) -> tuple[float, float]:
     if args.device == "cuda" or (args.peak_tflops and args.peak_gbs):
         return gpu_peaks(args)
     flops, bandwidth = cpu_peaks()
-    return (args.peak_tflops * 1e12 if args.peak_tflops else flops), (args.peak_gbs * 1e9 if args.peak_gbs else bandwidth)
+    return ((args.peak_tflops * 1e12 if args.peak_tflops else flops),
+            (args.peak_gbs * 1e9 if args.peak_gbs else bandwidth))
 
 
 def gpu_peaks(args) -> tuple[float, float]:

@@ -141,7 +141,8 @@ def _side_by_side(first: Callable[[], None], second: Callable[[], None]) -> None
 
 def measure(e: int, k: int, args) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
-    router, experts = RouterBackward(args.tokens, args.d, e, gen), ExpertsBackward(args.tokens, args.d, args.h, e, k, gen)
+    router = RouterBackward(args.tokens, args.d, e, gen)
+    experts = ExpertsBackward(args.tokens, args.d, args.h, e, k, gen)
     all_threads, half = args.threads, args.threads // 2
     router_alone, experts_alone = _with_threads(all_threads, router), _with_threads(all_threads, experts)
     router_half, experts_half = _with_threads(all_threads - half, router), _with_threads(half, experts)

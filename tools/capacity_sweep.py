@@ -170,8 +170,8 @@ def _train(model: Model, seed: int, run: Path, args, log) -> None:
     resume = (run / "checkpoints" / "complete").is_file()
     if run.exists() and not resume:
         shutil.rmtree(run)   # killed before its first checkpoint: start it again
-    common = ["train", "--data", args.data, "--test-data", args.test_data, "--vocab-size", str(args.vocab_size), "--batch-size",
-              str(args.batch_size), "--seq-len", str(args.seq_len), "--max-steps", str(args.max_steps),
+    common = ["train", "--data", args.data, "--test-data", args.test_data, "--vocab-size", str(args.vocab_size),
+              "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--max-steps", str(args.max_steps),
               "--seed", str(seed), "--checkpoint-interval", str(args.checkpoint_interval),
               "--keep-checkpoints", "1",   # the one eval, generate and export read (thousands of experts: GBs each)
               "--eval-interval", str(args.max_steps), "--log-interval", str(max(1, args.max_steps // 10)),
@@ -284,7 +284,8 @@ def markdown(report: dict) -> str:
     lines = [f"# Capacity sweep: {report['data']}, d_model {report['d_model']}, {report['tokens_per_run']:,} training "
              f"tokens per run, seeds {', '.join(map(str, report['seeds']))}", "",
              "| model | experts | ops/timestep | params (no emb./softmax) | test ppl | first-pass ppl | train ppl | "
-             "tokens/s | TFLOPS/device | speed vs dense | runs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "tokens/s | TFLOPS/device | speed vs dense | runs |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in report["rows"]:
         runs = " ".join(f"[s{s}]({v['run']})" for s, v in r["seeds"].items())
         target = "" if "speed_target" not in r else (" ✓" if r["meets_speed_target"] else f" (< {r['speed_target']})")
@@ -308,7 +309,8 @@ def plots(report: dict, out: Path) -> None:
 
     rows = report["rows"]
     dense = next(r for r in rows if r["model"] == DENSE)   # every sweep trains the baseline
-    panels = [("test_ppl", "test (held out)", "o", "C0"), ("first_pass_ppl", "first pass (text not seen yet)", "^", "C2"),
+    panels = [("test_ppl", "test (held out)", "o", "C0"),
+              ("first_pass_ppl", "first pass (text not seen yet)", "^", "C2"),
               ("train_ppl", "training (end)", "s", "C1")]
     panels = [panel for panel in panels if all(r[panel[0]] for r in rows)]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5))   # each on its own scale

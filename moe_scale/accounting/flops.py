@@ -3,10 +3,11 @@
 Definitions (the paper's, read so that every row of Tables 7 and 8 reproduces):
 
 - ops/timestep = forward multiply-adds (MACs) per token, softmax and embedding excluded, both gating
-  matrices (W_g and W_noise) included, active experts only (and the shared experts, which every token runs). At a hierarchical MoE the primary gate (2·d·a)
-  plus the secondary gates of the k_p chosen groups (k_p·2·d·b) are counted: a token never evaluates the
-  secondary gates of groups it did not choose (MoE-4096-h: 2·512·16 + 2·2·512·256 + 2 LSTMs + 4 experts
-  = 8.93M, printed 8.9; counting all 16 secondary gates would give 12.6M).
+  matrices (W_g and W_noise) included, active experts only (and the shared experts, which every token runs).
+  At a hierarchical MoE the primary gate (2·d·a) plus the secondary gates of the k_p chosen groups (k_p·2·d·b)
+  are counted: a token never evaluates the secondary gates of groups it did not choose (MoE-4096-h:
+  2·512·16 + 2·2·512·256 + 2 LSTMs + 4 experts = 8.93M, printed 8.9; counting all 16 secondary gates would
+  give 12.6M).
 - An LSTM(in, h) costs 4h(in + r) MACs with r = h, or r = p with an output projection to p, which adds h·p
   (Sak et al. 2014); its parameters add the 4h gate biases (the paper's single bias; torch keeps two).
 - Training FLOPs per token = 3 (forward + backward ≈ 2 x forward) x 2 (a multiply-add is 2 FLOPs) x

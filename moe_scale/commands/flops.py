@@ -96,7 +96,8 @@ def format_report(report: dict) -> str:
                   f"  MoA module parameters     {_count(report['moa_layer_params']):>12}", f"  {report['note']}"]
         return "\n".join(lines)
     if "macs_per_sentence_pair" in report:
-        lines += [f"  total parameters          {_count(report['total_params']):>12}   {_paper(paper.get('params_M'), 'M')}",
+        lines += [f"  total parameters          {_count(report['total_params']):>12}   "
+                  f"{_paper(paper.get('params_M'), 'M')}",
                   f"  MACs (T=10, batch 1)      {_count(report['macs_per_sentence_pair']):>12}   "
                   f"{_paper(paper.get('macs_M'), 'M')}",
                   f"  {report['note']}"]
@@ -104,7 +105,8 @@ def format_report(report: dict) -> str:
     softmax = report["softmax"]
     kind = softmax["kind"] + (f", {softmax['num_samples']} samples" if softmax["kind"] == "sampled" else "")
     lines += [
-        f"  total parameters          {_count(report['total_params']):>12}   {_paper(paper.get('total_params_B'), 'B')}",
+        f"  total parameters          {_count(report['total_params']):>12}   "
+        f"{_paper(paper.get('total_params_B'), 'B')}",
         f"  params excl. emb.+softmax {_count(report['params_excluding_embedding_softmax'], 'M'):>12}   "
         f"{_paper(paper.get('params_excl_M'), 'M')}",
         f"  the module (built on meta) {_count(report['module_params_excluding_embedding_softmax'], 'M'):>11}   "

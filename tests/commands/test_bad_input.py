@@ -73,7 +73,8 @@ def _damage(how: str) -> Callable[[Path], None]:
         elif how == "empty":
             victim.write_bytes(b"")
         elif how == "flip64":
-            data[len(data) // 2: len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + 64])
+            data[len(data) // 2: len(data) // 2 + 64] = bytes(
+                b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + 64])
             victim.write_bytes(bytes(data))
         else:
             victim.unlink()

@@ -59,8 +59,8 @@ def test_analytic_training_flops_match_flop_counter(config, lstms):
 def test_hierarchical_against_flop_counter():
     """The paper's rule counts the secondary gates of the k_p chosen groups only, and so does moe_scale's router
     (one grouped GEMM over the picked groups' rows): the counter sees exactly the analytic count."""
-    config = RunConfig.from_settings(d_model=32, expert_hidden=48, gate="hierarchical", num_experts=32, num_groups=4, top_k=2,
-                         top_k_secondary=2, dropout=0.0)
+    config = RunConfig.from_settings(d_model=32, expert_hidden=48, gate="hierarchical", num_experts=32, num_groups=4,
+                                     top_k=2, top_k_secondary=2, dropout=0.0)
     analytic = lstm_lm_accounting(config, V, SoftmaxCost("full")).training_flops_per_token * B * T
     counted = _counted_training_flops(config)
     assert counted == analytic - _first_step_recurrent_grad(config, 2)
@@ -105,8 +105,8 @@ def test_tflops_and_mfu_arithmetic():
 
 def test_paper_tflops_consistency_moe_4096_h():
     """The spec's derived check: 6·(8.9M + 512·8192)·300k words / ((15 h / 27000 steps)·16 GPUs) ≈ 0.74."""
-    config = RunConfig.from_settings(d_model=512, expert_hidden=1024, gate="hierarchical", num_experts=4096, num_groups=16,
-                         top_k=2, top_k_secondary=2)
+    config = RunConfig.from_settings(d_model=512, expert_hidden=1024, gate="hierarchical", num_experts=4096,
+                                     num_groups=16, top_k=2, top_k_secondary=2)
     flops_per_token = lstm_lm_accounting(config, 793_471, SoftmaxCost("sampled", 8192)).training_flops_per_token
     step_seconds = 15 * 3600 / 27000
     assert tflops_per_device(flops_per_token * 300_000, step_seconds, 16) == pytest.approx(0.74, abs=0.01)

@@ -92,6 +92,7 @@ def test_the_heatmap_groups_thousands_of_experts_sorted_by_load():
 def test_expert_stats_chart(tmp_path, experts):
     rng = np.random.default_rng(1)
     report = {f"layer{i}": {"cv_load": 0.5, "cv_importance": 0.4, "tokens": 1000,
-                            "experts": [{"expert": e, "load": int(rng.integers(0, 50)), "importance": float(rng.random())}
+                            "experts": [{"expert": e, "load": int(rng.integers(0, 50)),
+                                         "importance": float(rng.random())}
                                         for e in range(experts)]} for i in range(2)}
     assert _is_png(write_expert_stats_plot(report, tmp_path / "sub" / "chart.png"))

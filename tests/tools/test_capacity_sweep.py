@@ -62,7 +62,8 @@ def test_refuses_a_model_it_cannot_match(tmp_path, wikitext_dir):
 
 def _corpus(root: Path) -> Path:
     root.mkdir()
-    for name, lines in (("train.txt", wikitext_sentences("valid")[:1700]), ("test.txt", wikitext_sentences("test")[:200])):
+    for name, lines in (("train.txt", wikitext_sentences("valid")[:1700]),
+                        ("test.txt", wikitext_sentences("test")[:200])):
         (root / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return root
 

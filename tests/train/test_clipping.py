@@ -16,7 +16,8 @@ from moe_scale.train.clipping import expert_aware_clip_
 
 def model_with_grads(seed: int) -> LSTMMoELM:
     torch.manual_seed(seed)
-    model = LSTMMoELM(RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=4, top_k=2), vocab_size=30, seed=seed)
+    model = LSTMMoELM(RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=4, top_k=2), vocab_size=30,
+                      seed=seed)
     x = torch.randint(0, 30, (2, 6))
     out = model(x, x)
     (out.nll_sum + out.aux_loss).backward()

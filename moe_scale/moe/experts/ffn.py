@@ -133,7 +133,8 @@ class _ExpertFFN(torch.autograd.Function):
         need_gate = ctx.needs_input_grad[5]
         if hidden_MF is None:   # recompute: the hidden layer was not kept
             hidden_MF = rows_times_expert(rows_RD, w_in.transpose(1, 2), layout, row_of_pair_M, relu=True)
-        coef_M = grad_out.new_full((hidden_MF.shape[0],), scale) if gate_M is None else gate_M.to(grad_out.dtype) * scale
+        coef_M = (grad_out.new_full((hidden_MF.shape[0],), scale) if gate_M is None
+                  else gate_M.to(grad_out.dtype) * scale)
         grad_gate = grad_rows = grad_w_in = grad_w_out = None
         grad_hidden_MF, dot_M = _hidden_gradient(grad_out, row_of_pair_M, w_out, hidden_MF, coef_M, layout, need_gate)
         if need_gate:   # dL/dg_m = scale * <G_m @ w_out[e].T, hidden_m> (see the class docstring)

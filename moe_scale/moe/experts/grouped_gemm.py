@@ -12,7 +12,8 @@ device.
 
 Kernels (`GroupLayout` picks one per layer from the device and dtype; tests force each in turn):
 
-    native   cpu_kernels.c: CPU float32, register-tiled, each expert's weights streamed once (moe/cpu_backend/kernels.py)
+    native   cpu_kernels.c: CPU float32, register-tiled, each expert's weights streamed once
+             (moe/cpu_backend/kernels.py)
     grouped  torch's F.grouped_mm. On CUDA its fast path is bfloat16 on compute capability 9.x/10.x (a CUTLASS
              kernel that takes at most 1,023 groups: more experts run as several calls); on CPU every dtype.
     triton   DeepSpeed's Triton grouped GEMM, on CUDA where F.grouped_mm has no fast path (float32, float16,
@@ -200,7 +201,8 @@ def rows_times_expert(a_MI: torch.Tensor, b_LIO: torch.Tensor, layout: GroupLayo
 
 
 def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout,
-                     out: tuple[torch.Tensor, bool] | None = None, b_index_M: torch.Tensor | None = None) -> torch.Tensor:
+                     out: tuple[torch.Tensor, bool] | None = None,
+                     b_index_M: torch.Tensor | None = None) -> torch.Tensor:
     """out[e] = a[rows of e].T @ b[rows of e]: [L, I, O], exact zeros for an expert with no rows. With
     `b_index_M`, row r of b is b[b_index_M[r]]. `out` (native kernel only): a buffer to write over, and
     whether it was written before (experts.GradientBuffers.take)."""

@@ -94,7 +94,8 @@ class BatchwiseRouter(Router):
       which never reorders distinct scores and is identical on every rank.
     * ``scope="local"`` (default): top-m over this rank's batch; each expert gets exactly ``m_local`` tokens from each
       rank, no communication. ``scope="global"``: S (detached) is gathered over the data-parallel group
-      (``batch.gather``), top-m is taken over the global batch and this rank keeps its rows, so each expert gets exactly ``m`` tokens of the *global* batch.
+      (``batch.gather``), top-m is taken over the global batch and this rank keeps its rows, so each expert gets
+      exactly ``m`` tokens of the *global* batch.
     * Threshold loss ``L_bw = Σ_j Σ_i (M_thr − M_b)(S.detach() − T)`` (eq. 20), training only; its gradient wrt
       ``T_i`` is ``Σ_j (M_b − M_thr)_{j,i}``. ``threshold_reduction="mean"`` (default) divides by this rank's number
       of valid rows; ``"sum"`` is the paper's raw double sum. ``detach_scores=False`` lets L_bw reach W_g too.

@@ -289,7 +289,8 @@ def test_bad_dispatch_settings_are_refused():
     with pytest.raises(ValueError, match="dispatch mode"):
         AllToAllDispatcher(4, 4, mode="drop-some")
     with pytest.raises(ValueError, match="needs the gates"):
-        AllToAllDispatcher(4, 4, mode="capacity").dispatch(torch.zeros(2, D), torch.arange(2), torch.zeros(2, dtype=torch.long))
+        AllToAllDispatcher(4, 4, mode="capacity").dispatch(torch.zeros(2, D), torch.arange(2),
+                                                           torch.zeros(2, dtype=torch.long))
 
 
 # ---------------------------------------------------------------- R processes (gloo)

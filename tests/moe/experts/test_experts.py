@@ -31,7 +31,8 @@ COUNTS = {
 def reference_ffn(x, w_in, w_out, counts, scale):
     """relu(x[rows of e] @ w_in[e].T) @ w_out[e] * scale with plain autograd, expert by expert."""
     bounds = [0] + torch.tensor(counts).cumsum(0).tolist()
-    pieces = [torch.relu(x[a:b] @ w_in[e].t()) @ w_out[e] * scale for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    pieces = [torch.relu(x[a:b] @ w_in[e].t()) @ w_out[e] * scale
+              for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
     return torch.cat(pieces) if pieces else x.new_zeros(0, w_out.shape[2])
 
 
@@ -122,7 +123,8 @@ def test_grouped_matmul_matches_per_expert_slices(counts, dtype, kernel):
     torch.testing.assert_close(out, ref)
     if m:
         grad = torch.randn(m, 12, generator=gen, dtype=dtype)
-        for g, r in zip(torch.autograd.grad(out, (x, w), grad), torch.autograd.grad(ref, (x, w), grad, allow_unused=True)):
+        for g, r in zip(torch.autograd.grad(out, (x, w), grad),
+                        torch.autograd.grad(ref, (x, w), grad, allow_unused=True)):
             torch.testing.assert_close(g, torch.zeros_like(g) if r is None else r)
     if dtype == torch.float64 and m:
         assert torch.autograd.gradcheck(lambda a, b: grouped_matmul(a, b, counts, kernel), (x, w))
@@ -229,8 +231,8 @@ def test_gated_row_sums_match_reference_in_value_and_every_gradient(counts, row_
 
 # Rows per expert through each of the native kernels' paths (dot products, a tile, panels, several items).
 _MANY = [3, 12, 20, 130, 0]
-GATED_NATIVE = {**GATED, "every_kernel_path": (_MANY, torch.randint(0, 60, (sum(_MANY),),
-                                                                     generator=torch.Generator().manual_seed(0)).tolist())}
+GATED_NATIVE = {**GATED, "every_kernel_path": (
+    _MANY, torch.randint(0, 60, (sum(_MANY),), generator=torch.Generator().manual_seed(0)).tolist())}
 
 
 @needs_native
@@ -302,7 +304,8 @@ def reference_experts(experts, x_MD, counts):
     out, start = [], 0
     for e, count in enumerate(counts):
         rows = x_MD[start:start + count]
-        out.append(torch.relu(rows @ experts.w_in[e].t()) @ experts.w_out[e] * math.sqrt(experts.d_model / experts.d_hidden))
+        out.append(torch.relu(rows @ experts.w_in[e].t()) @ experts.w_out[e]
+                   * math.sqrt(experts.d_model / experts.d_hidden))
         start += count
     return torch.cat(out)
 
