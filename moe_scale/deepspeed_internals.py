@@ -165,9 +165,14 @@ def shm_segment(rank: int) -> Path:
 
 
 def cpu_comm_op_built() -> bool:
-    """Whether DeepSpeed's shared-memory CPU op is in torch's extension cache already (it builds on first use)."""
+    """Whether DeepSpeed's shared-memory CPU op is in torch's extension cache already (it builds on first use), or
+    is not built at all (an accelerator without it, e.g. metrics/step_syncs.py's simulated CUDA)."""
     try:
+        from deepspeed.accelerator import get_accelerator
         from torch.utils.cpp_extension import _get_build_directory
+
+        if get_accelerator().create_op_builder("ShareMemCommBuilder") is None:
+            return True
 
         directory = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
     except Exception:   # noqa: BLE001 - only decides whether to announce the build
