@@ -62,7 +62,7 @@ class HierarchicalMoELayer(MoELayer):
         token_J, group_J, gate_J, *keys = self.real_pairs(
             (token_J, groups.groups_J, groups.gates_J, *([] if keys_J is None else [keys_J])), n)
         keys_J, padding_sent = (keys[0] if keys else None), token_J.shape[0] == n * kp
-        rows_RD, state = dispatcher.dispatch_rows(x_ND, token_J, group_J, gate_J, every_token=padding_sent)
+        rows_RD, state = dispatcher.dispatch_rows(x_ND, token_J, group_J, gate_J, every_token=True)
         row_M = state.pair_rows()
         within = router.route_within_groups(
             rows_RD, row_M, state.expert_counts(), state.pair_local_experts(),

@@ -84,8 +84,9 @@ class MoELayer(RoutedLayer):
         self.require_groups()
         route = self.route(x_ND, seq_len)
         token_C, expert_C, gate_C = self.real_pairs(route.pairs(), x_ND.shape[0])
+        # (every_token matters in dropless mode only, where real_pairs leaves the pairs whole)
         rows_RD, state = self.dispatcher.dispatch_rows(x_ND, token_C, expert_C, gate_C,
-                                                       every_token=route.top_k is not None and gate_C is route.gate_C)
+                                                       every_token=route.top_k is not None)
         self.keep_dropped_fraction(state)
         # The experts gather each arrived pair's row and return the gate-weighted sum per row.
         per_row_RD = self.experts(rows_RD, state.expert_counts(), state.pair_rows(),

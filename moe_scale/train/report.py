@@ -48,7 +48,10 @@ class RunReport:
                 self.interval.add({"nll": record["loss"], "aux_loss": record["aux_loss"]})
         self.pending = PendingSteps()   # each step's numbers stay on the device until a log, eval or checkpoint point
         self.timer = StepTimer(env.device, lambda: all_to_all_seconds(model.moe_layers()))
-        self.peak = _peak(env, ctx.ds_config)
+        # what the peak depends on besides the device: kept for the end's check of a measured peak
+        self.half_precision = any(ctx.ds_config.get(key, {}).get("enabled") for key in ("bf16", "fp16"))
+        self.ranks_on_machine = _ranks_on_machine(env)
+        self.peak = _peak(env, self.half_precision, self.ranks_on_machine)
         self.last_train, self.valid, self.last_record = {}, {}, {}
         self.logger.line(f"training {describe_parameters(model)} on {env.world_size} process(es), "
                          f"ep_size={config.parallel.ep_size}, {data.train.describe()}; MFU against a peak of "
@@ -135,8 +138,7 @@ class RunReport:
         if self.ctx.env.rank == 0:
             write_json_atomic(self.ctx.run / "summary.json", summary)
             self.logger.line(summary_table(summary))
-            env = self.ctx.env
-            warning = forget_exceeded_peak(env.device, _half_precision(self.ctx.ds_config), _ranks_on_machine(env),
+            warning = forget_exceeded_peak(self.ctx.env.device, self.half_precision, self.ranks_on_machine,
                                            self.peak[0], summary["tflops_per_device"])
             if warning:
                 print(f"moe-scale: {warning}", file=sys.stderr, flush=True)
@@ -206,10 +208,6 @@ def _exp(nll: float) -> float:
     return math.exp(nll) if nll < 700 else float("inf")
 
 
-def _half_precision(ds_config: dict) -> bool:
-    return any(ds_config.get(key, {}).get("enabled") for key in ("bf16", "fp16"))
-
-
 def _ranks_on_machine(env: DistEnv) -> int:
     try:
         return ranks_per_node(0)
@@ -217,17 +215,15 @@ def _ranks_on_machine(env: DistEnv) -> int:
         return env.world_size
 
 
-def _peak(env: DistEnv, ds_config: dict) -> tuple[float, str]:
+def _peak(env: DistEnv, half: bool, on_machine: int) -> tuple[float, str]:
     """One device's peak, averaged over the ranks (each measures its share of a shared CPU, all at once, unless
     every rank finds its measurement cached)."""
-    half = _half_precision(ds_config)
-
     def all_found(found: bool) -> bool:
         flag = torch.tensor([1.0 if found else 0.0], dtype=torch.float64, device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    peak, source = device_peak_tflops(env.device, half, _ranks_on_machine(env), all_found)
+    peak, source = device_peak_tflops(env.device, half, on_machine, all_found)
     peak_t = torch.tensor([peak], dtype=torch.float64, device=collective_device())
     dist.all_reduce(peak_t)
     return peak_t.item() / env.world_size, source
