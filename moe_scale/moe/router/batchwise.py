@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from moe_scale.moe.losses import cv_squared
+from moe_scale.moe.losses import balance_loss
 from moe_scale.config import BatchwiseConfig, RouterConfig, choices
 from moe_scale.moe.router.base import Router, RouterOutput
 
@@ -239,7 +239,7 @@ class BatchwiseRouter(Router):
             "tokens_without_expert": empty_g * e / decisions_g if decisions_g > 0 else 0.0,
             "tokens_per_expert": float(m),
         }
-        return self.w_importance * cv_squared(importance_E), importance_E, load_E, metrics
+        return balance_loss(importance_E[None], (self.w_importance,)), importance_E, load_E, metrics
 
     def _threshold_loss(self, s_NE: Tensor, t_E: Tensor, m_thr_NE: Tensor, m_b_NE: Tensor, valid_N: Tensor):
         """L_bw = Σ_j Σ_i (M_thr − M_b)(S − T) over valid rows (eq. 20), divided by the valid rows for "mean"."""

@@ -29,7 +29,8 @@ from torch import Tensor
 from moe_scale.moe.cpu_backend import kernels as cpu_kernels
 from moe_scale.moe.kernel_policy import policy_for
 
-_INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 
 
 class _NoisyTopK(torch.autograd.Function):
@@ -65,19 +66,18 @@ def _forward(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: in
              row_group_N: Tensor | None = None, num_groups: int = 0):
     m = min(k + 1, clean_NE.shape[1])
     softplus_NE = torch.nn.functional.softplus(z_NE)
-    noisy_NE = softplus_NE + eps                                       # the std, then in place the noisy logits
-    torch.addcmul(clean_NE, noise_NE, noisy_NE, out=noisy_NE)
+    std_NE = softplus_NE + eps
+    noisy_NE = torch.addcmul(clean_NE, noise_NE, std_NE)
     top_values_NK1, top_idx_NK1 = noisy_NE.topk(m, dim=1)
     e = clean_NE.shape[1]
     if not smooth_load:
         return (softplus_NE, top_values_NK1, top_idx_NK1,
                 clean_NE.new_zeros(e if row_group_N is None else (num_groups, e)))
-    del noisy_NE
     load = None
-    for clean, noise, softplus, top_values, row_group in _blocks(clean_NE, noise_NE, softplus_NE, top_values_NK1,
-                                                                 row_group_N):
-        z, _, _ = _standardised(clean, noise, softplus + eps, top_values, k)
-        p = z.erf_().add_(1.0).mul_(0.5)
+    for clean, noisy, std, top_values, row_group in _blocks(clean_NE, noisy_NE, std_NE, top_values_NK1, row_group_N):
+        # P(x, i) = Phi(u) = (1 + erf(u / sqrt 2)) / 2, u = (clean - threshold) / std (eq. 9)
+        u = _standardised(clean, noisy, std, top_values, k, eps, negated=False)[0]
+        p = u.mul_(_INV_SQRT_2).erf_().add_(1.0).mul_(0.5)
         if row_group_N is None:
             part = p.sum(0)
             load = part if load is None else load.add_(part)
@@ -99,25 +99,29 @@ def _backward(clean_NE: Tensor, noise_NE: Tensor, softplus_NE: Tensor, top_value
 
 
 def _backward_rows(clean, noise, softplus, top_values, top_idx, grad_top, row_group, grad_load, eps: float, k: int):
-    """(gradient of the clean logits, of the noise logits) for one block of rows."""
+    """(gradient of the clean logits, of the noise logits) for one block of rows.
+
+    With v = (threshold - clean) / std and phi the standard normal density, P = Phi(-v), so d P / d clean =
+    phi(v) / std = -d P / d threshold and d P / d std = v phi(v) / std. `down` holds minus the load's gradient
+    of the clean logits, and the std's gradient is built negated: each sign folds into an operation already
+    there (on a GPU every whole-tensor operation is a kernel launch)."""
     grad_noisy = torch.zeros_like(softplus).scatter_(1, top_idx, grad_top)
     if grad_load is None:
-        grad_clean, grad_std = grad_noisy, grad_noisy * noise
+        grad_clean, minus_grad_std = grad_noisy, torch.mul(grad_noisy, noise).neg_()
     else:
-        z, is_in, std = _standardised(clean, noise, softplus + eps, top_values, k)
-        # each row's share of the load gradient: the whole [E] vector, or its group's row of [G, E]
-        grad_load_rows = grad_load if row_group is None else grad_load.index_select(0, row_group)
-        # Phi(z)' = exp(-z^2) / sqrt(pi) w.r.t. z * sqrt(2); z = (clean - threshold) / (sqrt(2) std)
-        d_clean = _gaussian(z).mul_(_INV_SQRT_PI).div_(_denominator(std)).mul_(grad_load_rows)
-        grad_std = (d_clean * z).mul_(-math.sqrt(2.0))            # d z / d std = -z sqrt(2) / denom
+        std = softplus + eps
+        v, is_in = _standardised(clean, torch.addcmul(clean, noise, std), std, top_values, k, eps, negated=True)
+        # each row's share of the load gradient (the whole [E] vector, or its group's row of [G, E]), times -1/sqrt(2 pi)
+        scale = grad_load * -_INV_SQRT_2PI if row_group is None else \
+            grad_load.index_select(0, row_group).mul_(-_INV_SQRT_2PI)
+        down = _gaussian(v).mul_(scale).div_(_divisor(std, eps))
         # The thresholds are noisy top values: the (K+1)-th for experts in the top K, else the K-th.
-        to_kth1 = torch.where(is_in, d_clean, 0.0).sum(1)
-        to_kth = d_clean.sum(1) - to_kth1
-        grad_noisy.scatter_add_(1, top_idx[:, k - 1:k + 1], torch.stack([to_kth, to_kth1], 1).neg_())
-        grad_clean = d_clean.add_(grad_noisy)
-        grad_std.addcmul_(grad_noisy, noise)
+        down_in, down_all = (down * is_in).sum(1), down.sum(1)
+        grad_noisy.scatter_add_(1, top_idx[:, k - 1:k + 1], torch.stack([down_all - down_in, down_in], 1))
+        grad_clean = grad_noisy - down
+        minus_grad_std = torch.mul(down, v).addcmul_(grad_noisy, noise, value=-1.0)
     # noisy = clean + noise * std; std = softplus(z) + eps and softplus'(z) = 1 - exp(-softplus(z)).
-    return grad_clean, grad_std.mul_(_softplus_derivative(softplus))
+    return grad_clean, minus_grad_std.mul_(_minus_softplus_derivative(softplus))
 
 
 def noisy_top_k(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: int, smooth_load: bool,
@@ -129,37 +133,43 @@ def noisy_top_k(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k:
     return _NoisyTopK.apply(clean_NE, z_NE, noise_NE, eps, k, smooth_load, row_group_N, num_groups)
 
 
-# exp(-z^2) below exp(-50) ~ 2e-22 is taken as 0, here and in cpu_gating.c: 2e-22 of the entries near the
+# exp(-v^2 / 2) below exp(-50) ~ 2e-22 is taken as 0, here and in cpu_gating.c: 2e-22 of the entries near the
 # threshold, beyond float32's precision next to them, and it keeps denormals out of the gradient. The
 # router's matmul backward multiplies that gradient next, and MKL runs 80x slower on denormal inputs.
 _GAUSSIAN_CUTOFF = 50.0
+_GAUSSIAN_FLOOR = math.exp(-_GAUSSIAN_CUTOFF)
 
 
 # Below z = -60 the C kernel holds softplus(z) at softplus(-60) (cpu_gating.c: libmvec's fast path); softplus' is
 # held there too, here as there: 9e-27, never a denormal, where the true value is smaller still.
 _SOFTPLUS_FLOOR = math.log1p(math.exp(-60.0))
+# Below this eps the std may be 0 (softplus underflows): the standardisation divides by std + 1e-20 (a step, never
+# NaN); from it on std >= eps and std + 1e-20 == std.
+_EPS_WITHOUT_GUARD = 1e-6
 
 
-def _softplus_derivative(softplus: Tensor) -> Tensor:
-    """softplus'(z) = sigmoid(z) = 1 - exp(-softplus(z)), to the precision of softplus(z) at every z."""
-    return torch.expm1(softplus.clamp(min=_SOFTPLUS_FLOOR).neg_()).neg_()
+def _minus_softplus_derivative(softplus: Tensor) -> Tensor:
+    """-softplus'(z) = -sigmoid(z) = expm1(-softplus(z)), to the precision of softplus(z) at every z."""
+    return torch.expm1(softplus.clamp(min=_SOFTPLUS_FLOOR).neg_())
 
 
-def _gaussian(z: Tensor) -> Tensor:
-    q = z * z
-    return torch.exp(q.clamp(max=_GAUSSIAN_CUTOFF).neg_()).masked_fill_(q >= _GAUSSIAN_CUTOFF, 0.0)
+def _gaussian(v: Tensor) -> Tensor:
+    """exp(-v^2 / 2), 0 from v^2 / 2 = 50 on."""
+    return torch.nn.functional.threshold_(v.square().mul_(-0.5).exp_(), _GAUSSIAN_FLOOR, 0.0)
 
 
-def _denominator(std: Tensor) -> Tensor:
-    return std * math.sqrt(2.0) + 1e-20
+def _divisor(std: Tensor, eps: float) -> Tensor:
+    return std if eps >= _EPS_WITHOUT_GUARD else std + 1e-20
 
 
-def _standardised(clean, noise, std, top_values_NK1, k) -> tuple[Tensor, Tensor, Tensor]:
-    """((clean - threshold) / (sqrt(2) std), is_in, std): the threshold is the noisy (K+1)-th value for an
+def _standardised(clean, noisy, std, top_values_NK1, k, eps: float, negated: bool) -> tuple[Tensor, Tensor]:
+    """((clean - threshold) / std, or its negative, and is_in): the threshold is the noisy (K+1)-th value for an
     expert in the noisy top k, the K-th for one outside it (routers.prob_in_top_k explains why)."""
     thr_in, thr_out = top_values_NK1[:, k:k + 1], top_values_NK1[:, k - 1:k]
-    is_in = torch.addcmul(clean, noise, std) > thr_in      # bitwise the forward's noisy logits
-    return (clean - torch.where(is_in, thr_in, thr_out)).div_(_denominator(std)), is_in, std
+    is_in = noisy > thr_in
+    thr = torch.where(is_in, thr_in, thr_out)
+    diff = torch.sub(thr, clean) if negated else torch.sub(clean, thr)
+    return diff.div_(_divisor(std, eps)), is_in
 
 
 def _blocks(*tensors: Tensor | None):

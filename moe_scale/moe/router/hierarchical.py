@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from moe_scale.moe.experts.grouped_gemm import GroupLayout, per_expert_outer, rows_times_expert
 from moe_scale.moe.kernel_policy import count_per_bin
-from moe_scale.moe.losses import cv_squared
+from moe_scale.moe.losses import balance_loss
 from moe_scale.moe.router.gating_ops import noisy_top_k
 from moe_scale.config import RouterConfig
 from moe_scale.moe.router.base import Router, RouterOutput, gating_precision
@@ -276,8 +276,8 @@ class HierarchicalRouter(Router):
                                                route.count_A]))
         importance_E, load_s_E, load_p_A, count_A = stats.split([e, e, a, a])
         load_E = (load_p_A[:, None] * load_s_E.reshape(a, b) / (count_A[:, None] + _EPS)).reshape(-1)
-        cv2_2 = cv_squared(torch.stack([importance_E, load_E]))
-        return self.w_importance * cv2_2[0] + self.w_load * cv2_2[1], importance_E, load_E
+        aux_loss = balance_loss(torch.stack([importance_E, load_E]), (self.w_importance, self.w_load))
+        return aux_loss, importance_E, load_E
 
     def route(self, x_ND: Tensor) -> RouterOutput:
         """The whole gate on one rank (every group's secondary matrices here)."""

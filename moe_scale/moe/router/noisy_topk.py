@@ -16,7 +16,7 @@ from moe_scale.config import RouterConfig
 from moe_scale.moe.router.base import Router, RouterOutput
 from moe_scale.moe.router.gating_ops import noisy_top_k
 from moe_scale.moe.kernel_policy import count_per_bin
-from moe_scale.moe.losses import cv_squared
+from moe_scale.moe.losses import balance_loss
 
 _FUSED_GATE_MAX_EXPERTS = 16   # w_gate and w_noise multiply x as one matrix up to this many experts
 
@@ -120,6 +120,5 @@ class NoisyTopKRouter(Router):
 
         # Balance over the whole data-parallel batch: one collective for both statistics.
         stats_2E = self.batch.sum(torch.stack([importance_E, load_E]))
-        cv2_2 = cv_squared(stats_2E)
-        aux_loss = self.w_importance * cv2_2[0] + self.w_load * cv2_2[1]
+        aux_loss = balance_loss(stats_2E, (self.w_importance, self.w_load))
         return RouterOutput.from_top_k(gates_NK, experts_NK, aux_loss, stats_2E[0], stats_2E[1])
