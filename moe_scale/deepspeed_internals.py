@@ -265,26 +265,43 @@ def _grad_norm_direct(self, gradients, params, norm_type=2):
              if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
              and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
     if grads:
-        total_norm = torch.stack(_foreach_norm(grads, 2, dtype=get_norm_dtype())).pow(2).sum().float()
+        norms = torch.stack(_foreach_norm(grads, 2, dtype=get_norm_dtype()))
+        total_norm = torch.dot(norms, norms).float()   # the sum of squares in one launch
     else:
         total_norm = torch.zeros((), dtype=torch.float32, device=self.device)
     dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=self.dp_process_group)
     self._model_parallel_all_reduce(tensor=total_norm, op=dist.ReduceOp.SUM)
-    total_norm = total_norm.pow(0.5)
-    return total_norm.masked_fill_(~torch.isfinite(total_norm), -1.0)
+    # a sum of squares is >= 0, inf or NaN: its root is finite, or marked -1 as DeepSpeed marks it
+    return total_norm.sqrt_().nan_to_num_(nan=-1.0, posinf=-1.0)
 
 
 def _unscale_and_clip_grads(self, grad_groups_flat, total_norm):
     """DeepSpeedZeroOptimizer.unscale_and_clip_grads with an invalid (non-finite or negative) norm made infinite on
-    the device: the same clipping factor, no read."""
+    the device: the same clipping factor, no read. DeepSpeed calls it once per parameter group with the same norm:
+    the factor is computed once, and each call scales its gradients in one fused launch."""
     if self.clip_grad == 0.0 and self.loss_scale == 1.0:
         return
+    key = (total_norm, getattr(total_norm, "_version", None), self.loss_scale, self.clip_grad)
+    cached = getattr(self, "moe_scale_inverse_scale", None)
+    if cached is None or not all(a is b or not (torch.is_tensor(a) or torch.is_tensor(b)) and a == b
+                                     for a, b in zip(cached[0], key)):
+        cached = self.moe_scale_inverse_scale = (key, _inverse_scale(self, total_norm))
+    from torch import _foreach_mul_   # (one launch per chunk of tensors)
+
+    grads = [g.data for grad in grad_groups_flat for g in (grad if isinstance(grad, list) else [grad])]
+    if grads:
+        _foreach_mul_(grads, cached[1])
+
+
+def _inverse_scale(self, total_norm):
+    """1 / DeepSpeed's combined scale (the loss scale, and the clipping factor where the norm is above the limit)."""
     combined_scale = self.loss_scale
     if self.clip_grad > 0.:
         clip_norm = torch.as_tensor(total_norm, dtype=torch.float, device=self.device)
-        clip_norm = clip_norm.masked_fill(~torch.isfinite(clip_norm) | (clip_norm < 0), float("inf"))
-        clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
-        combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
-    for grad in grad_groups_flat:
-        for g in grad if isinstance(grad, list) else [grad]:
-            g.data.mul_(1. / combined_scale)
+        clip_norm = torch.where(clip_norm >= 0, clip_norm, float("inf"))   # NaN, -1 (DeepSpeed's mark): inf
+        if self.loss_scale == 1.0:   # (x / 1 + 1e-6) / c and clamp(...) * 1: DeepSpeed's numbers, in fewer launches
+            combined_scale = torch.clamp((clip_norm + 1e-6).div_(self.clip_grad), min=1.0)
+        else:
+            clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
+            combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
+    return 1. / combined_scale
