@@ -35,7 +35,8 @@ class MultiHeadAttention(nn.Module):
         self.rotary = rotary
         # Original index of every head still here: pruning and MAE's gate (which scores the original heads) use it.
         self.head_ids: list[int] = list(range(num_heads))
-        self.register_buffer("head_mask_H", torch.ones(num_heads), persistent=False)
+        self.register_buffer("mask_H", torch.ones(num_heads), persistent=False)
+        self.mask_touched = False   # head_mask_H handed out since the last reset: it may hold zeros (or need a grad)
         self.capture_context = False          # keep ctx with its gradient for head importance
         self.context_BTHd: torch.Tensor | None = None
 
@@ -43,12 +44,25 @@ class MultiHeadAttention(nn.Module):
     def num_heads(self) -> int:
         return len(self.head_ids)
 
+    @property
+    def head_mask_H(self) -> torch.Tensor:
+        """Michel's ξ per head (1: kept, 0: masked), to read or write. Until someone takes it the forward skips the
+        multiplication by all ones (two kernel launches per layer forward, one backward)."""
+        self.mask_touched = True
+        return self.mask_H
+
+    @head_mask_H.setter
+    def head_mask_H(self, mask_H: torch.Tensor) -> None:
+        self.mask_touched = True
+        self.mask_H = mask_H
+
     @torch.no_grad()
     def reset_unsaved_buffers(self) -> None:
         """head_mask_H back to all ones (no head masked). It is not saved with the weights (persistent=False), so a
         loader that builds the model empty and fills in only the saved tensors (transformers 5's from_pretrained)
         calls this."""
-        self.head_mask_H.fill_(1.0)
+        self.mask_H.fill_(1.0)
+        self.mask_touched = False
 
     def forward(self, x_BTD: torch.Tensor, head_weights_BTH: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -94,7 +108,9 @@ class MultiHeadAttention(nn.Module):
     def _output(self, ctx_BTHd: torch.Tensor, head_weights_BTH: torch.Tensor | None) -> torch.Tensor:
         """Each head's context times its mask (and per-token weight), through the output projection."""
         B, T, H, d = ctx_BTHd.shape
-        scale_BTH = self.head_mask_H.to(ctx_BTHd.dtype).expand(B, T, H)
+        if not self.mask_touched and head_weights_BTH is None:   # every head kept, unweighted
+            return self.out_proj(ctx_BTHd.reshape(B, T, H * d))
+        scale_BTH = self.mask_H.to(ctx_BTHd.dtype).expand(B, T, H)
         if head_weights_BTH is not None:
             scale_BTH = scale_BTH * head_weights_BTH.to(ctx_BTHd.dtype)
         return self.out_proj((ctx_BTHd * scale_BTH[..., None]).reshape(B, T, H * d))
@@ -120,7 +136,7 @@ class MultiHeadAttention(nn.Module):
             new_out.bias.copy_(self.out_proj.bias)
         self.out_proj = new_out
         self.head_ids = [self.head_ids[i] for i in keep]
-        self.head_mask_H = self.head_mask_H[keep].clone()
+        self.mask_H = self.mask_H[keep].clone()
 
     def extra_repr(self) -> str:
         return f"heads={self.head_ids}, head_dim={self.head_dim}"

@@ -95,21 +95,20 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.model.dropout)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        aux = x_BTD.new_zeros((), dtype=torch.float32)
+        aux = None   # the balancing losses of the block's routed layers (summed without a zero to start from)
         attended = self.attn(self.norm1(x_BTD))
         if isinstance(attended, tuple):   # MoA returns its router loss
-            attended, attn_aux = attended
-            aux = aux + attn_aux
+            attended, aux = attended
         x_BTD = x_BTD + self.dropout(attended)
         B, T, D = x_BTD.shape
         normed = self.norm2(x_BTD)
         if isinstance(self.ffn, MoELayer):
             ffn_ND, ffn_aux = self.ffn(normed.reshape(B * T, D), seq_len=T)
-            aux = aux + ffn_aux
+            aux = ffn_aux if aux is None else aux + ffn_aux
             ffn_out = ffn_ND.view(B, T, D)
         else:
             ffn_out = self.ffn(normed)
-        return x_BTD + self.dropout(ffn_out), aux
+        return x_BTD + self.dropout(ffn_out), x_BTD.new_zeros((), dtype=torch.float32) if aux is None else aux
 
 
     def decode(self, x_BTD: torch.Tensor, cache: dict) -> torch.Tensor:
@@ -167,10 +166,11 @@ class TransformerLM(nn.Module):
         if not self.llama:   # the llama block's positions are rotary, inside attention
             x_BTD = x_BTD + sinusoidal_positions(T, self.d_model, x_BTD.device).to(x_BTD.dtype)
         x_BTD = self.dropout(x_BTD)
-        aux = x_BTD.new_zeros((), dtype=torch.float32)
+        aux = None
         for block in self.blocks:
             x_BTD, block_aux = block(x_BTD)
-            aux = aux + block_aux
+            aux = block_aux if aux is None else aux + block_aux
+        aux = x_BTD.new_zeros((), dtype=torch.float32) if aux is None else aux
         nll_N = self.softmax(self.final_norm(x_BTD).reshape(B * T, -1), targets_BT.reshape(-1))
         return LMOutput(nll_N.sum(), B * T, aux)
 

@@ -15,6 +15,7 @@ can count, on a machine without a GPU, the operations and host synchronisations 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,4 +59,10 @@ def count_per_bin(index: torch.Tensor, num_bins: int, dtype: torch.dtype = torch
     the input's min and max to the host first, even with minlength; this never waits for the GPU.)"""
     flat = index.reshape(-1)
     return torch.zeros(num_bins, dtype=dtype, device=index.device).index_add_(
-        0, flat, torch.ones((), dtype=dtype, device=index.device).expand(flat.shape[0]))
+        0, flat, _one(index.device, dtype).expand(flat.shape[0]))
+
+
+@functools.lru_cache(maxsize=None)
+def _one(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A 1 on the device, made once (read only: the counts add it, expanded): no fill launched per count."""
+    return torch.ones((), dtype=dtype, device=device)

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from moe_scale.moe.cpu_backend import kernels as cpu_kernels
-from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gated_rows, per_expert_outer, row_dot,
-                                                rows_times_expert)
+from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gated_rows, pair_coefficients, per_expert_outer,
+                                                row_dot, rows_times_expert)
 from moe_scale.moe.experts.swiglu import swiglu_expert_ffn
 
 
@@ -118,30 +118,31 @@ class _ExpertFFN(torch.autograd.Function):
         layout = GroupLayout(counts, rows_RD, kernel)
         hidden_MF = rows_times_expert(rows_RD, w_in_LFD.transpose(1, 2), layout, row_of_pair_M, relu=True)
         y_MD = rows_times_expert(hidden_MF, w_out_LFD, layout)
-        ctx.save_for_backward(rows_RD, w_in_LFD, w_out_LFD, row_of_pair_M, gate_M,
+        coef_M = pair_coefficients(gate_M, scale, y_MD)
+        ctx.save_for_backward(rows_RD, w_in_LFD, w_out_LFD, row_of_pair_M, coef_M,
                               None if recompute else hidden_MF)
-        ctx.layout, ctx.scale = layout, scale
+        ctx.layout, ctx.scale, ctx.gate_dtype = layout, scale, None if gate_M is None else gate_M.dtype
         # Only the native kernel writes into a given buffer; it runs where fresh pages cost the most.
         ctx.grad_buffers = grad_buffers if layout.kernel == "native" else None
-        return gated_rows(y_MD, gate_M, scale, row_of_pair_M, rows_RD.shape[0])
+        return gated_rows(y_MD, coef_M, row_of_pair_M, rows_RD.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows_RD, w_in, w_out, row_of_pair_M, gate_M, hidden_MF = ctx.saved_tensors
+        rows_RD, w_in, w_out, row_of_pair_M, coef_M, hidden_MF = ctx.saved_tensors
         layout, scale = ctx.layout, ctx.scale
         need_rows, need_w_in, need_w_out = ctx.needs_input_grad[:3]
         need_gate = ctx.needs_input_grad[5]
         if hidden_MF is None:   # recompute: the hidden layer was not kept
             hidden_MF = rows_times_expert(rows_RD, w_in.transpose(1, 2), layout, row_of_pair_M, relu=True)
-        coef_M = (grad_out.new_full((hidden_MF.shape[0],), scale) if gate_M is None
-                  else gate_M.to(grad_out.dtype) * scale)
+        coef_M = coef_M.to(grad_out.dtype)
         grad_gate = grad_rows = grad_w_in = grad_w_out = None
-        grad_hidden_MF, dot_M = _hidden_gradient(grad_out, row_of_pair_M, w_out, hidden_MF, coef_M, layout, need_gate)
+        grad_hidden_MF, dot_M, grad_y_MD = _hidden_gradient(grad_out, row_of_pair_M, w_out, hidden_MF, coef_M,
+                                                            layout, need_gate, keep_grad_y=need_w_out)
         if need_gate:   # dL/dg_m = scale * <G_m @ w_out[e].T, hidden_m> (see the class docstring)
-            grad_gate = dot_M.mul_(scale).to(gate_M.dtype)
+            grad_gate = (dot_M if scale == 1.0 else dot_M.mul_(scale)).to(ctx.gate_dtype)
         del dot_M
         if need_w_out:   # a gathered copy is ours to scale in place; the incoming gradient is not
-            grad_y_MD = _per_pair(grad_out, row_of_pair_M)
+            grad_y_MD = _per_pair(grad_out, row_of_pair_M) if grad_y_MD is None else grad_y_MD
             grad_y_MD = grad_y_MD.mul_(coef_M[:, None]) if row_of_pair_M is not None else grad_y_MD * coef_M[:, None]
             grad_w_out = per_expert_outer(hidden_MF, grad_y_MD, layout, _buffer(ctx, "w_out", w_out))
             del grad_y_MD
@@ -156,21 +157,22 @@ class _ExpertFFN(torch.autograd.Function):
         return grad_rows, grad_w_in, grad_w_out, None, None, grad_gate, None, None, None, None
 
 
-def _hidden_gradient(grad_out, row_of_pair_M, w_out_LFD, hidden_MF, coef_M, layout: GroupLayout, need_dot: bool):
-    """(gradient of the hidden layer's input: (G_m @ w_out[e].T) * coef_m where hidden > 0, else 0; and the
-    dot products <G_m @ w_out[e].T, hidden_m> if `need_dot`), with G_m the output gradient of pair m. The
-    native kernel gathers G, multiplies and applies the ReLU's backward in one pass; otherwise torch's ops."""
+def _hidden_gradient(grad_out, row_of_pair_M, w_out_LFD, hidden_MF, coef_M, layout: GroupLayout, need_dot: bool,
+                     keep_grad_y: bool):
+    """(gradient of the hidden layer's input: (G_m @ w_out[e].T) * coef_m where hidden > 0, else 0; the dot
+    products <G_m @ w_out[e].T, hidden_m> if `need_dot`; the gathered G if `keep_grad_y` and one was gathered),
+    with G_m the output gradient of pair m. The native kernel gathers G, multiplies and applies the ReLU's backward
+    in one pass; otherwise torch's ops."""
     if layout.kernel == "native":
-        return cpu_kernels.rows_times_wt(grad_out, w_out_LFD, layout.offsets_L1, row_of_pair_M,
-                                         relu_grad=(hidden_MF, coef_M))
+        return *cpu_kernels.rows_times_wt(grad_out, w_out_LFD, layout.offsets_L1, row_of_pair_M,
+                                          relu_grad=(hidden_MF, coef_M)), None
     grad_y_MD = _per_pair(grad_out, row_of_pair_M)
     grad_hidden_MF = rows_times_expert(grad_y_MD, w_out_LFD.transpose(1, 2), layout)   # per unit of coef
-    del grad_y_MD
     dot_M = row_dot(grad_hidden_MF, hidden_MF) if need_dot else None
     # ReLU: hidden > 0 exactly where its input was. threshold_backward in place: no [M, F] mask temporary.
     torch.ops.aten.threshold_backward.grad_input(grad_hidden_MF.mul_(coef_M[:, None]), hidden_MF, 0,
                                                  grad_input=grad_hidden_MF)
-    return grad_hidden_MF, dot_M
+    return grad_hidden_MF, dot_M, grad_y_MD if keep_grad_y and row_of_pair_M is not None else None
 
 
 def _per_pair(t_RD: torch.Tensor, row_of_pair_M: torch.Tensor | None) -> torch.Tensor:

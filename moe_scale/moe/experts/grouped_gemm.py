@@ -229,11 +229,22 @@ def per_expert_outer(a_MI: torch.Tensor, b_MO: torch.Tensor, layout: GroupLayout
     return out_LIO
 
 
-def gated_rows(y_MD: torch.Tensor, gate_M: torch.Tensor | None, scale: float, row_of_pair_M: torch.Tensor | None,
+def pair_coefficients(gate_M: torch.Tensor | None, scale: float, like_MD: torch.Tensor) -> torch.Tensor:
+    """Each pair's output factor, gate_m * scale (the scale alone without gates), in like's dtype: [M]. The forward
+    scales the pairs' outputs by it and the backward their gradients: computed once, kept between them."""
+    if gate_M is None:
+        return like_MD.new_full((like_MD.shape[0],), scale)
+    coef_M = gate_M.to(like_MD.dtype)
+    if scale == 1.0:
+        return coef_M
+    return coef_M * scale if coef_M is gate_M else coef_M.mul_(scale)
+
+
+def gated_rows(y_MD: torch.Tensor, coef_M: torch.Tensor, row_of_pair_M: torch.Tensor | None,
                num_rows: int) -> torch.Tensor:
-    """An expert FFN's last step: each pair's output times its gate and the output scale (in place), then, with
-    `row_of_pair_M`, summed per row [num_rows, D]; without, per pair [M, D]."""
-    y_MD.mul_(scale if gate_M is None else gate_M.to(y_MD.dtype)[:, None] * scale)
+    """An expert FFN's last step: each pair's output times its coefficient (pair_coefficients; in place), then,
+    with `row_of_pair_M`, summed per row [num_rows, D]; without, per pair [M, D]."""
+    y_MD.mul_(coef_M[:, None])
     if row_of_pair_M is None:
         return y_MD
     return y_MD.new_zeros(num_rows, y_MD.shape[1]).index_add_(0, row_of_pair_M, y_MD)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gated_rows, per_expert_outer, row_dot,
-                                                rows_times_expert)
+from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gated_rows, pair_coefficients, per_expert_outer,
+                                                row_dot, rows_times_expert)
 
 
 def _hidden(gate_up_M2F: torch.Tensor) -> torch.Tensor:
@@ -37,15 +37,16 @@ class _SwiGLUExpertFFN(torch.autograd.Function):
         layout = GroupLayout(counts, rows_RD, kernel)
         gate_up_M2F = rows_times_expert(rows_RD, w_in_L2FD.transpose(1, 2), layout, row_of_pair_M)
         y_MD = rows_times_expert(_hidden(gate_up_M2F), w_out_LFD, layout)
-        ctx.save_for_backward(rows_RD, w_in_L2FD, w_out_LFD, row_of_pair_M, gate_M,
+        coef_M = pair_coefficients(gate_M, scale, y_MD)
+        ctx.save_for_backward(rows_RD, w_in_L2FD, w_out_LFD, row_of_pair_M, coef_M,
                               None if recompute else gate_up_M2F)
-        ctx.layout, ctx.scale = layout, scale
+        ctx.layout, ctx.scale, ctx.gate_dtype = layout, scale, None if gate_M is None else gate_M.dtype
         ctx.grad_buffers = grad_buffers if layout.kernel == "native" else None
-        return gated_rows(y_MD, gate_M, scale, row_of_pair_M, rows_RD.shape[0])
+        return gated_rows(y_MD, coef_M, row_of_pair_M, rows_RD.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows_RD, w_in, w_out, row_of_pair_M, gate_M, gate_up_M2F = ctx.saved_tensors
+        rows_RD, w_in, w_out, row_of_pair_M, coef_M, gate_up_M2F = ctx.saved_tensors
         layout, scale = ctx.layout, ctx.scale
         need_rows, need_w_in, need_w_out = ctx.needs_input_grad[:3]
         need_gate = ctx.needs_input_grad[5]
@@ -55,13 +56,13 @@ class _SwiGLUExpertFFN(torch.autograd.Function):
         a_MF, b_MF = gate_up_M2F.chunk(2, dim=1)
         silu_a_MF = torch.nn.functional.silu(a_MF)
         hidden_MF = silu_a_MF * b_MF
-        coef_M = grad_out.new_full((hidden_MF.shape[0],), scale) if gate_M is None else \
-            gate_M.to(grad_out.dtype) * scale
+        coef_M = coef_M.to(grad_out.dtype)
         # G_m @ w_out[e].T per pair, G_m read through row_of_pair (per unit of coef)
         grad_hidden_MF = rows_times_expert(grad_out, w_out.transpose(1, 2), layout, row_of_pair_M)
         grad_gate = grad_rows = grad_w_in = grad_w_out = None
         if need_gate:
-            grad_gate = row_dot(grad_hidden_MF, hidden_MF).mul_(scale).to(gate_M.dtype)
+            dot_M = row_dot(grad_hidden_MF, hidden_MF)
+            grad_gate = (dot_M if scale == 1.0 else dot_M.mul_(scale)).to(ctx.gate_dtype)
         grad_hidden_MF.mul_(coef_M[:, None])
         if need_w_out:   # sum over pairs of (coef_m hidden_m)ᵀ G_m: the hidden side is scaled, G is read in place
             grad_w_out = per_expert_outer(hidden_MF.mul_(coef_M[:, None]), grad_out, layout,

@@ -111,7 +111,7 @@ def _backward_rows(clean, noise, softplus, top_values, top_idx, grad_top, row_gr
     else:
         std = softplus + eps
         v, is_in = _standardised(clean, torch.addcmul(clean, noise, std), std, top_values, k, eps, negated=True)
-        # each row's share of the load gradient (the whole [E] vector, or its group's row of [G, E]), times -1/sqrt(2 pi)
+        # each row's share of the load gradient (the [E] vector, or its group's row of [G, E]), times -1/sqrt(2 pi)
         scale = grad_load * -_INV_SQRT_2PI if row_group is None else \
             grad_load.index_select(0, row_group).mul_(-_INV_SQRT_2PI)
         down = _gaussian(v).mul_(scale).div_(_divisor(std, eps))

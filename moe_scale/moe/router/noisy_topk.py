@@ -109,7 +109,7 @@ class NoisyTopKRouter(Router):
         else:
             top_values_NK1, top_idx_NK1 = self.logits(x_ND, self.w_gate).topk(min(k + 1, e), dim=1)  # values keep
         gates_NK = torch.softmax(top_values_NK1[:, :k], dim=1)                                      # their gradient
-        experts_NK = top_idx_NK1[:, :k]
+        experts_NK = top_idx_NK1[:, :k].contiguous()   # (once: the importance and the pairs read it flat)
 
         # importance_E = sum over tokens of the dense gates, without building the dense [N, E] gates.
         importance_E = gates_NK.new_zeros(e).index_add(0, experts_NK.reshape(-1), gates_NK.reshape(-1))
