@@ -137,6 +137,7 @@ class TransformerLM(nn.Module):
         self.final_norm = RMSNorm(d) if self.llama else nn.LayerNorm(d)
         self.dropout = nn.Dropout(config.model.dropout)
         self.softmax = build_softmax(config.softmax, d, vocab_size, counts, bias=not self.llama)
+        self.position_table: torch.Tensor | None = None   # sinusoidal positions, made once (not saved)
         if self.llama:
             self._init_llama(config.model.transformer.tie_embeddings)
 
@@ -153,6 +154,16 @@ class TransformerLM(nn.Module):
         if tie:
             self.softmax.proj.weight = self.embedding.weight
 
+    def positions(self, T: int, like: torch.Tensor) -> torch.Tensor:
+        """The sinusoidal positions of the first T positions [T, D], in like's dtype and on its device: computed
+        when a longer sequence or another device or dtype comes, else a slice of the last table (each row depends
+        on its position only)."""
+        table = self.position_table
+        if table is None or table.shape[0] < T or table.device != like.device or table.dtype != like.dtype:
+            with torch.inference_mode(False):   # (made during generation, read in training too)
+                table = self.position_table = sinusoidal_positions(T, self.d_model, like.device).to(like.dtype)
+        return table[:T]
+
     def moe_layers(self) -> list[MoELayer]:
         """Every expert layer (MoA attention and MoE FFNs), in forward order."""
         return [m for m in self.modules() if isinstance(m, ExpertParallelModule)]
@@ -164,7 +175,7 @@ class TransformerLM(nn.Module):
         B, T = inputs_BT.shape
         x_BTD = self.embedding(inputs_BT)
         if not self.llama:   # the llama block's positions are rotary, inside attention
-            x_BTD = x_BTD + sinusoidal_positions(T, self.d_model, x_BTD.device).to(x_BTD.dtype)
+            x_BTD = x_BTD + self.positions(T, x_BTD)
         x_BTD = self.dropout(x_BTD)
         aux = None
         for block in self.blocks:
@@ -184,7 +195,7 @@ class TransformerLM(nn.Module):
         start = cache["length"]
         x_BTD = self.embedding(inputs_BT)
         if not self.llama:
-            x_BTD = x_BTD + sinusoidal_positions(start + T, self.d_model, x_BTD.device)[start:].to(x_BTD.dtype)
+            x_BTD = x_BTD + self.positions(start + T, x_BTD)[start:]
         for block, layer_cache in zip(self.blocks, cache["layers"]):
             x_BTD = block.decode(x_BTD, layer_cache)
         cache["length"] = start + T

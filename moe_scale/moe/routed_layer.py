@@ -43,13 +43,15 @@ class MoEStats:
 
 
 def routed_balance(expert_C: torch.Tensor, gate_C: torch.Tensor, weight_C: torch.Tensor | None,
-                   num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_experts: int, local_gates_E: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(pairs, summed gates) per expert [E], float32, of the pairs whose weight is 1 (`weight_C`: 1 for a real
-    token's pair, 0 for a padding row's; None: every pair counts). On the device, no host read."""
+    token's pair, 0 for a padding row's; None: every pair counts; then `local_gates_E`, the router's own sum of
+    the same gates, if it made one, is the second). On the device, no host read."""
     gate_C = gate_C.detach().float()
     if weight_C is None:
         return count_per_bin(expert_C, num_experts, torch.float32), \
-            gate_C.new_zeros(num_experts).index_add_(0, expert_C, gate_C)
+            gate_C.new_zeros(num_experts).index_add_(0, expert_C, gate_C) if local_gates_E is None \
+            else local_gates_E.detach().float()
     weight_C = weight_C.float()
     return (gate_C.new_zeros(num_experts).index_add_(0, expert_C, weight_C),
             gate_C.new_zeros(num_experts).index_add_(0, expert_C, gate_C * weight_C))
@@ -92,7 +94,8 @@ class RoutedLayer(ExpertParallelModule):
         self.keep_routes(route.pairs)
         weight_C = None if real_N is None else real_N.index_select(0, route.token_C)
         self.keep_stats(route.importance_E, route.load_E, route.metrics,
-                        *routed_balance(route.expert_C, route.gate_C, weight_C, self.num_experts))
+                        *routed_balance(route.expert_C, route.gate_C, weight_C, self.num_experts,
+                                        route.local_gates_E))
         return route
 
     def real_rows(self, num_rows: int) -> torch.Tensor | None:

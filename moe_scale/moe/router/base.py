@@ -45,15 +45,18 @@ class RouterOutput:
     metrics: dict[str, float | Tensor] = field(default_factory=dict)   # gate-specific numbers (read at log points)
     top_k: Optional[int] = None   # every token has top_k pairs, token-major in descending logit order; None:
                                   # a token gets a variable number of experts (batchwise)
+    local_gates_E: Optional[Tensor] = None   # this rank's gates summed per expert, before the data-parallel sum
+                                             # (None: not computed; the layer sums the pairs' gates itself)
 
     @classmethod
     def from_top_k(cls, gates_NK: Tensor, experts_NK: Tensor, aux_loss: Tensor, importance_E: Tensor,
-                   load_E: Tensor, metrics: Optional[dict] = None) -> "RouterOutput":
+                   load_E: Tensor, metrics: Optional[dict] = None, local_gates_E: Optional[Tensor] = None
+                   ) -> "RouterOutput":
         """The routing of a gate that gives every token K experts."""
         n, k = experts_NK.shape
         token_C = torch.arange(n, device=experts_NK.device).repeat_interleave(k, output_size=n * k)
         return cls(token_C, experts_NK.reshape(-1), gates_NK.reshape(-1), aux_loss, importance_E, load_E,
-                   metrics or {}, k)
+                   metrics or {}, k, local_gates_E)
 
     @property
     def gates_NK(self) -> Tensor:

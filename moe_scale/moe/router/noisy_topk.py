@@ -121,4 +121,5 @@ class NoisyTopKRouter(Router):
         # Balance over the whole data-parallel batch: one collective for both statistics.
         stats_2E = self.batch.sum(torch.stack([importance_E, load_E]))
         aux_loss = balance_loss(stats_2E, (self.w_importance, self.w_load))
-        return RouterOutput.from_top_k(gates_NK, experts_NK, aux_loss, stats_2E[0], stats_2E[1])
+        return RouterOutput.from_top_k(gates_NK, experts_NK, aux_loss, stats_2E[0], stats_2E[1],
+                                       local_gates_E=importance_E.detach())
