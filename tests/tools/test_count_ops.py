@@ -33,9 +33,9 @@ def test_ops_do_not_grow_with_experts_or_tokens(count_ops, gate):
         # experts: 2 forward, 4 backward, for every expert at once; the hierarchical gate's secondary logits and
         # noise scales of the picked groups: 2 forward, 4 backward, for every group at once
         assert c["grouped_gemm_calls"] == (6 if gate == "flat" else 12), (e, n, k)
-    for k in (1, 2):
+    for k in (1, 2):   # up to 16 experts the gate's two products are one (a few operations more): no growth
         ops = [c["ops"] for (e, n, kk), c in counts.items() if kk == k]
-        assert max(ops) <= 1.02 * min(ops), (gate, k, ops)
+        assert max(ops) - min(ops) <= 6, (gate, k, ops)
     assert max(c["kernel_ops"] for c in counts.values()) <= MAX_OPS   # what launches work on a GPU
     if gate == "flat":   # the hierarchical gate runs two gates: about 160 operations more, ~120 of them kernels
         assert max(c["ops"] for c in counts.values()) <= MAX_OPS

@@ -19,7 +19,9 @@ GPU_CONFIGS = [REPO / "ds_configs" / "gpu_bf16_zero2.json", REPO / "ds_configs" 
 TRANSFORMER = ["--model", "transformer", "--ffn", "moe", "--num-layers", "2", "--num-heads", "2", "--num-experts", "8",
                "--top-k", "2", "--seq-len", "8", "--batch-size", "4", "--dropout", "0.0"]
 LSTM = ["--num-experts", "8", "--top-k", "2", "--seq-len", "8", "--batch-size", "4", "--dropout", "0.0"]
-WIDTH = ["--d-model", "16", "--expert-hidden", "16"]
+# An expert hidden width twice d: the ReLU experts' output scale sqrt(d / h) is then not 1, as at a GPU's widths (a
+# scale of 1 skips a multiplication per MoE layer each way).
+WIDTH = ["--d-model", "16", "--expert-hidden", "32"]
 
 
 def count(tmp_path, flags: list[str], cache, nprocs: int = 1) -> list[dict]:
@@ -71,8 +73,8 @@ def test_the_counter_finds_what_deepspeeds_defaults_read(tmp_path, embedded_cach
 def test_counts_do_not_depend_on_the_width(tmp_path, embedded_cache):
     """What tools/count_step_syncs.py's small default width stands for: the GPU's d and h give the same counts."""
     flags = [*TRANSFORMER, "--ds-config", str(GPU_CONFIGS[0])]
-    narrow, = count(tmp_path / "a", [*flags, "--d-model", "16", "--expert-hidden", "16"], embedded_cache)
-    wide, = count(tmp_path / "b", [*flags, "--d-model", "64", "--expert-hidden", "96"], embedded_cache)
+    narrow, = count(tmp_path / "a", [*flags, *WIDTH], embedded_cache)
+    wide, = count(tmp_path / "b", [*flags, "--d-model", "64", "--expert-hidden", "160"], embedded_cache)
     assert narrow["phases"] == wide["phases"] and narrow["host_reads"] == wide["host_reads"] == 0
 
 
