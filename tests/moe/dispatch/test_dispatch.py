@@ -311,10 +311,25 @@ def _rank_worker(rank, world, name, mode, exchange, node_size):
     rows, state = dispatcher.dispatch(x, *top_k_pairs(experts_all[mine]), gates.reshape(-1))
     out = dispatcher.combine(apply_experts(rows, w, state.tokens_per_expert), gates.reshape(-1), state)
     (out * upstream_all[mine]).sum().backward()
+    calls = dispatcher.timer.calls
+    with torch.no_grad():   # the row-level half: which rows arrive, in which order, and which row each pair reads
+        rows_RD, rows_state = dispatcher.dispatch_rows(x, *top_k_pairs(experts_all[mine]), gates.reshape(-1))
     return {"out": out.detach(), "x_grad": x.grad, "gates_grad": gates.grad, "w_grad": w.grad,
             "tokens_per_expert": state.tokens_per_expert, "arrived": rows.shape[0],
-            "dropped": state.dropped_pairs, "calls": dispatcher.timer.calls,
-            "arrived_rows": state.num_arrived_rows}
+            "dropped": state.dropped_pairs, "calls": calls, "arrived_rows": state.num_arrived_rows,
+            "rows_RD": rows_RD, "arrived_row_M": rows_state.arrived_row_M}
+
+
+def expected_rows_and_pairs(experts_all, world, rank):
+    """Dropless, by brute force: the arrived rows as (source rank, token) in arrival order (source rank, then
+    token), and for each arrived pair, grouped by local expert, then source rank, then pair index, its row."""
+    n, local = experts_all.shape[0] // world, 8 // world   # make_case: 8 experts
+    rows = [(s, t) for s in range(world) for t in range(n)
+            if any(int(e) // local == rank for e in experts_all[s * n + t])]
+    pairs = sorted((int(e) % local, s, t * experts_all.shape[1] + j, rows.index((s, t)))
+                   for s in range(world) for t in range(n) for j, e in enumerate(experts_all[s * n + t])
+                   if int(e) // local == rank)
+    return rows, [pair[-1] for pair in pairs]
 
 
 def per_rank_reference(name, mode, world):
@@ -359,6 +374,14 @@ def test_ranks_equal_single_process(world, exchange, node_size, mode):
             for key in ("out", "x_grad", "gates_grad"):
                 torch.testing.assert_close(got[key], want[key], msg=lambda m, key=key: f"{name} {key}: {m}")
             torch.testing.assert_close(got["w_grad"], ref_w_grad[experts_mine], msg=lambda m: f"{name} w: {m}")
+        if mode == "dropless":   # rows arrive in the order the dispatcher documents; pairs read the right ones
+            x_all, experts_all = make_case(name, world=world)[:2]
+            for rank, got in enumerate(results):
+                rows, pair_rows = expected_rows_and_pairs(experts_all, world, rank)
+                n = x_all.shape[0] // world
+                want_rows = x_all[[s * n + t for s, t in rows]] if rows else x_all[:0]
+                assert torch.equal(got["rows_RD"], want_rows), name
+                assert got["arrived_row_M"].tolist() == pair_rows, name
         if name == "rank1_receives_nothing":
             assert all(r["arrived"] == 0 and torch.count_nonzero(r["w_grad"]) == 0 for r in results[1:])
         # Per hop: 1 counts exchange (rows and pairs together); rows, pair metadata, gates, rows back; 3 of them
