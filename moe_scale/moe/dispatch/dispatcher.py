@@ -5,8 +5,8 @@ top-k gate), S pairs kept (C when dropless), U distinct (token, destination rank
 E experts over all ranks, P expert-parallel ranks, L = E / P local experts per rank, M pairs that arrive here,
 R rows that arrive here, X count columns exchanged side by side.
 
-Expert e lives on EP rank e // L. Memory grows with N*K, never with N*E: no dense dispatch mask, no
-[tokens, experts, capacity] tensor.
+Expert e lives on EP rank e // L. Memory grows with N*K and N*P (a mark per (rank, token) numbers the rows),
+never with N*E: no dense dispatch mask, no [tokens, experts, capacity] tensor.
 
     dispatch:  sort the copies by expert (capacity mode: by expert, then by gate, highest first, and move
                each expert's copies beyond its capacity to the end) ─▶ one row per (token, destination rank),
@@ -20,8 +20,11 @@ Expert e lives on EP rank e // L. Memory grows with N*K, never with N*E: no dens
 Everything before the exchange works on all C pairs with static shapes (dropped copies sort last, distinct
 rows are marked rather than compacted), so the only device-to-host copy of the step is the exchange's read
 of the counts, which all_to_all_single needs as Python ints; what is compacted afterwards is cut at those
-counts. No unique, nonzero, bincount or item on the way. With one rank, dropless, and every token routed (the
-caller says so: `every_token`), the sizes are known without the counts (C pairs, N rows), and nothing is read.
+counts (the rows by nonzero_static, whose size is then known: no read on a GPU). No unique, nonzero, bincount or
+item on the way. The planning is a few whole-tensor operations whatever E (tests/moe/dispatch: the launches of a
+2-rank dispatch are pinned); the arrived pairs' rows take the source ranks' row offsets from the host's counts.
+With one rank, dropless, and every token routed (the caller says so: `every_token`), the sizes are known without
+the counts (C pairs, N rows), and nothing is read.
 
 The MoE layer uses the row-level halves: `dispatch_rows` stops at the arrived rows and `combine_rows` starts
 from the per-row sums, because its experts gather the pairs' rows and sum their gated outputs themselves

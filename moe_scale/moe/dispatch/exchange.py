@@ -9,7 +9,9 @@ layer's step (all_to_all_single takes its split sizes as Python ints; where noth
 knows the sizes, not even that) — and then `move`s any tensor whose
 rows are sorted that way (token rows, int metadata, gates): the rows that arrive here come out grouped by
 column (column-major, then source rank, then the sender's order). `move_back` is its exact reverse, and
-reuses the split sizes read in the forward. Every step is a permutation or an autograd-aware all-to-all.
+reuses the split sizes read in the forward. Every step is a permutation or an autograd-aware all-to-all; a
+permutation that is the identity whatever the counts (one column of a stream, such as the rows; one block row or
+column of a hop) is skipped, decided from shapes the host knows, never from the counts.
 
     LocalExchange         P == 1: nothing moves.
     FlatExchange          one all-to-all of counts, one variable-size all-to-all of rows over the EP group.
@@ -295,9 +297,9 @@ class HierarchicalExchange(_Exchange):
         return routes
 
 
-def _stream_QW(counts_ABX: torch.Tensor, first: int, last: int) -> torch.Tensor:
-    """One stream's rows per block: its columns first..last of an [A, B, X] count tensor, summed."""
-    return counts_ABX[:, :, first] if last - first == 1 else counts_ABX[:, :, first:last].sum(2)
+def _stream_QW(counts: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """One stream's rows per block: its columns first..last of a three-dimensional count tensor, summed."""
+    return counts[:, :, first] if last - first == 1 else counts[:, :, first:last].sum(2)
 
 
 def build_hierarchical_groups(ep_group, ranks_per_node: int) -> tuple[object, object, int, int]:
