@@ -38,6 +38,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's moe_scale, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from json_lines import emit  # noqa: E402
 from tool_args import OneLineParser, check_out_file, positive_int, positive_int_list  # noqa: E402

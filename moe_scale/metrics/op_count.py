@@ -30,7 +30,10 @@ _ALWAYS_BLOCKING = {"_local_scalar_dense", "nonzero", "masked_select", "_unique"
                     "unique_consecutive", "unique_dim_consecutive", "bincount", "equal", "is_nonzero"}
 _HOST_COPIES = ("tolist", "numpy", "cpu")
 _METADATA_ONLY = {"_unsafe_view", "promote_types", "sym_size", "sym_stride", "sym_numel",   # no kernel either
-                  "_record_function_enter_new", "_record_function_exit"}   # (profiler ranges)
+                  "_record_function_enter_new", "_record_function_exit",   # (profiler ranges)
+                  # uninitialised allocations: the caching allocator, no kernel (unless deterministic algorithms
+                  # fill new memory: torch.utils.deterministic.fill_uninitialized_memory, which moe_scale never sets)
+                  "empty", "new_empty", "empty_like", "empty_strided"}
 
 
 def _has_bool_index(args) -> bool:

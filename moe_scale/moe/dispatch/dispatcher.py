@@ -5,8 +5,8 @@ top-k gate), S pairs kept (C when dropless), U distinct (token, destination rank
 E experts over all ranks, P expert-parallel ranks, L = E / P local experts per rank, M pairs that arrive here,
 R rows that arrive here, X count columns exchanged side by side.
 
-Expert e lives on EP rank e // L. Memory grows with N*K, never with N*E: no dense dispatch mask, no
-[tokens, experts, capacity] tensor.
+Expert e lives on EP rank e // L. Memory grows with N*K and N*P (a mark per (rank, token) numbers the rows),
+never with N*E: no dense dispatch mask, no [tokens, experts, capacity] tensor.
 
     dispatch:  sort the copies by expert (capacity mode: by expert, then by gate, highest first, and move
                each expert's copies beyond its capacity to the end) ─▶ one row per (token, destination rank),
@@ -20,8 +20,11 @@ Expert e lives on EP rank e // L. Memory grows with N*K, never with N*E: no dens
 Everything before the exchange works on all C pairs with static shapes (dropped copies sort last, distinct
 rows are marked rather than compacted), so the only device-to-host copy of the step is the exchange's read
 of the counts, which all_to_all_single needs as Python ints; what is compacted afterwards is cut at those
-counts. No unique, nonzero, bincount or item on the way. With one rank, dropless, and every token routed (the
-caller says so: `every_token`), the sizes are known without the counts (C pairs, N rows), and nothing is read.
+counts (the rows by nonzero_static, whose size is then known: no read on a GPU). No unique, nonzero, bincount or
+item on the way. The planning is a few whole-tensor operations whatever E (tests/moe/dispatch: the launches of a
+2-rank dispatch are pinned); the arrived pairs' rows take the source ranks' row offsets from the host's counts.
+With one rank, dropless, and every token routed (the caller says so: `every_token`), the sizes are known without
+the counts (C pairs, N rows), and nothing is read.
 
 The MoE layer uses the row-level halves: `dispatch_rows` stops at the arrived rows and `combine_rows` starts
 from the per-row sums, because its experts gather the pairs' rows and sum their gated outputs themselves
@@ -127,7 +130,9 @@ class AllToAllDispatcher:
             self.exchange = LocalExchange(timer, group)
         elif all_to_all == "hierarchical":
             intra, inter, per_node, nodes = build_hierarchical_groups(group, ranks_per_node)
-            self.exchange = HierarchicalExchange(group, intra, inter, per_node, nodes, timer)
+            # One rank per node, or one node: one of the two hops has one rank, and the other is the flat exchange.
+            self.exchange = FlatExchange(group, timer) if 1 in (per_node, nodes) else \
+                HierarchicalExchange(group, intra, inter, per_node, nodes, timer)
         else:
             self.exchange = FlatExchange(group, timer)
 
@@ -157,47 +162,47 @@ class AllToAllDispatcher:
             if gate_C is None:
                 raise ValueError("capacity dispatch needs the gates to decide which copies to drop")
             order_C, dropped_C, counts_E = self._keep_highest_gates(expert_C, gate_C.detach())
+            # Destination rank of every sorted copy; dropped copies get rank P, past every real row.
+            rank_C = torch.div(expert_C.index_select(0, order_C), L, rounding_mode="floor").masked_fill(dropped_C, P)
+            key_C = torch.add(token_index_C.index_select(0, order_C), rank_C, alpha=num_tokens)
         else:
             order_C = torch.argsort(expert_C, stable=True)
-            counts_E, dropped_C = count_per_bin(expert_C, self.num_experts), None
-        # Destination rank of every sorted copy; dropped copies get rank P, which sorts after every row.
-        rank_C = torch.div(expert_C.index_select(0, order_C), L, rounding_mode="floor")
-        if dropped_C is not None:
-            rank_C = rank_C.masked_fill(dropped_C, P)
-        # One row per (destination rank, token), numbered rank-major: what the row all-to-all carries.
-        key_C = rank_C * num_tokens + token_index_C.index_select(0, order_C)
-        by_key_C = torch.argsort(key_C, stable=True)
-        sorted_key_C = key_C.index_select(0, by_key_C)
-        first_C = sorted_key_C != torch.cat([sorted_key_C.new_full((1,), -1), sorted_key_C[:-1]])   # row starts
-        row_of_sorted_C = first_C.cumsum(0) - 1
-        row_of_pair_C = torch.empty_like(row_of_sorted_C).index_copy_(0, by_key_C, row_of_sorted_C)
-        rows_per_rank_P = torch.zeros(P + 1, dtype=torch.long, device=device).index_add_(
-            0, torch.div(sorted_key_C, num_tokens, rounding_mode="floor"), first_C.long())
-        first_row_P = rows_per_rank_P.cumsum(0) - rows_per_rank_P
-        row_in_message_C = row_of_pair_C - first_row_P.index_select(0, rank_C)
+            counts_E = count_per_bin(expert_C, self.num_experts)
+            key_C = torch.add(token_index_C, torch.div(expert_C, L, rounding_mode="floor"), alpha=num_tokens)
+            key_C = key_C.index_select(0, order_C)
+        # key = (destination rank, token) of every sorted copy. One row per key that a kept copy has, numbered
+        # rank-major, then by token: the row all-to-all's order. A mark per (rank, token) and its running count
+        # along each rank number them: the count at a copy's key, less one, is its row within that rank's message,
+        # and the count at a rank's last token is the rank's rows. (Dropped copies mark an extra rank, never sent.)
+        ranks_marked = P + (self.mode == "capacity")
+        marked_PN = torch.zeros(ranks_marked * num_tokens, dtype=torch.bool, device=device).index_fill_(0, key_C, True)
+        running_PN = marked_PN.view(ranks_marked, num_tokens).cumsum(1)
+        row_in_message_C = running_PN.view(-1).index_select(0, key_C) - 1
+        rows_per_rank_P1 = running_PN[:P, num_tokens - 1:] if num_tokens else running_PN.new_zeros(P, 1)
 
         # Counts of pairs (per local expert) and rows (per rank) travel together; the one host read.
-        kept_PL = counts_E.view(P, L)
-        pair_route, row_route = self.exchange.plan([kept_PL, rows_per_rank_P[:P, None]])
+        pair_route, row_route = self.exchange.plan([counts_E.view(P, L), rows_per_rank_P1])
         kept, num_rows = pair_route.num_sent, row_route.num_sent
         sort_order_S = order_C[:kept]
-        unique_token_U = (sorted_key_C.new_empty(num_pairs).index_copy_(0, row_of_sorted_C, sorted_key_C)
-                          [:num_rows] % max(num_tokens, 1))
+        # The marked keys in order are the rows; their number is now known, so no read sizes the compaction.
+        unique_token_U = torch.nonzero_static(marked_PN[:P * num_tokens], size=num_rows)[:, 0] % max(num_tokens, 1)
 
         rows_are_tokens = isinstance(self.exchange, LocalExchange) and num_rows == num_tokens
         arrived_rows_RD = x_ND if rows_are_tokens else self.exchange.move(x_ND.index_select(0, unique_token_U),
                                                                            row_route)
-        row_in_message_M = self.exchange.move(row_in_message_C[:kept, None], pair_route)[:, 0]
-        # Arrived rows are grouped by source rank; arrived pairs by (local expert, source rank).
-        rows_from_P = row_route.recv_counts_PX[:, 0]
-        recv_pairs_PL = pair_route.recv_counts_PX
-        num_arrived = pair_route.num_arrived
-        source_M = torch.repeat_interleave(torch.arange(P, device=device).repeat(L), recv_pairs_PL.t().reshape(-1),
-                                           output_size=num_arrived)
-        arrived_row_M = (rows_from_P.cumsum(0) - rows_from_P).index_select(0, source_M) + row_in_message_M
+        # Arrived rows are grouped by source rank; a pair's row number within its source's message becomes its
+        # row among all arrived rows by adding the rows from lower sources (host ints), before the pairs regroup.
+        row_in_message_M = self.exchange.move(row_in_message_C[:kept, None], pair_route, regroup=False)[:, 0]
+        pair_start = row_start = 0
+        for pairs_from, rows_from in zip(pair_route.recv_counts, row_route.recv_counts):
+            pairs_from = sum(pairs_from)
+            if pairs_from and row_start:
+                row_in_message_M[pair_start:pair_start + pairs_from].add_(row_start)
+            pair_start, row_start = pair_start + pairs_from, row_start + rows_from[0]
+        arrived_row_M = self.exchange.regroup(row_in_message_M, pair_route)
         per_expert = [sum(column) for column in zip(*pair_route.recv_counts)]
         state = DispatchState(sort_order_S, unique_token_U, row_route, pair_route, arrived_row_M,
-                              row_route.num_arrived, per_expert, recv_pairs_PL.sum(0), num_tokens,
+                              row_route.num_arrived, per_expert, pair_route.recv_counts_PX.sum(0), num_tokens,
                               num_pairs - kept, num_pairs, rows_are_tokens)
         return arrived_rows_RD, state
 

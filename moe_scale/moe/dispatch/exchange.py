@@ -9,7 +9,9 @@ layer's step (all_to_all_single takes its split sizes as Python ints; where noth
 knows the sizes, not even that) — and then `move`s any tensor whose
 rows are sorted that way (token rows, int metadata, gates): the rows that arrive here come out grouped by
 column (column-major, then source rank, then the sender's order). `move_back` is its exact reverse, and
-reuses the split sizes read in the forward. Every step is a permutation or an autograd-aware all-to-all.
+reuses the split sizes read in the forward. Every step is a permutation or an autograd-aware all-to-all; a
+permutation that is the identity whatever the counts (one column of a stream, such as the rows; one block row or
+column of a hop) is skipped, decided from shapes the host knows, never from the counts.
 
     LocalExchange         P == 1: nothing moves.
     FlatExchange          one all-to-all of counts, one variable-size all-to-all of rows over the EP group.
@@ -103,9 +105,10 @@ def all_to_all_rows(rows, out_splits: list[int], in_splits: list[int], group, ti
     return _TimedAllToAll.apply(rows, out_splits, in_splits, group, timer)
 
 
-def exchange_counts(send: torch.Tensor, group, timer: CommTimer) -> torch.Tensor:
-    """Row a of `send` goes to rank a of `group`; returns row b = what rank b sent here (on the device)."""
-    recv = torch.empty_like(send)
+def exchange_counts(send: torch.Tensor, group, timer: CommTimer, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Row a of `send` goes to rank a of `group`; returns row b = what rank b sent here (on the device; into
+    `out` where given)."""
+    recv = torch.empty_like(send) if out is None else out
     timer.run(lambda: dist.all_to_all_single(recv, send.contiguous(), group=group), send.device)
     return recv
 
@@ -114,13 +117,18 @@ def block_transpose_index(counts: torch.Tensor, total: int) -> torch.Tensor:
     """Rows laid out as blocks in (a, b) order, block (a, b) holding counts[a, b] rows, `total` rows in
     all; returns idx with rows[idx] laid out in (b, a) order, each block's rows kept in their order."""
     A, B = counts.shape   # blocks (a, b); the result reads them in (b, a) order ("_t")
-    sizes = counts.reshape(-1)
-    starts_t = (sizes.cumsum(0) - sizes).view(A, B).t().reshape(-1)
     sizes_t = counts.t().reshape(-1)
-    begin_t = sizes_t.cumsum(0) - sizes_t
-    shift_t = starts_t - begin_t   # where a block's rows go minus where they come from
+    # A block's shift (where its rows come from less where they go) is the difference of its exclusive starts in
+    # the two orders, i.e. of the inclusive ends, since the block's own size is in both.
+    shift_t = counts.reshape(-1).cumsum(0).view(A, B).t().reshape(-1) - sizes_t.cumsum(0)
     return torch.arange(total, device=counts.device) + torch.repeat_interleave(shift_t, sizes_t,
                                                                                  output_size=total)
+
+
+def regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor | None:
+    """block_transpose_index, or None where the (a, b) and (b, a) orders are the same for any counts: one row
+    or one column of blocks (a shape the host knows, so nothing is read to decide)."""
+    return None if 1 in counts.shape else block_transpose_index(counts, total)
 
 
 def _unpermute(rows: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
@@ -161,7 +169,7 @@ class Route:
 
 def _read_to_host(tensors: list[torch.Tensor]) -> list[list[int]]:
     """The one device-to-host copy: every count tensor flattened, stacked and read at once."""
-    flat = torch.cat([t.reshape(-1) for t in tensors]).tolist()
+    flat = (tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])).tolist()
     out, start = [], 0
     for t in tensors:
         out.append(flat[start:start + t.numel()])
@@ -186,12 +194,18 @@ class _Exchange:
 
     timer: CommTimer
 
-    def move(self, rows: torch.Tensor, route: Route) -> torch.Tensor:
-        """Rows sorted by (destination rank, column) -> the rows that arrive here, column-major."""
+    def move(self, rows: torch.Tensor, route: Route, regroup: bool = True) -> torch.Tensor:
+        """Rows sorted by (destination rank, column) -> the rows that arrive here, column-major (`regroup=False`:
+        as they arrive, by source rank, then column; `regroup` finishes them)."""
         for stage in route.stages:
             if stage.order_before_send is not None:
                 rows = rows.index_select(0, stage.order_before_send)
             rows = all_to_all_rows(rows, stage.recv_splits, stage.send_splits, stage.group, self.timer)
+        return self.regroup(rows, route) if regroup else rows
+
+    @staticmethod
+    def regroup(rows: torch.Tensor, route: Route) -> torch.Tensor:
+        """Arrived rows (by source rank, then column) -> column-major."""
         return rows if route.regroup is None else rows.index_select(0, route.regroup)
 
     def move_back(self, rows: torch.Tensor, route: Route) -> torch.Tensor:
@@ -222,17 +236,20 @@ class FlatExchange(_Exchange):
 
     def plan(self, counts: list[torch.Tensor]) -> list[Route]:
         """One Route per [P, X_i] count tensor: one count exchange and one host read for all of them."""
-        send_PX = torch.cat(counts, dim=1)
-        recv_PX = exchange_counts(send_PX, self.group, self.timer)
-        P, X = send_PX.shape
-        send_h, recv_h = _read_to_host([send_PX, recv_PX])
+        P, X = counts[0].shape[0], sum(c.shape[1] for c in counts)
+        # Sent and received counts side by side in one buffer, so that one copy reads both to the host.
+        both_2PX = counts[0].new_empty(2, P, X)
+        send_PX = torch.cat(counts, dim=1, out=both_2PX[0])
+        recv_PX = exchange_counts(send_PX, self.group, self.timer, out=both_2PX[1])
+        (both_h,) = _read_to_host([both_2PX])
+        send_h, recv_h = both_h[:P * X], both_h[P * X:]
         routes = []
         for first, last in _split_columns(counts):
             send, recv = _columns(send_h, P, X, first, last), _columns(recv_h, P, X, first, last)
             stage = _Stage(self.group, list(map(sum, send)), list(map(sum, recv)), None)
             recv_counts_PX = recv_PX[:, first:last]
             # Rows arrive as (source, column) blocks; regroup to (column, source).
-            regroup = block_transpose_index(recv_counts_PX, sum(stage.recv_splits))
+            regroup = regroup_index(recv_counts_PX, sum(stage.recv_splits))
             routes.append(Route([stage], regroup, recv_counts_PX, send, recv))
         return routes
 
@@ -266,18 +283,23 @@ class HierarchicalExchange(_Exchange):
             sent_QW, s1, r1 = block(send_h, Q, W), block(send1_h, W, Q), block(recv1_h, W, Q)
             s2, r2 = block(send2_h, Q, W), block(recv2_h, Q, W)
             cols = slice(first, last)
-            order1 = block_transpose_index(counts_QWX[:, :, cols].sum(2), sum(map(sum, sent_QW)))
+            order1 = regroup_index(_stream_QW(counts_QWX, first, last), sum(map(sum, sent_QW)))
             hop1 = _Stage(self.intra_group, list(map(sum, s1)), list(map(sum, r1)), order1)
-            order2 = block_transpose_index(recv1_WQX[:, :, cols].sum(2), sum(map(sum, r1)))
+            order2 = regroup_index(_stream_QW(recv1_WQX, first, last), sum(map(sum, r1)))
             hop2 = _Stage(self.inter_group, list(map(sum, s2)), list(map(sum, r2)), order2)
             # Arrived in (source node, source local index, x) = (source EP rank, x) order, exactly as a flat
             # exchange delivers: the same regrouping makes each column's rows contiguous.
             recv_counts_PX = recv2_QWX[:, :, cols].reshape(Q * W, last - first)
-            regroup = block_transpose_index(recv_counts_PX, sum(map(sum, r2)))
+            regroup = regroup_index(recv_counts_PX, sum(map(sum, r2)))
             send = _columns(send_h, Q * W, X, first, last)
             recv = _columns(recv2_h, Q * W, X, first, last)
             routes.append(Route([hop1, hop2], regroup, recv_counts_PX, send, recv))
         return routes
+
+
+def _stream_QW(counts: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """One stream's rows per block: its columns first..last of a three-dimensional count tensor, summed."""
+    return counts[:, :, first] if last - first == 1 else counts[:, :, first:last].sum(2)
 
 
 def build_hierarchical_groups(ep_group, ranks_per_node: int) -> tuple[object, object, int, int]:
