@@ -17,6 +17,7 @@ from tests.paths import TOOLS
 
 TOOL = TOOLS / "count_ops.py"
 MAX_OPS = 400
+MAX_KERNEL_OPS = {"flat": 120, "hierarchical": 230}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,8 @@ def test_ops_do_not_grow_with_experts_or_tokens(count_ops, gate):
     for k in (1, 2):   # up to 16 experts the gate's two products are one (a few operations more): no growth
         ops = [c["ops"] for (e, n, kk), c in counts.items() if kk == k]
         assert max(ops) - min(ops) <= 6, (gate, k, ops)
-    assert max(c["kernel_ops"] for c in counts.values()) <= MAX_OPS   # what launches work on a GPU
+    # what launches work on a GPU: 115 (flat) and 223 (hierarchical) kernels per layer step when last measured
+    assert max(c["kernel_ops"] for c in counts.values()) <= MAX_KERNEL_OPS[gate]
     if gate == "flat":   # the hierarchical gate runs two gates: about 160 operations more, ~120 of them kernels
         assert max(c["ops"] for c in counts.values()) <= MAX_OPS
 
