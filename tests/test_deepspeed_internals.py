@@ -158,3 +158,27 @@ def test_zero_norm_and_clipping_on_the_device_give_deepspeeds_numbers():
         assert (reads, deepspeeds_reads) == (0, 1), total
     below, above = clipped[0][1], clipped[1][1]   # a norm of 0.5 is left alone; one of 50 scaled to 1 (clip 1.0)
     torch.testing.assert_close(above, below / (50 + 1e-6), rtol=1e-6, atol=0)
+
+
+def test_the_clipping_factor_is_made_once_per_norm_and_again_when_the_norm_changes():
+    """DeepSpeed calls unscale_and_clip_grads once per parameter group with the same norm tensor: the factor is
+    computed at the first call and reused; a norm changed in place (or another tensor) gets a new one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moe_scale.deepspeed_internals import _unscale_and_clip_grads
+
+    optimizer = SimpleNamespace(clip_grad=1.0, loss_scale=1.0, device="cpu")
+    norm = torch.tensor(4.0)
+    first, second = [torch.ones(3)], [torch.full((2,), 2.0)]
+    _unscale_and_clip_grads(optimizer, [first], norm)
+    factor = optimizer.moe_scale_inverse_scale[1]
+    _unscale_and_clip_grads(optimizer, [second], norm)
+    assert optimizer.moe_scale_inverse_scale[1] is factor
+    torch.testing.assert_close(first[0], torch.full((3,), 1 / (4.0 + 1e-6)))
+    torch.testing.assert_close(second[0], torch.full((2,), 2 / (4.0 + 1e-6)))
+    norm.fill_(0.5)   # in place: below the limit, nothing clipped
+    third = [torch.ones(2)]
+    _unscale_and_clip_grads(optimizer, [third], norm)
+    assert optimizer.moe_scale_inverse_scale[1] is not factor and torch.equal(third[0], torch.ones(2))

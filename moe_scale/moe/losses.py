@@ -24,41 +24,41 @@ def cv_squared(v: torch.Tensor) -> torch.Tensor:
 
 
 class _BalanceLoss(torch.autograd.Function):
-    """sum_r w_r cv_squared(v_r) over the rows of v [R, E], with its gradient written out: on a GPU every
-    operation is a kernel launch, and autograd through cv_squared takes about 20 for two rows, this about 8.
+    """sum_r w_r cv_squared(stats[r]) over the rows of stats [rows, experts], with its gradient written out: on a
+    GPU every operation is a kernel launch, and autograd through cv_squared takes about 20 for two rows, this 8.
     The mean divides by E, not E + 1e-10 (equal in float32; 1e-10 / E apart in float64)."""
 
     @staticmethod
-    def forward(ctx, v_RE: torch.Tensor, weights: tuple[float, ...]) -> torch.Tensor:
-        var_R, mean_R = torch.var_mean(v_RE, dim=-1, correction=0)
-        denom_R = mean_R.square().add_(_EPS)
-        cv2_R = var_R / denom_R
+    def forward(ctx, stats: torch.Tensor, weights: tuple[float, ...]) -> torch.Tensor:
+        var, mean = torch.var_mean(stats, dim=-1, correction=0)
+        denom = mean.square().add_(_EPS)
+        cv2 = var / denom
         ctx.weights = weights
-        ctx.save_for_backward(v_RE, var_R, mean_R, denom_R)
-        loss = cv2_R[0] * weights[0]
+        ctx.save_for_backward(stats, var, mean, denom)
+        loss = cv2[0] * weights[0]
         for r in range(1, len(weights)):
-            loss = torch.add(loss, cv2_R[r], alpha=weights[r])
+            loss = torch.add(loss, cv2[r], alpha=weights[r])
         return loss
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # d cv2 / d v_i = 2 / (E denom) * ((v_i - mean) - var mean / denom)
-        v_RE, var_R, mean_R, denom_R = ctx.saved_tensors
-        shift_R1 = (var_R * mean_R / denom_R)[:, None]
-        grad_RE = (v_RE - mean_R[:, None]).sub_(shift_R1).mul_((grad * (2.0 / v_RE.shape[-1]) / denom_R)[:, None])
+        stats, var, mean, denom = ctx.saved_tensors
+        shift = (var * mean / denom)[:, None]
+        grad_stats = (stats - mean[:, None]).sub_(shift).mul_((grad * (2.0 / stats.shape[-1]) / denom)[:, None])
         weights = ctx.weights
         if len(set(weights)) == 1:
-            grad_RE.mul_(weights[0])
+            grad_stats.mul_(weights[0])
         else:
             for r, w in enumerate(weights):
-                grad_RE[r].mul_(w)
-        return grad_RE, None
+                grad_stats[r].mul_(w)
+        return grad_stats, None
 
 
-def balance_loss(v_RE: torch.Tensor, weights: tuple[float, ...]) -> torch.Tensor:
-    """sum over rows r of weights[r] * cv_squared(v_RE[r]): a gate's balancing loss from its stacked statistics
+def balance_loss(stats: torch.Tensor, weights: tuple[float, ...]) -> torch.Tensor:
+    """sum over rows r of weights[r] * cv_squared(stats[r]): a gate's balancing loss from its stacked statistics
     (e.g. importance and load, eq. 6-7 and 11), in float32 at least."""
-    if v_RE.dim() != 2 or v_RE.shape[0] != len(weights):
-        raise ValueError(f"balance_loss: {len(weights)} weights for statistics of shape {tuple(v_RE.shape)}")
-    v_RE = v_RE.float() if v_RE.dtype in (torch.float16, torch.bfloat16) else v_RE
-    return _BalanceLoss.apply(v_RE, tuple(float(w) for w in weights))
+    if stats.dim() != 2 or stats.shape[0] != len(weights):
+        raise ValueError(f"balance_loss: {len(weights)} weights for statistics of shape {tuple(stats.shape)}")
+    stats = stats.float() if stats.dtype in (torch.float16, torch.bfloat16) else stats
+    return _BalanceLoss.apply(stats, tuple(float(w) for w in weights))

@@ -33,3 +33,36 @@ def test_all_heads_pruned_leaves_the_output_bias():
     layer.prune_heads({0, 1, 2})
     x = torch.randn(B, T, D)
     torch.testing.assert_close(layer(x), layer.out_proj.bias.expand(B, T, D))
+
+
+def test_an_untouched_mask_is_skipped_with_the_same_numbers():
+    """Until someone takes head_mask_H the forward skips multiplying by the all-ones mask (a kernel forward and
+    one backward, and the mask's cast in bf16): the same output and gradients as with the mask applied;
+    reset_unsaved_buffers skips it again."""
+    from moe_scale.metrics.op_count import OpCounter
+
+    torch.manual_seed(1)
+    layer = MultiHeadAttention(D, H, d)
+    x = torch.randn(B, T, D, requires_grad=True)
+    with OpCounter() as skipped:
+        out = layer(x)
+    grads = torch.autograd.grad(out.square().sum(), (x, layer.q_proj.weight))
+    assert layer.head_mask_H.sum() == H and layer.mask_touched   # taken: applied from now on
+    with OpCounter() as applied:
+        out_masked = layer(x)
+    grads_masked = torch.autograd.grad(out_masked.square().sum(), (x, layer.q_proj.weight))
+    assert applied.kernel_ops == skipped.kernel_ops + 1   # the multiplication (bf16: the mask's cast too)
+    torch.testing.assert_close(out, out_masked, rtol=0, atol=0)
+    for g, w in zip(grads, grads_masked):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    layer.reset_unsaved_buffers()
+    assert not layer.mask_touched
+
+
+def test_queries_keys_and_values_come_from_one_product_of_the_three_projections():
+    torch.manual_seed(2)
+    layer = MultiHeadAttention(D, H, d)
+    x = torch.randn(B, T, D)
+    q, k, v = layer._queries_keys_values(x)
+    for got, proj in zip((q, k, v), (layer.q_proj, layer.k_proj, layer.v_proj)):
+        torch.testing.assert_close(got, proj(x).view(B, T, H, d).transpose(1, 2), rtol=1e-6, atol=1e-6)

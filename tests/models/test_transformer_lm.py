@@ -73,3 +73,17 @@ def test_mae_bcd_train_and_prune_heads_through_the_cli(tmp_path, embedded_cache)
     assert all(r["speedup"] > 0 for r in report["steps"])
     assert (run / "pruning" / "pruning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "heads left" in proc.stdout
+
+
+def test_positions_are_made_once_and_sliced_as_the_table_of_each_length():
+    from moe_scale.models.transformer_lm import sinusoidal_positions
+
+    config = RunConfig.from_settings(model="transformer", d_model=16, num_heads=4, num_layers=1, dropout=0.0)
+    model = TransformerLM(config, V)
+    like = torch.zeros(1)
+    long = model.positions(12, like)
+    assert torch.equal(model.positions(5, like), sinusoidal_positions(5, 16)) and model.positions(5, like) \
+        .data_ptr() == long.data_ptr()   # a slice of the table already made
+    assert torch.equal(model.positions(20, like), sinusoidal_positions(20, 16))   # longer: made again
+    half = model.positions(7, like.to(torch.bfloat16))
+    assert half.dtype == torch.bfloat16 and torch.equal(half, sinusoidal_positions(7, 16).to(torch.bfloat16))

@@ -198,3 +198,16 @@ def test_float32_noise_gradient_holds_float64_precision_at_the_noise_floor(path,
     got, want = grad_z(1.0, 1.0)
     assert want.ne(0).float().mean() > 0.5    # the load reaches most entries
     assert (got - want).norm() / want.norm() < 1e-5
+
+
+def test_zero_eps_where_the_std_underflows_gives_a_step_not_nan():
+    """eps = 0 and softplus(z) = 0 (z = -200 in float32): std is 0, and the standardisation divides by 1e-20
+    instead (the load is then a step: 0, 1/2 or 1 per entry); values and gradients stay finite."""
+    gen = torch.Generator().manual_seed(3)
+    clean = torch.randn(16, 6, generator=gen).requires_grad_(True)
+    z = torch.full((16, 6), -200.0, requires_grad=True)
+    noise = torch.randn(16, 6, generator=gen)
+    top, _, load = noisy_top_k(clean, z, noise, 0.0, 2, True)
+    assert torch.isfinite(load).all() and torch.equal(load * 2, (load * 2).round())   # sums of 0, 1/2 and 1
+    grads = torch.autograd.grad(top.sum() + load.sum(), (clean, z))
+    assert all(torch.isfinite(g).all() for g in grads)
