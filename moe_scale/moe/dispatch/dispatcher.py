@@ -58,6 +58,9 @@ from moe_scale.moe.dispatch.exchange import (CommTimer, FlatExchange, Hierarchic
 from moe_scale.moe.kernel_policy import count_per_bin
 
 MODES = choices(DispatchConfig, "mode")
+# Up to this many ranks the arrived pairs' row offsets are added per source rank, from host ints (P - 1 launches);
+# beyond, in five launches whatever P (the 4-rank tests take that path).
+_HOST_OFFSET_RANKS = 3
 
 
 @dataclass
@@ -193,12 +196,18 @@ class AllToAllDispatcher:
         # Arrived rows are grouped by source rank; a pair's row number within its source's message becomes its
         # row among all arrived rows by adding the rows from lower sources (host ints), before the pairs regroup.
         row_in_message_M = self.exchange.move(row_in_message_C[:kept, None], pair_route, regroup=False)[:, 0]
-        pair_start = row_start = 0
-        for pairs_from, rows_from in zip(pair_route.recv_counts, row_route.recv_counts):
-            pairs_from = sum(pairs_from)
-            if pairs_from and row_start:
-                row_in_message_M[pair_start:pair_start + pairs_from].add_(row_start)
-            pair_start, row_start = pair_start + pairs_from, row_start + rows_from[0]
+        if P <= _HOST_OFFSET_RANKS:   # an add per source rank after the first, its offset a host int
+            pair_start = row_start = 0
+            for pairs_from, rows_from in zip(pair_route.recv_counts, row_route.recv_counts):
+                pairs_from = sum(pairs_from)
+                if pairs_from and row_start:
+                    row_in_message_M[pair_start:pair_start + pairs_from].add_(row_start)
+                pair_start, row_start = pair_start + pairs_from, row_start + rows_from[0]
+        else:   # the same five launches for any number of ranks
+            rows_from_P = row_route.recv_counts_PX[:, 0]
+            row_in_message_M.add_(torch.repeat_interleave(rows_from_P.cumsum(0) - rows_from_P,
+                                                          pair_route.recv_counts_PX.sum(1),
+                                                          output_size=row_in_message_M.shape[0]))
         arrived_row_M = self.exchange.regroup(row_in_message_M, pair_route)
         per_expert = [sum(column) for column in zip(*pair_route.recv_counts)]
         state = DispatchState(sort_order_S, unique_token_U, row_route, pair_route, arrived_row_M,
