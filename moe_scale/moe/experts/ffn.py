@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from moe_scale.moe.cpu_backend import kernels as cpu_kernels
-from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gated_rows, pair_coefficients, per_expert_outer,
-                                                row_dot, rows_times_expert)
+from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gate_gradient, gated_rows, pair_coefficients,
+                                                per_expert_outer, row_dot, rows_times_expert)
 from moe_scale.moe.experts.swiglu import swiglu_expert_ffn
 
 
@@ -139,7 +139,7 @@ class _ExpertFFN(torch.autograd.Function):
         grad_hidden_MF, dot_M, grad_y_MD = _hidden_gradient(grad_out, row_of_pair_M, w_out, hidden_MF, coef_M,
                                                             layout, need_gate, keep_grad_y=need_w_out)
         if need_gate:   # dL/dg_m = scale * <G_m @ w_out[e].T, hidden_m> (see the class docstring)
-            grad_gate = (dot_M if scale == 1.0 else dot_M.mul_(scale)).to(ctx.gate_dtype)
+            grad_gate = gate_gradient(dot_M, scale, ctx.gate_dtype)
         del dot_M
         if need_w_out:   # a gathered copy is ours to scale in place; the incoming gradient is not
             grad_y_MD = _per_pair(grad_out, row_of_pair_M) if grad_y_MD is None else grad_y_MD

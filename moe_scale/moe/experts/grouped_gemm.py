@@ -240,6 +240,11 @@ def pair_coefficients(gate_M: torch.Tensor | None, scale: float, like_MD: torch.
     return coef_M * scale if coef_M is gate_M else coef_M.mul_(scale)
 
 
+def gate_gradient(dot_M: torch.Tensor, scale: float, gate_dtype: torch.dtype) -> torch.Tensor:
+    """dL/dg_m = scale * dot_m (dot_m = <G_m, the pair's unscaled output>, in place) in the gates' dtype."""
+    return (dot_M if scale == 1.0 else dot_M.mul_(scale)).to(gate_dtype)
+
+
 def gated_rows(y_MD: torch.Tensor, coef_M: torch.Tensor, row_of_pair_M: torch.Tensor | None,
                num_rows: int) -> torch.Tensor:
     """An expert FFN's last step: each pair's output times its coefficient (pair_coefficients; in place), then,

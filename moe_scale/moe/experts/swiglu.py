@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gated_rows, pair_coefficients, per_expert_outer,
-                                                row_dot, rows_times_expert)
+from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gate_gradient, gated_rows, pair_coefficients,
+                                                per_expert_outer, row_dot, rows_times_expert)
 
 
 def _hidden(gate_up_M2F: torch.Tensor) -> torch.Tensor:
@@ -61,8 +61,7 @@ class _SwiGLUExpertFFN(torch.autograd.Function):
         grad_hidden_MF = rows_times_expert(grad_out, w_out.transpose(1, 2), layout, row_of_pair_M)
         grad_gate = grad_rows = grad_w_in = grad_w_out = None
         if need_gate:
-            dot_M = row_dot(grad_hidden_MF, hidden_MF)
-            grad_gate = (dot_M if scale == 1.0 else dot_M.mul_(scale)).to(ctx.gate_dtype)
+            grad_gate = gate_gradient(row_dot(grad_hidden_MF, hidden_MF), scale, ctx.gate_dtype)
         grad_hidden_MF.mul_(coef_M[:, None])
         if need_w_out:   # sum over pairs of (coef_m hidden_m)ᵀ G_m: the hidden side is scaled, G is read in place
             grad_w_out = per_expert_outer(hidden_MF.mul_(coef_M[:, None]), grad_out, layout,

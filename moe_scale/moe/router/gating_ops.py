@@ -76,7 +76,7 @@ def _forward(clean_NE: Tensor, z_NE: Tensor, noise_NE: Tensor, eps: float, k: in
     load = None
     for clean, noisy, std, top_values, row_group in _blocks(clean_NE, noisy_NE, std_NE, top_values_NK1, row_group_N):
         # P(x, i) = Phi(u) = (1 + erf(u / sqrt 2)) / 2, u = (clean - threshold) / std (eq. 9)
-        u = _standardised(clean, noisy, std, top_values, k, eps, negated=False)[0]
+        u = _standardised(clean, noisy, _divisor(std, eps), top_values, k, negated=False)[0]
         p = u.mul_(_INV_SQRT_2).erf_().add_(1.0).mul_(0.5)
         if row_group_N is None:
             part = p.sum(0)
@@ -110,11 +110,12 @@ def _backward_rows(clean, noise, softplus, top_values, top_idx, grad_top, row_gr
         grad_clean, minus_grad_std = grad_noisy, torch.mul(grad_noisy, noise).neg_()
     else:
         std = softplus + eps
-        v, is_in = _standardised(clean, torch.addcmul(clean, noise, std), std, top_values, k, eps, negated=True)
+        divisor = _divisor(std, eps)
+        v, is_in = _standardised(clean, torch.addcmul(clean, noise, std), divisor, top_values, k, negated=True)
         # each row's share of the load gradient (the [E] vector, or its group's row of [G, E]), times -1/sqrt(2 pi)
         scale = grad_load * -_INV_SQRT_2PI if row_group is None else \
             grad_load.index_select(0, row_group).mul_(-_INV_SQRT_2PI)
-        down = _gaussian(v).mul_(scale).div_(_divisor(std, eps))
+        down = _gaussian(v).mul_(scale).div_(divisor)
         # The thresholds are noisy top values: the (K+1)-th for experts in the top K, else the K-th.
         down_in, down_all = (down * is_in).sum(1), down.sum(1)
         grad_noisy.scatter_add_(1, top_idx[:, k - 1:k + 1], torch.stack([down_all - down_in, down_in], 1))
@@ -162,14 +163,15 @@ def _divisor(std: Tensor, eps: float) -> Tensor:
     return std if eps >= _EPS_WITHOUT_GUARD else std + 1e-20
 
 
-def _standardised(clean, noisy, std, top_values_NK1, k, eps: float, negated: bool) -> tuple[Tensor, Tensor]:
-    """((clean - threshold) / std, or its negative, and is_in): the threshold is the noisy (K+1)-th value for an
-    expert in the noisy top k, the K-th for one outside it (routers.prob_in_top_k explains why)."""
+def _standardised(clean, noisy, divisor, top_values_NK1, k, negated: bool) -> tuple[Tensor, Tensor]:
+    """((clean - threshold) / std, or its negative, and is_in; `divisor` is the std as _divisor guards it. The
+    threshold is the noisy (K+1)-th value for an expert in the noisy top k, the K-th for one outside it
+    (routers.prob_in_top_k explains why)."""
     thr_in, thr_out = top_values_NK1[:, k:k + 1], top_values_NK1[:, k - 1:k]
     is_in = noisy > thr_in
     thr = torch.where(is_in, thr_in, thr_out)
     diff = torch.sub(thr, clean) if negated else torch.sub(clean, thr)
-    return diff.div_(_divisor(std, eps)), is_in
+    return diff.div_(divisor), is_in
 
 
 def _blocks(*tensors: Tensor | None):
