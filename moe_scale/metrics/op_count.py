@@ -21,6 +21,7 @@ Host-blocking on CUDA (the list tools/count_ops.py documents):
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
@@ -66,6 +67,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops, self.kernel_ops, self.by_name, self.syncs = 0, 0, Counter(), Counter()
         self._patched: dict[str, object] = {}
+        self._paused = False
 
     @property
     def host_syncs(self) -> int:
@@ -73,6 +75,8 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
         name = func.overloadpacket.__name__
         self.ops += 1
         self.kernel_ops += not (func.is_view or name in _METADATA_ONLY)
@@ -80,6 +84,22 @@ class OpCounter(TorchDispatchMode):
         if blocks_host(name, func._overloadname, args, kwargs):
             self.host_sync(name)
         return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Operations run within this block are not counted (a fused kernel's stand-in counts itself instead:
+        count_kernel)."""
+        outer, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = outer
+
+    def count_kernel(self, name: str) -> None:
+        """One kernel launch of a device's own that this CPU runs as other operations (metrics/cudnn_lstm.py)."""
+        self.ops += 1
+        self.kernel_ops += 1
+        self.by_name[name] += 1
 
     def host_sync(self, name: str) -> None:
         """One operation that makes the host wait for the device (subclasses also note where it came from)."""

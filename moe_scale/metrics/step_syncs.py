@@ -5,6 +5,7 @@ The step runs on CPU through `moe-scale train` itself (moe_scale.cli.main: the l
 ZeRO optimizer), with CUDA's decisions forced on:
 
     moe_scale   kernel_policy.gpu_decisions(): the GPU's kernels (no native CPU kernels, whole-tensor gates)
+    torch       an LSTM counted as cuDNN's one kernel each way (metrics/cudnn_lstm.py), not as this CPU's path
     DeepSpeed   its accelerator replaced by `SimulatedCuda`: CPU tensors on an asynchronous device with streams and
                 events (is_synchronized_device() is False, as CUDA's), so ZeRO takes its CUDA paths (overlap_comm's
                 reduction stream and the synchronisations that guard it)
@@ -44,6 +45,7 @@ from unittest import mock
 
 import torch
 
+from moe_scale.metrics.cudnn_lstm import one_kernel_lstm
 from moe_scale.metrics.op_count import OpCounter
 
 PHASES = ("forward", "backward", "clip", "optimizer", "loop")
@@ -103,6 +105,11 @@ class StepCounter(OpCounter):
             self.kernel_ops_by_phase[self.phase] += 1
             self.kernel_names[(self.phase, func.overloadpacket.__name__)] += 1
         return out
+
+    def count_kernel(self, name: str) -> None:
+        super().count_kernel(name)
+        self.kernel_ops_by_phase[self.phase] += 1
+        self.kernel_names[(self.phase, name)] += 1
 
     def host_sync(self, name: str) -> None:
         super().host_sync(name)
@@ -340,6 +347,7 @@ def counting_step(counted_step: int, results: list[dict]):
             state["counter"] = StepCounter()
             state["stack"] = contextlib.ExitStack()
             state["stack"].enter_context(state["counter"])
+            state["stack"].enter_context(one_kernel_lstm(state["counter"]))
             state["stack"].enter_context(mock.patch.object(torch.cuda, "synchronize",
                                                            lambda *a, **k: _note_read("torch.cuda.synchronize")))
             _active.append(state["counter"])

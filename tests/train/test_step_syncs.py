@@ -38,11 +38,12 @@ def where(report: dict) -> list[str]:
     return [f"{r['count']} x {r['kind']} at {r['site']}" for r in report["reads"]]
 
 
-@pytest.mark.parametrize("model, config, most_ops", [(TRANSFORMER, GPU_CONFIGS[0], 460), (LSTM, GPU_CONFIGS[1], 275)],
+@pytest.mark.parametrize("model, config, most_ops", [(TRANSFORMER, GPU_CONFIGS[0], 460), (LSTM, GPU_CONFIGS[1], 265)],
                          ids=["transformer-zero2", "lstm-zero1"])
 def test_one_rank_step_reads_nothing(tmp_path, embedded_cache, model, config, most_ops):
     """... and launches no more kernels than it did when the 8-layer step came to 1,485 (docs/gpu.md): 455 for
-    these 2 layers, 272 for the LSTM-MoE (a little room for DeepSpeed's own), so they cannot creep back either."""
+    these 2 layers, 260 for the LSTM-MoE with its LSTMs counted as cuDNN's kernels, not this CPU's (a little room
+    for DeepSpeed's own), so they cannot creep back either."""
     (report,) = count(tmp_path, [*model, *WIDTH, "--ds-config", str(config)], embedded_cache)
     assert report["host_reads"] == 0 and report["all_to_all_count_reads"] == 0, where(report)
     assert report["reads"] == [] and report["host_side_reads"] == []
