@@ -13,6 +13,8 @@ import pytest
 from tests.paths import TOOLS
 from tests.wikitext import wikitext_sentences, wikitext_text
 
+pytest_plugins = ["tests.parallel", "tests.timing_report"]
+
 
 @pytest.fixture
 def wikitext_dir(tmp_path) -> Path:

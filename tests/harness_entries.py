@@ -24,3 +24,18 @@ def sleep_forever(argv: list[str]) -> int:
 
 def raise_error(argv: list[str]) -> int:
     raise RuntimeError("boom")
+
+
+
+def report_missing_warm_modules(argv: list[str]) -> int:
+    """Print what this child lacks of tests/warm_imports.py's preload (nothing if the server's preload went
+    through), without importing anything first."""
+    held = set(sys.modules)
+    import importlib.util
+
+    from tests import warm_imports
+
+    wanted = ["tests.warm_imports", "moe_scale.train.loop",
+              *(name for name in warm_imports.LAZY if importlib.util.find_spec(name.split(".")[0]) is not None)]
+    print(" ".join(name for name in wanted if name not in held))
+    return 0

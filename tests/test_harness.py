@@ -41,3 +41,12 @@ def test_ranks_stop_together_once_one_fails(tmp_path):
              forked.start(harness_entries.report_and_exit, ["2"], cwd=tmp_path, env=dict(os.environ))]
     forked.wait_all(ranks, timeout=60)
     assert [r.returncode for r in ranks] == [-signal.SIGKILL, 2]
+
+
+
+def test_a_child_starts_with_every_warm_import(tmp_path):
+    """The forkserver's preload (tests/warm_imports.py) went through: its ImportError would leave a half-warm server
+    and every command about 4 s slower, silently."""
+    child = forked.start(harness_entries.report_missing_warm_modules, [], cwd=tmp_path, env=dict(os.environ))
+    assert child.wait(timeout=60) == 0, child.stderr
+    assert child.stdout.strip() == "", f"not preloaded: {child.stdout}"

@@ -26,6 +26,7 @@ from datasets import Dataset
 
 from moe_scale.data.text import sentence_texts
 from moe_scale.data.vocab import Vocab
+from moe_scale.data.word_split import OTHER_SPACE, encode_single_spaced
 from moe_scale.errors import UserError
 
 
@@ -38,15 +39,30 @@ def _encode_row(texts: list[str], vocab: Vocab) -> np.ndarray:
     return np.asarray(out, dtype=np.int32)
 
 
+def _encode_rows(sentences: Dataset, bounds: np.ndarray, vocab) -> tuple[list[np.ndarray], int]:
+    """(rows, words): row i holds sentences [bounds[i], bounds[i+1]) as <S> w1 .. wn </S> int32 tokens; words counts
+    every sentence's words and its </S>. The word vocabulary's single-spaced text is encoded by Arrow in one pass."""
+    lo, hi = int(bounds[0]), int(bounds[-1])
+    if isinstance(vocab, Vocab) and hi > lo:
+        text = sentences.select(range(lo, hi)).with_format("arrow")[:].column("text")
+        encoded = encode_single_spaced(text, vocab.words, Vocab.BOS_ID, Vocab.EOS_ID, Vocab.UNK_ID)
+        if encoded is not None:
+            tokens, ends, lengths = encoded
+            ends = np.concatenate([[0], ends])
+            rows = [tokens[ends[a - lo]: ends[b - lo]] for a, b in zip(bounds[:-1], bounds[1:])]
+            return rows, int(lengths.sum()) + (hi - lo)
+    rows, words = [], 0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        texts = sentence_texts(sentences.select(range(int(start), int(end)))) if end > start else []
+        rows.append(_encode_row(texts, vocab))
+        words += sum(len(t.split()) + 1 for t in texts)   # each </S> counts as a word
+    return rows, words
+
+
 def _tokens_per_word(rows: list[np.ndarray], words: int) -> float:
     sentences = sum(int((r == Vocab.BOS_ID).sum()) for r in rows)
     tokens = sum(len(r) for r in rows) - sentences
     return tokens / words if words else 1.0
-
-
-# Whitespace other than " " that str.split() (the word vocabulary's) splits on; RE2's \s lacks \v and Unicode's.
-_OTHER_SPACE = (r"[\t\n\x{0b}\f\r\x{1c}-\x{1f}\x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}"
-                r"\x{205f}\x{3000}]")
 
 
 def row_bounds(sentences: Dataset, rows: int, batch_size: int = 1 << 16) -> np.ndarray:
@@ -62,8 +78,8 @@ def row_bounds(sentences: Dataset, rows: int, batch_size: int = 1 << 16) -> np.n
     gaps = []
     for piece in sentences.with_format("arrow").iter(batch_size=batch_size):
         text = piece.column("text")
-        if pc.any(pc.match_substring_regex(text, f"  |{_OTHER_SPACE}")).as_py():
-            counts = pc.count_substring_regex(text, f"(?:{_OTHER_SPACE}| )+")
+        if pc.any(pc.match_substring_regex(text, f"  |{OTHER_SPACE}")).as_py():
+            counts = pc.count_substring_regex(text, f"(?:{OTHER_SPACE}| )+")
         else:
             counts = pc.count_substring(text, " ")
         gaps.append(counts.to_numpy(zero_copy_only=False))
@@ -96,13 +112,7 @@ class LMWindows:
         self.rows_per_rank = global_rows // world_size
         first = rank * self.rows_per_rank
         bounds = row_bounds(sentences, global_rows)
-        self.rows: list[np.ndarray] = []  # B rows of int32 tokens
-        words = 0
-        for i in range(first, first + self.rows_per_rank):
-            start, end = int(bounds[i]), int(bounds[i + 1])
-            texts = sentence_texts(sentences.select(range(start, end))) if end > start else []
-            self.rows.append(_encode_row(texts, vocab))
-            words += sum(len(t.split()) + 1 for t in texts)   # each </S> counts as a word
+        self.rows, words = _encode_rows(sentences, bounds[first: first + self.rows_per_rank + 1], vocab)
         # tokens per word of this rank's text (</S> both a token and a word; <S> neither): 1 for the word
         # vocabulary; the training perplexity per word is exp(loss per token x this)
         self.tokens_per_word = _tokens_per_word(self.rows, words)

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 from moe_scale.errors import UserError
 from moe_scale.files import write_text_atomic
+
+
+@dataclass(frozen=True)
+class WordCounts:
+    """A text's word occurrences (words as str.split() cuts them, the vocabulary's tokens) and its sentences."""
+    words: Counter
+    sentences: int
+
+    @classmethod
+    def of(cls, sentences: Iterable[str]) -> "WordCounts":
+        texts = sentences if isinstance(sentences, list) else list(sentences)
+        return cls(Counter(itertools.chain.from_iterable(map(str.split, texts))), len(texts))
 
 
 class Vocab:
@@ -31,15 +45,11 @@ class Vocab:
     @classmethod
     def build(cls, sentences: Iterable[str], max_size: int | None = None, min_count: int = 1) -> "Vocab":
         """Words with count >= min_count, most frequent first (ties alphabetical); max_size counts the specials."""
-        if max_size is not None and max_size < 4:
-            raise UserError(f"vocabulary size {max_size} is too small; use a vocabulary size of at least 4 "
-                            "(3 special tokens + 1 word)")
-        counts: Counter = Counter()
-        num_sentences = 0
-        for s in sentences:
-            counts.update(s.split())
-            num_sentences += 1
-        return cls.from_counts(counts, num_sentences, max_size, min_count)
+        return cls.from_word_counts(WordCounts.of(sentences), max_size, min_count)
+
+    @classmethod
+    def from_word_counts(cls, text: WordCounts, max_size: int | None = None, min_count: int = 1) -> "Vocab":
+        return cls.from_counts(text.words, text.sentences, max_size, min_count)
 
     @classmethod
     def from_counts(cls, counts: Counter, num_sentences: int, max_size: int | None = None,
@@ -125,24 +135,32 @@ def counts_path(vocab_path: Path) -> Path:
     return Path(vocab_path).with_name(Path(vocab_path).name + ".counts")
 
 
-def unigram_perplexity(train_sentences: Iterable[str] | None, eval_sentences: Iterable[str], vocab: Vocab) -> float:
+def unigram_perplexity(train: Iterable[str] | WordCounts | None, eval_sentences: Iterable[str], vocab) -> float:
     """Per-word perplexity of an add-one smoothed unigram model over `vocab`'s tokens (one </S> per sentence,
-    OOV -> <UNK>): exp(total NLL / (words + sentences)); train_sentences None: from the vocabulary's own
-    training counts (the same numbers)."""
-    if train_sentences is None:
+    OOV -> <UNK>): exp(total NLL / (words + sentences)). `train`: the training sentences, or (for the word
+    vocabulary) their WordCounts already made; None: from the vocabulary's own training counts (the same numbers)."""
+    if train is None:
         if vocab.counts is None:
             raise ValueError("unigram_perplexity without training sentences needs vocabulary counts")
         counts = [c + 1 for c in vocab.counts]
+    elif isinstance(vocab, Vocab):   # a token per word: count each distinct word once, not each occurrence
+        text = train if isinstance(train, WordCounts) else WordCounts.of(train)
+        counts = [1] * len(vocab)
+        for word, count in text.words.items():
+            counts[vocab.id(word)] += count
+        counts[Vocab.EOS_ID] += text.sentences
     else:
         counts = [1] * len(vocab)
-        for s in train_sentences:
+        for s in train:
             for i in vocab.encode(s):
                 counts[i] += 1
             counts[Vocab.EOS_ID] += 1
     log_total = math.log(sum(counts))
+    cost = [log_total - math.log(c) for c in counts]   # each token's NLL, added in text order below
     nll, n = 0.0, 0
     for s in eval_sentences:
-        for i in vocab.encode(s) + [Vocab.EOS_ID]:
-            nll += log_total - math.log(counts[i])
+        for i in vocab.encode(s):
+            nll += cost[i]
+        nll += cost[Vocab.EOS_ID]
         n += len(s.split()) + 1
     return math.exp(nll / n)

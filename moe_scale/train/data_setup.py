@@ -18,7 +18,7 @@ from moe_scale.data.shards import LineReader, plan_pieces
 from moe_scale.data.source import TrainingSource
 from moe_scale.data.stream import StreamBatches
 from moe_scale.data.subwords import SubwordTokenizer, load_run_tokenizer
-from moe_scale.data.vocab import unigram_perplexity
+from moe_scale.data.vocab import WordCounts, unigram_perplexity
 from moe_scale.data.vocab_cache import cached_stream_vocab
 from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv
@@ -32,10 +32,12 @@ class LMData:
     valid: EvalWindows
     valid_sentences: object
     train_sentences: object          # None when streaming
+    train_words: WordCounts | None = None   # the training text's, where the word vocabulary was built from it
 
     def unigram_valid_ppl(self) -> float:
         """Add-one unigram perplexity on the validation text (from the vocabulary's counts when streaming)."""
-        train = sentence_texts(self.train_sentences) if self.train_sentences is not None else None
+        train = self.train_words or (sentence_texts(self.train_sentences) if self.train_sentences is not None
+                                     else None)
         if train is None and self.vocab.counts is None:   # streamed text, subword tokenizer: no counts kept
             return None
         return unigram_perplexity(train, sentence_texts(self.valid_sentences), self.vocab)
@@ -95,15 +97,17 @@ def build_lm_data(config: DataConfig, env: DistEnv, global_rows: int, saved_run:
     train, valid, _ = load_run_splits(config)
     if vocab is not None and saved_run is None:
         vocab.check_user_file(config.tokenizer, sentence_texts(train.select(range(min(len(train), _SAMPLE)))))
+    train_words = None
     if vocab is None and config.tokenizer == "bpe":
         vocab = trained_bpe(lambda: sentence_texts(train), config)
     elif vocab is None:
-        vocab = Vocab.build(sentence_texts(train), max_size=config.vocab_size, min_count=config.min_count)
+        train_words = WordCounts.of(sentence_texts(train))
+        vocab = Vocab.from_word_counts(train_words, max_size=config.vocab_size, min_count=config.min_count)
     windows = dict(seq_len=config.seq_len, global_rows=global_rows, rank=env.rank, world_size=env.world_size,
                    min_over_ranks=min_over_ranks)
     return LMData(vocab, LMWindows(train, vocab, what="the training data", **windows),
                   EvalWindows(sentence_texts(valid), vocab, config.seq_len, global_rows, env.rank, env.world_size,
-                              what="the validation data"), valid, train)
+                              what="the validation data"), valid, train, train_words)
 
 
 def stream_files(config: DataConfig) -> tuple[list[Path], object]:

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from moe_scale.data.vocab import Vocab, unigram_perplexity
+from moe_scale.data.vocab import Vocab, WordCounts, unigram_perplexity
 from moe_scale.errors import UserError
 
 SENTS = ["b a c a", "c a b", "d e", "a"]  # counts: a 4, b 2, c 2, d 1, e 1
@@ -75,3 +75,27 @@ def test_unigram_perplexity_by_hand():
     # add-one counts: UNK 1, S 1, /S 1+1, a 1+2, b 1+1 -> total 9
     ppl = unigram_perplexity(["a a b"], ["a zzz"], v)  # tokens a, UNK, </S>
     assert math.isclose(ppl, math.exp(-(math.log(3 / 9) + math.log(1 / 9) + math.log(2 / 9)) / 3))
+
+
+def _unigram_reference(train: list[str], eval_sentences: list[str], vocab: Vocab) -> float:
+    """The definition token by token: every training token counted, every evaluated token's NLL added in order."""
+    counts = [1] * len(vocab)
+    for s in train:
+        for i in vocab.encode(s) + [Vocab.EOS_ID]:
+            counts[i] += 1
+    total = sum(counts)
+    nll = sum(math.log(total) - math.log(counts[i]) for s in eval_sentences for i in vocab.encode(s) + [Vocab.EOS_ID])
+    return math.exp(nll / sum(len(s.split()) + 1 for s in eval_sentences))
+
+
+def test_unigram_perplexity_from_word_counts_is_the_token_by_token_definition_exactly():
+    """Each distinct word counted once (WordCounts) gives the per-token loop's number to the last bit: OOV words,
+    literal specials in the text (counted by their ids, though the vocabulary leaves them out of its counts), a
+    vocabulary cut short, tabs and repeated spaces."""
+    train = ["the cat sat", "<UNK> the\tdog </S>", "a  cat <S> zebra", "the end"] * 3
+    evaluated = ["the cat", "unknown words </S>", "<UNK> a"]
+    for vocab in (Vocab.build(train), Vocab.build(train, max_size=5), Vocab.build(train, min_count=4)):
+        expected = _unigram_reference(train, evaluated, vocab)
+        assert unigram_perplexity(train, evaluated, vocab) == expected
+        assert unigram_perplexity(WordCounts.of(train), evaluated, vocab) == expected
+        assert unigram_perplexity(iter(train), evaluated, vocab) == expected

@@ -50,13 +50,14 @@ def test_tiny_run(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--threads", "1"], "--threads must be at least 2"),
-    (["--experts", "4", "--k", "8"], "--k must not exceed --experts"),
-    (["--experts", "0"], "positive integer"),
-    (["--out", "/nonexistent-dir/overlap.jsonl"], "does not exist"),
-    (["--out", "/"], "is a directory"),
+    (["--threads", "2", "--experts", "4", "--k", "8"], "--k must not exceed --experts"),
+    (["--threads", "2", "--experts", "0"], "positive integer"),
+    (["--threads", "2", "--out", "/nonexistent-dir/overlap.jsonl"], "does not exist"),
+    (["--threads", "2", "--out", "/"], "is a directory"),
 ])
 def test_bad_flags_give_one_line(flags, message, load_tool, capsys):
-    """In-process (parse_args exits 2 before any work); the process itself below."""
+    """In-process (parse_args exits 2 before any work); the process itself below. `--threads 2`: the default is
+    this process's torch threads (1 on a test worker: tests/parallel.py)."""
     with pytest.raises(SystemExit) as exc:
         load_tool("bench_overlap").parse_args(flags)
     out, err = capsys.readouterr()
