@@ -5,10 +5,10 @@ width.
 
 DeepSpeed has no public API for these: building and finding its expert-parallel process groups, switching off
 the engine's stage-0 gradient all-reduce when ours does the same sums in place, reading ZeRO 1/2 and bf16
-optimizer partitions (portable checkpoints), the name of its CPU all-reduce's /dev/shm segment, its checkpoint
-file names, its Triton grouped GEMM, and two notices it prints in every process that tell a user nothing. An
-upgrade of DeepSpeed reads this file and runs tests/test_deepspeed_internals.py, which checks that the installed
-DeepSpeed still has every name in `PRIVATE_NAMES` and that no other module of moe_scale uses one.
+optimizer partitions (portable checkpoints), not building its CPU communication op, its checkpoint file names,
+its Triton grouped GEMM, and two notices it prints in every process that tell a user nothing. An upgrade of
+DeepSpeed reads this file and runs tests/test_deepspeed_internals.py, which checks that the installed DeepSpeed
+still has every name in `PRIVATE_NAMES` and that no other module of moe_scale uses one.
 
 Nothing here imports DeepSpeed at module level: DeepSpeed picks its accelerator when first imported, after
 distributed/launch.py has selected it.
@@ -16,12 +16,11 @@ distributed/launch.py has selected it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -52,9 +51,7 @@ PRIVATE_NAMES = {
     "hp_fragment_address": ("utils/tensor_fragment.py", "hp_fragment_address"),
     "_dp_group": ("utils/mixed_precision_linkage.py", "lp_param._dp_group = "),
     "mp_rank_00_model_states.pt": ("runtime/engine.py", '"mp_rank_" + mp_rank_str + "_model_states.pt"'),
-    "deepspeed_allreduce_buffer_": ("ops/csrc/cpu/comm/shm.cpp",
-                                    '#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"'),
-    "deepspeed_shm_comm": ("ops/op_builder/cpu/comm.py", "deepspeed_shm_comm"),
+    "ShareMemCommBuilder": ("comm/torch.py", 'builder = get_accelerator().create_op_builder("ShareMemCommBuilder")'),
     "group_gemm_triton": ("ops/triton_ops/group_gemm_triton.py", ""),
     "_group_gemm": ("ops/triton_ops/group_gemm_triton.py", "def _group_gemm("),
     "_grouped_dw": ("ops/triton_ops/group_gemm_triton.py", "def _grouped_dw("),
@@ -153,37 +150,43 @@ def partition_group(param: torch.nn.Parameter):
     return param._dp_group
 
 
-# ---------------------------------------------------------------- files and the CPU communication op
+# ---------------------------------------------------------------- files
 
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"   # a checkpoint's non-expert weights (one model-parallel rank)
 
 
-def shm_segment(rank: int) -> Path:
-    """The /dev/shm segment DeepSpeed's CPU all-reduce creates for `rank` (and never unlinks)."""
-    return Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-                               f"{os.environ.get('MASTER_PORT')}_{rank}")
+# ---------------------------------------------------------------- the CPU communication op, never built
 
+@contextlib.contextmanager
+def without_cpu_comm_op():
+    """Within this block, initialising DeepSpeed's communication on its CPU accelerator builds, loads and maps
+    nothing of its shared-memory all-reduce op.
 
-def cpu_comm_op_built() -> bool:
-    """Whether DeepSpeed's shared-memory CPU op is in torch's extension cache already (it builds on first use), or
-    is not built at all (an accelerator without it, e.g. metrics/step_syncs.py's simulated CUDA)."""
+    DeepSpeed 0.19.8's TorchBackend compiles that op the first time a machine initialises communication (about 30 s
+    and a minute of CPU time on 2 cores), loads it in every process, and maps a 66 MB /dev/shm segment per rank that it
+    never unlinks. Its only caller is `inference_all_reduce` (DeepSpeed's tensor-parallel inference), which uses
+    torch.distributed.all_reduce without it; moe_scale never calls it, and its gradient reductions, all-gathers and
+    all-to-alls are torch.distributed's (gloo) either way. The accelerator asked for the op's builder answers None,
+    as CUDA's does."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    offered = accelerator.create_op_builder
+
+    def create_op_builder(class_name: str):
+        return None if class_name == "ShareMemCommBuilder" else offered(class_name)
+
+    accelerator.create_op_builder = create_op_builder
     try:
-        from deepspeed.accelerator import get_accelerator
-        from torch.utils.cpp_extension import _get_build_directory
-
-        if get_accelerator().create_op_builder("ShareMemCommBuilder") is None:
-            return True
-
-        directory = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
-    except Exception:   # noqa: BLE001 - only decides whether to announce the build
-        return True
-    return any(directory.glob("deepspeed_shm_comm*.so"))
+        yield
+    finally:
+        del accelerator.create_op_builder   # the class's own method again
 
 
 # ---------------------------------------------------------------- notices (moe_scale/console.py drops them)
 
-# Printed on stdout by every process at every start, once the CPU communication op is loaded (built now or long
-# ago): no news. Its first build is announced by moe_scale instead (distributed/launch.py).
+# Printed on stdout by every process at every start where DeepSpeed loads an op (moe_scale's runs load none:
+# `without_cpu_comm_op`; a user's own DeepSpeed code may): no news.
 OP_LOADED_LINE = re.compile(r"DeepSpeed \S+ built successfully")
 
 # ZeRO 1/2 gather their partitions with torch.distributed.all_gather_into_tensor, which torch 2.13 deprecates: a

@@ -207,13 +207,14 @@ def _cmdlines():
 
 @pytest.fixture(autouse=True)
 def no_leaked_deepspeed_shm():
-    """DeepSpeed's CPU all-reduce never unlinks its 66 MB /dev/shm segment per rank: memory lost until reboot.
-    Every code path that initialises DeepSpeed on several ranks must call release_deepspeed_shm_name(); a test
-    whose processes leave a segment behind fails here (and its segments are removed)."""
+    """DeepSpeed's CPU communication op maps a 66 MB /dev/shm segment per rank and never unlinks it: memory lost
+    until reboot. moe_scale never builds the op (moe_scale.distributed.launch.init_deepspeed_comm, which every path
+    that initialises DeepSpeed takes); a test whose processes leave a segment behind fails here (and its segments
+    are removed)."""
     before = _deepspeed_shm_segments()
     yield
     leaked = sorted(_not_another_sessions(_deepspeed_shm_segments() - before))
     for path in leaked:
         path.unlink(missing_ok=True)
-    assert not leaked, (f"left DeepSpeed's all-reduce segments in /dev/shm: {[p.name for p in leaked]}; call "
-                        "moe_scale.distributed.launch.release_deepspeed_shm_name() after deepspeed.init_distributed")
+    assert not leaked, (f"left DeepSpeed's all-reduce segments in /dev/shm: {[p.name for p in leaked]}; initialise "
+                        "DeepSpeed through moe_scale.distributed.launch.init_deepspeed_comm")

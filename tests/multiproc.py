@@ -36,7 +36,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from moe_scale.distributed.launch import release_deepspeed_shm_name
+from moe_scale.distributed.launch import init_deepspeed_comm
 from moe_scale.distributed.ports import free_port
 from tests import forked
 
@@ -70,12 +70,8 @@ def _rank_main(rank: int, world_size: int, port: int, tasks, results) -> None:
         fn, args, use_deepspeed = task
         try:
             if use_deepspeed:
-                import deepspeed
-
                 # torch.distributed is up already: this only wraps it in DeepSpeed's backend (once).
-                deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
-                                           timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-                release_deepspeed_shm_name()   # DeepSpeed leaks a 66 MB /dev/shm segment per rank otherwise
+                init_deepspeed_comm("gloo", verbose=False, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
             results.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
         except BaseException:  # noqa: BLE001
             results.put((rank, False, traceback.format_exc()))
@@ -133,7 +129,7 @@ def run_ranks(fn: Callable, world_size: int = 2, args: tuple = (), timeout: floa
     """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return their results in rank order."""
     forked.note_ranks(world_size)
     pool = _POOLS.get(world_size)
-    if pool is None:  # a fresh pool may first start the warm server (and JIT-build DeepSpeed's CPU comm op): allow more
+    if pool is None:  # a fresh pool may first start the warm server: allow more
         pool = _POOLS[world_size] = RankPool(world_size)
         timeout += STARTUP_ALLOWANCE_S
     try:

@@ -54,8 +54,7 @@ def test_the_check_sees_each_kind_of_use():
     assert private_uses("from deepspeed.ops.triton_ops._triton import is_triton_available")
     assert private_uses("import_module('deepspeed.ops.triton_ops.group_gemm_triton')")
     assert private_uses("Path('mp_rank_00_model_states.pt')")
-    assert private_uses("f'/dev/shm/deepspeed_allreduce_buffer_{uid}'")
-    assert private_uses("_get_build_directory('deepspeed_shm_comm')")
+    assert private_uses("from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder")
     assert not private_uses("common = {'global_steps': 3}\nengine.save_checkpoint(path)")
 
 
@@ -182,3 +181,37 @@ def test_the_clipping_factor_is_made_once_per_norm_and_again_when_the_norm_chang
     third = [torch.ones(2)]
     _unscale_and_clip_grads(optimizer, [third], norm)
     assert optimizer.moe_scale_inverse_scale[1] is not factor and torch.equal(third[0], torch.ones(2))
+
+
+def test_no_cpu_communication_op_is_built_within_the_block():
+    """DeepSpeed's own build_shm_op (what its TorchBackend calls at init) finds no builder within the block, so
+    nothing compiles, loads or maps /dev/shm; every other op builder is the accelerator's, and after the block the
+    accelerator is as it was."""
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    from moe_scale.deepspeed_internals import without_cpu_comm_op
+
+    accelerator = get_accelerator()
+    with without_cpu_comm_op():
+        assert build_shm_op() is None
+        assert accelerator.create_op_builder("ShareMemCommBuilder") is None
+        assert accelerator.create_op_builder("FusedAdamBuilder") is not None
+    assert "create_op_builder" not in vars(accelerator)
+    assert accelerator.create_op_builder("ShareMemCommBuilder") is not None
+
+
+def _comm_op_worker(rank: int, world_size: int) -> bool:
+    from deepspeed.comm import comm
+
+    return comm.cdb.shm_comm_op is None
+
+
+@pytest.mark.multiprocess
+def test_ranks_initialised_through_moe_scale_hold_no_cpu_communication_op():
+    from tests.multiproc import run_ranks
+
+    assert run_ranks(_comm_op_worker, world_size=2, deepspeed=True) == [True, True]

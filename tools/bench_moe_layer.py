@@ -76,7 +76,7 @@ import torch
 from moe_scale.host_memory import apply_process_settings
 from torch import nn
 
-from moe_scale.distributed.launch import release_deepspeed_shm_name
+from moe_scale.distributed.launch import init_deepspeed_comm
 from moe_scale.distributed.ports import free_port
 
 IMPLS = ("dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "naive_loop", "dense")
@@ -146,14 +146,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _init_single_process_dist(device: str) -> None:
-    import deepspeed
     import torch.distributed as dist
 
     if not dist.is_initialized():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
                           RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", auto_mpi_discovery=False,
-                                   verbose=False)
+        init_deepspeed_comm("nccl" if device == "cuda" else "gloo", verbose=False)
 
 
 def _ffn(d: int, h: int) -> nn.Module:
@@ -582,7 +580,6 @@ def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth, use
 
 
 def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
-    import deepspeed
     import torch.distributed as dist
 
     from moe_scale.moe.layer import MoELayer
@@ -590,8 +587,7 @@ def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    release_deepspeed_shm_name()
+    init_deepspeed_comm("gloo", verbose=False)
     x, probe = make_inputs(argparse.Namespace(**{**vars(args), "seed": args.seed + rank}))
     for e in args.experts:
         for k in args.k:

@@ -131,12 +131,9 @@ def _rank_worker(rank: int, port: int, cases: list[tuple], d: int, h: int, resul
                       WORLD_SIZE="2", LOCAL_SIZE="2", DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=30))
-    import deepspeed
+    from moe_scale.distributed.launch import init_deepspeed_comm
 
-    from moe_scale.distributed.launch import release_deepspeed_shm_name
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    release_deepspeed_shm_name()   # DeepSpeed leaks a 66 MB /dev/shm segment per rank otherwise
+    init_deepspeed_comm("gloo")
     for case in cases:
         results.put((rank, case, count_step(*case[:4], 2, rank, d, h)))
     torch.distributed.barrier()

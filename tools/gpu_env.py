@@ -55,16 +55,14 @@ def device_info(torch) -> dict:
 
 
 def warm_cpu_builds(info: dict) -> None:
-    """REHEARSE=1: what a CPU run compiles on first use (DeepSpeed's shared-memory communication op, moe_scale's
-    native kernels; about a minute on 2 cores into a new work directory), built here so that the later stages'
-    limits time the stages. A GPU run builds neither."""
+    """REHEARSE=1: what a CPU run compiles on first use (moe_scale's native kernels, a few seconds into a new work
+    directory; DeepSpeed's CPU communication op is never built: distributed/launch.py's init_deepspeed_comm), built
+    here so that the later stages' limits time the stages. A GPU run builds nothing."""
     import torch
-    from deepspeed.comm.torch import build_shm_op
 
     from moe_scale.moe.cpu_backend import kernels
 
     start = time.perf_counter()
-    build_shm_op()
     info["native_kernels"] = kernels.available(torch.empty(0))
     info["cpu_builds_seconds"] = round(time.perf_counter() - start, 1)
     print(f"CPU builds: {info['cpu_builds_seconds']} s", flush=True)

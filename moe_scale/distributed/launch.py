@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moe_scale.console import deepspeed_stdout_to_stderr
-from moe_scale.deepspeed_internals import cpu_comm_op_built, shm_segment
+from moe_scale.deepspeed_internals import without_cpu_comm_op
 from moe_scale.distributed.ports import free_port
 from moe_scale.distributed.threads import thread_share
 
@@ -117,20 +117,15 @@ def ranks_per_node(node_size: int) -> int:
                      "none of LOCAL_WORLD_SIZE, LOCAL_SIZE, SLURM_NTASKS_PER_NODE)")
 
 
-def release_deepspeed_shm_name() -> None:
-    """Remove the name of this rank's shared-memory all-reduce workspace from /dev/shm.
+def init_deepspeed_comm(backend: str, **options) -> None:
+    """deepspeed.init_distributed (DeepSpeed's communication over torch.distributed, what its engine and expert groups
+    use) without its CPU communication op: nothing compiled on a machine's first run, nothing loaded, no 66 MB
+    /dev/shm segment per rank (deepspeed_internals.without_cpu_comm_op). Every process of moe_scale, its tools and
+    its tests initialises DeepSpeed through here."""
+    import deepspeed
 
-    DeepSpeed's CPU communication op (0.19.8) creates a 66 MB segment per rank in /dev/shm named by
-    (uid, MASTER_ADDR, MASTER_PORT, rank) and never unlinks it, so every run leaks 66 MB of RAM per rank
-    until reboot (a test suite leaks gigabytes). Once every rank has mapped every other rank's segment
-    (which DeepSpeed's init does before returning; hence the barrier), the names are no longer needed: the
-    mappings stay valid, and the memory is freed when the last process exits. Call collectively, after
-    deepspeed.init_distributed, on the CPU accelerator (init_distributed does); a no-op where there is no such
-    segment (other versions).
-    """
-    name = shm_segment(torch.distributed.get_rank())
-    torch.distributed.barrier()
-    name.unlink(missing_ok=True)
+    with without_cpu_comm_op():
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, **options)
 
 
 def init_distributed() -> DistEnv:
@@ -138,10 +133,8 @@ def init_distributed() -> DistEnv:
 
     On GPUs the rank's device is set before the first collective: NCCL binds a communicator to the current device,
     so a barrier before set_device would put every rank of a node on GPU 0 (a hang, or its memory filled)."""
-    accelerator = select_accelerator()
+    accelerator = select_accelerator()   # before DeepSpeed's import: it picks its accelerator then
     fill_env_from_launcher()
-    import deepspeed  # after select_accelerator: DeepSpeed picks its accelerator at import
-
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if accelerator == "cpu":
         backend, device = "gloo", torch.device("cpu")
@@ -149,13 +142,8 @@ def init_distributed() -> DistEnv:
         backend, device = "nccl", torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not torch.distributed.is_initialized():
-        if accelerator == "cpu" and not cpu_comm_op_built() and os.environ.get("RANK", "0") == "0":
-            print("moe-scale: building DeepSpeed's CPU communication op (first run on this machine, about a "
-                  "minute; it is cached for later runs)", file=sys.stderr, flush=True)
         with deepspeed_stdout_to_stderr():   # DeepSpeed's progress lines are not the command's output
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-        if accelerator == "cpu":   # the segment exists only for DeepSpeed's CPU communication op
-            release_deepspeed_shm_name()
+            init_deepspeed_comm(backend)
         _log_threads()
     return DistEnv(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device, backend)
 

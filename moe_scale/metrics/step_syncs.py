@@ -229,11 +229,6 @@ def simulated_cuda():
         def default_stream(self, device_index=None):
             return self._stream
 
-        def create_op_builder(self, class_name):
-            # CUDA has no shared-memory CPU communication op: none is compiled (a fresh GPU machine would spend
-            # a minute building it for the simulation)
-            return None if class_name == "ShareMemCommBuilder" else super().create_op_builder(class_name)
-
     return SimulatedCuda()
 
 

@@ -84,7 +84,7 @@ def test_main_shuts_down_only_after_success(monkeypatch):
 @pytest.mark.parametrize("accelerator", ["cuda", "cpu"])
 def test_gpu_rank_sets_its_device_before_the_first_collective(monkeypatch, accelerator):
     """NCCL binds a communicator to the current device: set_device comes before DeepSpeed's init (whose barrier is the
-    first collective); the /dev/shm clean-up (a barrier of its own) runs only for DeepSpeed's CPU communication op."""
+    first collective)."""
     import deepspeed
     import torch
 
@@ -98,8 +98,6 @@ def test_gpu_rank_sets_its_device_before_the_first_collective(monkeypatch, accel
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", str(device))))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: bool(calls and calls[-1][0] != "set_device"))
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: calls.append(("init", kw["dist_backend"])))
-    monkeypatch.setattr(launch, "release_deepspeed_shm_name", lambda: calls.append(("release_shm", None)))
-    monkeypatch.setattr(launch, "cpu_comm_op_built", lambda: True)
     monkeypatch.setattr(launch, "_log_threads", lambda: None)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 3)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
@@ -108,6 +106,6 @@ def test_gpu_rank_sets_its_device_before_the_first_collective(monkeypatch, accel
         assert calls == [("set_device", "cuda:3"), ("init", "nccl")]
         assert (env.device, env.backend) == (torch.device("cuda", 3), "nccl")
     else:
-        assert calls == [("init", "gloo"), ("release_shm", None)]
+        assert calls == [("init", "gloo")]
         assert (env.device, env.backend) == (torch.device("cpu"), "gloo")
     assert (env.rank, env.world_size, env.local_rank) == (3, 4, 3)
