@@ -542,6 +542,11 @@ class Leaf:
         return "--" + self.key.replace("_", "-")
 
 
+UNIGRAM_NEEDS_WORD_COUNTS = ("--sampler unigram needs the training counts of every token, which only --tokenizer "
+                             "words keeps (vocab.counts beside the vocabulary); use --sampler log_uniform, or "
+                             "--tokenizer words")
+
+
 @dataclass
 class RunConfig:
     model: ModelConfig = _sub(ModelConfig)
@@ -679,6 +684,8 @@ class RunConfig:
                 raise UserError("--mae-g-unit epoch needs epochs, and streamed data (--stream) is one pass; "
                                 "pass --mae-g-unit step")
         self.softmax.validate(self.data.vocab_size)
+        if self.softmax.kind == "sampled" and self.softmax.sampler == "unigram" and self.data.tokenizer != "words":
+            raise UserError(UNIGRAM_NEEDS_WORD_COUNTS)   # before a BPE is learned: only the word vocabulary counts
         self.data.validate()
         self.train.validate()
         self.run.validate()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from moe_scale.config import SoftmaxConfig, parse_cutoffs
+from moe_scale.config import UNIGRAM_NEEDS_WORD_COUNTS, SoftmaxConfig, parse_cutoffs
 from moe_scale.errors import UserError
 from moe_scale.models.softmax import (AdaptiveSoftmax, FullSoftmax, LogUniformSampler, SampledSoftmax,
                                       UnigramSampler, cluster_shares_from_counts)
@@ -24,9 +24,7 @@ def build_softmax(config: SoftmaxConfig, d_model: int, vocab_size: int, counts: 
     if config.kind == "sampled":
         if config.sampler == "unigram":
             if counts is None:
-                raise UserError("--sampler unigram needs the training counts of every token, which only "
-                                "--tokenizer words keeps (vocab.counts beside the vocabulary); use --sampler "
-                                "log_uniform, or --tokenizer words")
+                raise UserError(UNIGRAM_NEEDS_WORD_COUNTS)
             import torch
             sampler = UnigramSampler(torch.tensor(counts))
         else:

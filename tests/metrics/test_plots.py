@@ -19,6 +19,7 @@ def _is_png(path) -> bool:
     return path.exists() and path.read_bytes()[:4] == PNG and path.stat().st_size > 10_000
 
 
+@pytest.mark.slow   # over 5 s on 2 cores (tests/README.md)
 def test_a_run_writes_its_plots_and_per_interval_loads(tmp_path, embedded_cache):
     run = tmp_path / "run"
     common = [*TINY, "--model", "transformer", "--num-heads", "2", "--num-layers", "2", "--ffn", "moe",

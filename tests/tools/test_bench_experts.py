@@ -62,6 +62,7 @@ def test_bench_experts_times_each_kernel_asked_for_and_checks_it_against_the_loo
         assert line["ms_per_step"] > 0 and 0 <= line["max_abs_diff"] < 1e-4
 
 
+@pytest.mark.slow   # the tool as a process: torch and moe_scale imported before its flags are read
 def test_bench_experts_bad_flag_exits_2_with_one_line():
     proc = _run("--tokens", "0", *TINY)
     assert proc.returncode == 2 and proc.stdout == ""

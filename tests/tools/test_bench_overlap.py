@@ -65,6 +65,7 @@ def test_bad_flags_give_one_line(flags, message, load_tool, capsys):
     assert len(err.strip().splitlines()) == 1 and message in err
 
 
+@pytest.mark.slow   # the tool as a process: torch and moe_scale imported before its flags are read
 def test_a_bad_flag_ends_the_process_with_status_2_and_one_line():
     proc = _run("--threads", "1")
     assert proc.returncode == 2 and proc.stdout == ""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.cli_runs import TINY, run_train, step_log
 
 SETTINGS = [*TINY, "--num-experts", "4", "--dropout", "0.1", "--lr", "0.01", "--checkpoint-interval", "3",
@@ -40,6 +42,7 @@ def test_steps_logged_after_the_last_checkpoint_are_not_repeated(tmp_path, embed
         json.loads((straight / "summary.json").read_text())["train_ppl"]
 
 
+@pytest.mark.slow   # over 5 s on 2 cores (tests/README.md)
 def test_a_llama_block_run_with_tied_embeddings_resumes_to_the_same_steps(tmp_path, embedded_cache):
     """The tied output layer (one parameter under two names) and the SwiGLU experts come back from a checkpoint
     as they were: 3 + 3 resumed steps are the 6 straight ones."""

@@ -159,6 +159,7 @@ def test_checkpoint_interval_zero_writes_no_checkpoint(tmp_path, embedded_cache)
     assert [r["step"] for r in step_log(run)] == [1, 2, 3]
 
 
+@pytest.mark.slow   # over 5 s on 2 cores (tests/README.md)
 def test_keep_checkpoints_keeps_the_newest_n_and_zero_keeps_all(tmp_path, embedded_cache):
     run = tmp_path / "run"
     tags = lambda: sorted(p.name for p in (run / "checkpoints").glob("step*"))   # noqa: E731

@@ -101,6 +101,7 @@ def test_ranks_read_disjoint_sentences(lm1b_benchmark):
             assert sum(common.values()) <= 2, common.most_common(3)   # WikiText repeats a few short lines
 
 
+@pytest.mark.slow   # over 5 s on 2 cores (tests/README.md)
 def test_trainer_streaming_resume_equals_an_uninterrupted_run(tmp_path, lm1b_benchmark):
     # also the sampled softmax (its samples come from the per-step seeded RNG) and the factored optimizer
     # (its row/column state goes through DeepSpeed's checkpoint)
@@ -136,6 +137,7 @@ def test_token_budget_needs_stream(tmp_path):
     assert_one_line_error(proc, "--token-budget does nothing here: it needs --stream")
 
 
+@pytest.mark.slow   # over 5 s on 2 cores (tests/README.md)
 def test_one_pass_stops_every_rank_after_the_last_full_batch(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

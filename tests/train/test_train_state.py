@@ -157,6 +157,7 @@ def train_reporting_the_config(argv: list[str]) -> int:
     return main(argv)
 
 
+@pytest.mark.slow   # over 5 s on 2 cores (tests/README.md)
 def test_a_run_leaves_its_config_as_given_and_its_checkpoints_in_their_format(tmp_path):
     """--token-budget sets the number of steps, the data ending first shortens it, and a resume of the finished
     pass is refused: the state's schedule, never the config's max_steps (config.json records the planned one)."""

@@ -17,6 +17,7 @@ TB_TAGS = {"train/loss", "train/ppl", "valid/ppl", "moe/cv_importance", "moe/cv_
            "perf/tokens_per_s", "perf/tflops_per_device"}
 
 
+@pytest.mark.slow   # over 5 s on 2 cores (tests/README.md)
 def test_embedded_run_writes_a_complete_run_directory(tmp_path, embedded_cache):
     run = tmp_path / "run"
     proc = run_train([*TINY, "--max-steps", "6", "--eval-interval", "6", "--checkpoint-interval", "3",
@@ -56,6 +57,7 @@ def test_embedded_run_writes_a_complete_run_directory(tmp_path, embedded_cache):
     assert abs(math.log(result["ppl"]) - math.log(full)) < 0.5
 
 
+@pytest.mark.slow   # over 5 s on 2 cores (tests/README.md)
 def test_eval_matches_the_trainers_validation_pass(tmp_path, embedded_cache):
     run = tmp_path / "run"
     args = [*TINY, "--eval-max-batches", "0", "--max-steps", "2", "--eval-interval", "2", "--out", str(run)]
