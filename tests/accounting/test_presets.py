@@ -106,6 +106,8 @@ def test_the_trillion_parameter_preset_keeps_the_papers_family_and_its_miniature
     assert flops_report("news1t-moe-1048576-h-mini")["module_total_params"] <= 10e6
 
 
+# Size: 200 steps, so that the mean loss of the last 20 falls by a nat from the first 20 and the validation
+# perplexity beats the unigram model by 20%: that it learns through both all-to-all stages is the point.
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_trillion_parameter_miniature_trains_200_steps_on_2_processes_with_the_hierarchical_all_to_all(

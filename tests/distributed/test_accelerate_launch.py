@@ -41,6 +41,8 @@ def test_settings_moe_scale_cannot_take_are_refused(env, words):
         ds_config_from_accelerate("other.json", PLUGIN)
 
 
+# Size: TINY for 4 steps; the time is three 2-process starts (the deepspeed launcher, accelerate launch, the forked
+# ranks), whose equality is the point.
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_accelerate_launch_trains_as_the_deepspeed_launcher(tmp_path, embedded_cache):

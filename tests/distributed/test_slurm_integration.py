@@ -166,12 +166,14 @@ def _sbatch_and_check(env: dict, work: Path, template: str, sbatch_flags: list[s
     return text
 
 
+# Size: the shipped template as a user submits it, on a real one-node cluster (started once for both tests).
 def test_cpu_template_trains_under_real_slurm(local_slurm, tmp_path):
     """The srun path: two SLURM tasks, ranks from SLURM_PROCID / SLURM_NTASKS."""
     _sbatch_and_check(local_slurm, tmp_path, "train_lstm_moe_cpu.sbatch", ["--ntasks-per-node=2"],
                       {"DS_CONFIG": str(DS_CONFIGS / "zero2_ep.json")})
 
 
+# Size: as above; the deepspeed launcher inside the job is the point.
 def test_deepspeed_template_trains_under_real_slurm(local_slurm, tmp_path):
     """The deepspeed-launcher path: a hostfile from the allocation, one launcher per node with --no_ssh
     --node_rank, two CPU processes per node."""

@@ -27,6 +27,7 @@ def _run(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           env=env)
 
 
+# Size: 8 experts, k 1 and 2 (both dispatch paths of every implementation), TINY tokens, no memory children.
 @pytest.mark.slow
 def test_single_process_sweep(tmp_path):
     out_file = tmp_path / "bench.jsonl"
@@ -52,6 +53,7 @@ def test_single_process_sweep(tmp_path):
     assert by[("naive_loop", 2)]["roofline_s"] == by[("dropless", 2)]["roofline_s"]
 
 
+# Size: 8 experts, one k, TINY tokens; the time is one fresh child process per implementation (six), the point.
 @pytest.mark.slow
 def test_working_memory_is_measured_in_a_child_per_implementation():
     """One fresh child process per implementation and k (the sweep above skips them; one k is enough here)."""
@@ -154,6 +156,7 @@ def test_experts_used_are_the_experts_the_router_sent_tokens_to(impl, tmp_path):
     assert 1 <= routed <= 16 and used == routed and dense_used is None
 
 
+# Size: 2 ranks, 8 experts, TINY tokens: the smallest world with an all-to-all to measure.
 @pytest.mark.multiprocess
 def test_two_ranks_report_the_all_to_all_share():
     proc = _run("--ranks", "2", "--experts", "8", "--k", "2", "--gate-logit-std", "2", *TINY)

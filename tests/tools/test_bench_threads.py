@@ -16,6 +16,8 @@ TINY = ["--extra", "--d-model", "16", "--expert-hidden", "16", "--seq-len", "8",
         "--num-experts", "4", "--vocab-size", "500", "--log-interval", "5"]
 
 
+# Size: --max-steps 5 (the tool's minimum) at d 16; the time is two deepspeed-launcher runs of 2 processes, one of
+# them with torch's default threads on every rank (the oversubscribed "before" this tool exists to measure).
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_before_and_after_on_2_processes(tmp_path):

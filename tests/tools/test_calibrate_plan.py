@@ -27,6 +27,8 @@ def test_the_fits_recover_the_constants_they_were_made_from(load_tool):
     assert bench.fit_all_reduce(reduce, 4) == pytest.approx({"latency_s": 1e-4, "gbs": 2.0}, rel=1e-6)
 
 
+# Size: the smallest the tool runs (--models tiny, --max-steps 5, its minimum: 3 untimed steps); the time is its
+# processes (the constants' and the compute's spawned ranks, two deepspeed-launcher runs), the point of the test.
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tiny_calibration_on_2_processes(tmp_path):

@@ -76,6 +76,8 @@ def _sweep(data: Path, out: Path, steps: int, *flags: str) -> list[str]:
             "--extra", "--eval-max-batches", "4"]
 
 
+# Size: 400 steps, so that moe-32 is still training when its first checkpoint (step 20) appears and the kill lands
+# mid-run even on a loaded machine; the resumed sweep then trains the rest. Two models: the fewest a table compares.
 @pytest.mark.slow
 def test_two_point_sweep_writes_its_report_and_a_killed_sweep_resumes(tmp_path, embedded_cache):
     data, out = _corpus(tmp_path / "text"), tmp_path / "sweep"

@@ -17,6 +17,8 @@ TOOL = TOOLS / "scaling_sweep.py"
 TINY = ["--extra", "--d-model", "16", "--expert-hidden", "16", "--seq-len", "8"]
 
 
+# Size: the fewest points a weak-scaling row has (1 and 2 processes), 6 steps of TINY; the time is the tool's
+# launcher runs.
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_weak_sweep_on_1_and_2_processes(tmp_path):

@@ -23,6 +23,7 @@ def _module(run, step: int) -> dict:
     return torch.load(path, weights_only=False)["module"]
 
 
+# Size: 6 steps with a checkpoint at 3: the fewest that split a run in two and move the biases after the split.
 def test_the_biases_move_once_per_step_and_a_resume_repeats_an_uninterrupted_run(tmp_path, embedded_cache):
     straight, split = tmp_path / "straight", tmp_path / "split"
     common = [*FLAGS, "--checkpoint-interval", "3", "--keep-checkpoints", "0"]

@@ -91,6 +91,7 @@ def test_config_reload_reproduces_a_run(tmp_path, embedded_cache):
     assert [r["loss"] for r in step_log(first)] == [r["loss"] for r in step_log(second)]
 
 
+# Size: real text in the 1B-word benchmark's layout (WikiText-2, 217k words, 4 shards) is the point; 8 steps.
 def test_lm1b_style_shards_from_real_text(tmp_path, lm1b_shards):
     run = tmp_path / "run"
     run_train([*TINY, "--data", str(lm1b_shards), "--vocab-size", "2000", "--max-steps", "8",

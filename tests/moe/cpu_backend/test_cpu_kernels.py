@@ -175,6 +175,7 @@ def _probe(env_update: dict, tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
+# Size: fresh processes and a real compiler run into an empty cache directory, the point; nothing to shrink.
 @pytest.mark.slow
 def test_build_lands_whole_in_the_cache_dir_and_is_reused(tmp_path):
     first = _probe({}, tmp_path)

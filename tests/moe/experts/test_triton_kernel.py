@@ -14,6 +14,8 @@ from tests.paths import REPO
 CHECK = Path(__file__).with_name("triton_interpreted.py")
 
 
+# Size: Triton's interpreter runs each kernel instance in Python: the two tile sizes are the two cases (an expert
+# over several tiles, within one), at the fewest rows that make them.
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton)")
 @pytest.mark.parametrize("config", [0, 5], ids=["tiles-32x128", "tiles-128x256"])
