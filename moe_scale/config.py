@@ -487,6 +487,10 @@ class TrainConfig:
 class ParallelConfig:
     ep_size: int = _f(1, "expert-parallel ranks: experts are split over groups of this many ranks")
     ds_config: str | None = _f(None, "DeepSpeed JSON (default: the built-in CPU config, ds_configs/cpu.json)")
+    vocab_exchange: str = _f("rows", "with --ep-size > 1: the embedding and output tables split by rows over the "
+                                     "expert-parallel ranks, each batch's rows or hidden states exchanged (rows), "
+                                     "or whole on every rank with their gradients all-reduced (dense: for "
+                                     "comparison); docs/scale.md", choices=("rows", "dense"))
 
     def validate(self) -> None:
         _positive(ep_size=self.ep_size)

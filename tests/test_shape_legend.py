@@ -10,7 +10,11 @@ from tests.paths import REPO
 
 SHAPES = (REPO / "docs" / "shapes.md").read_text()
 TABLE = {m.group(1): m.group(2) for m in re.finditer(r"^\| (\w+) \| (.+) \|$", SHAPES, re.M) if m.group(1) != "letter"}
-LOCAL = {"moe_scale/models/softmax.py": {"S": "classes drawn per batch"}}
+LOCAL = {"moe_scale/models/softmax.py": {"S": "classes drawn per batch"},
+         "moe_scale/models/vocab_parallel.py": {"S": "classes drawn per batch", "R": "table rows this rank holds",
+                                                "U": "distinct ids this rank's batch needs",
+                                                "K": "ids asked for (N, or N + S)",
+                                                "M": "tokens of the expert-parallel group"}}
 # multi-letter tokens first, so "Kp" is one letter and not K then p
 TOKEN = re.compile("|".join(sorted(map(re.escape, TABLE), key=len, reverse=True)) + "|[A-Z]")
 STOP = {"the", "of", "a", "an", "per", "on", "this", "that", "and", "for", "in", "one", "each", "its", "or", "as",

@@ -70,12 +70,14 @@ def paper_rows(gpus_per_node: int, inter_node_gbs: float | None) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| preset | K40s | paper TFLOPS/GPU | predicted | predicted / paper | step (s) | compute | all-to-all | "
-             "gradient sync | optimizer | fits 12 GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "vocabulary rows | gradient sync | optimizer | fits 12 GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r["parts_s"]
         lines.append(f"| {r['preset']} | {r['gpus']} | {r['paper_tflops_per_gpu']:.2f} | "
                      f"{r['predicted_tflops_per_gpu']:.2f} | {r['predicted_over_paper']:.2f} | {r['step_s']:.2f} | "
-                     f"{p['compute']:.2f} | {p['all_to_all']:.2f} | {p['gradient_sync']:.2f} | {p['optimizer']:.2f} | "
+                     f"{p['compute']:.2f} | {p['all_to_all']:.2f} | {p['vocab_exchange']:.2f} | "
+                     f"{p['gradient_sync']:.2f} | {p['optimizer']:.2f} | "
                      f"{'yes' if r['fits_k40'] else 'no'} ({r['gib_per_gpu']:.1f} GiB) |")
     return "\n".join(lines) + "\n"
 

@@ -2,12 +2,13 @@
 whether it fits with a margin.
 
 Model state (bytes per parameter; fp32: 4-byte weights and gradients, Adam's m and v 8; bf16: 2-byte weights and
-gradients, a 4-byte fp32 master copy with the optimizer state). Dense parameters are replicated on every rank,
-the expert-parallel ones split over --ep-size ranks. ZeRO partitions over the data-parallel group: dense state
-over all ranks, expert state over the world / ep ranks that hold the same experts (DeepSpeed's expert-data-
-parallel group); stage 1 partitions optimizer state, stage 2 gradients too. The factored optimizer keeps a row and
-a column vector per expert matrix (accounting/model_shape.py counts them exactly); train accepts it only at stage
-0 in fp32, and so does the planner (accounting/layout.py).
+gradients, a 4-byte fp32 master copy with the optimizer state). Dense parameters are replicated on every rank, the
+expert-parallel ones split over --ep-size ranks, the vocabulary tables' rows over all ranks with --vocab-exchange
+rows (else they are dense). ZeRO partitions over the data-parallel group: dense state over all ranks, expert state
+over the world / ep ranks that hold the same experts (DeepSpeed's expert-data-parallel group), split rows not at all
+(each lives on one rank); stage 1 partitions optimizer state, stage 2 gradients too. The factored optimizer keeps a
+row and a column vector per expert matrix (accounting/model_shape.py counts them exactly); train accepts it only at
+stage 0 in fp32, and so does the planner (accounting/layout.py).
 
 Activations: the values the model stores per token for its backward outside the experts (model_shape.py), for
 the tokens of one GPU's micro-batch (global batch / GPUs / --grad-accum), plus 1-byte dropout masks.
@@ -50,6 +51,9 @@ def model_state_bytes(model: PlannedModel, layout: Layout) -> dict[str, float]:
     weight, grad, master = (2, 2, 4) if half else (4, 4, 0)
     stage, world, edp = layout.zero_stage, layout.world, layout.expert_data_parallel
     dense, experts = model.dense_params, model.sharded_params / layout.ep_size
+    split = model.vocab_split(world)
+    tables = model.vocab_params / world if split else model.vocab_params
+    table_group = 1 if split else world   # each split row lives on one rank: nothing to partition
 
     def part(n: float, group: int, partitioned: bool) -> float:
         return n / group if partitioned else n
@@ -58,9 +62,11 @@ def model_state_bytes(model: PlannedModel, layout: Layout) -> dict[str, float]:
         expert_state = model.factored_state / layout.ep_size * 4 + experts * master
     else:
         expert_state = experts * (8 + master)
-    return {"parameters": (dense + experts) * weight,
-            "gradients": part(dense * grad, world, stage >= 2) + part(experts * grad, edp, stage >= 2),
-            "optimizer_state": part(dense * (8 + master), world, stage >= 1) + part(expert_state, edp, stage >= 1)}
+    return {"parameters": (dense + experts + tables) * weight,
+            "gradients": part(dense * grad, world, stage >= 2) + part(experts * grad, edp, stage >= 2)
+            + part(tables * grad, table_group, stage >= 2),
+            "optimizer_state": part(dense * (8 + master), world, stage >= 1) + part(expert_state, edp, stage >= 1)
+            + part(tables * (8 + master), table_group, stage >= 1)}
 
 
 def dispatch_load(model: PlannedModel, layout: Layout, dropless_load: float) -> float:
@@ -112,7 +118,7 @@ def reserve_bytes(model: PlannedModel, layout: Layout, gpu: GPU, ds_config: dict
     if layout.zero_stage >= 1:
         zero = ds_config.get("zero_optimization", {})
         grad = 2 if layout.precision == "bf16" else 4
-        local = model.dense_params + model.sharded_params / layout.ep_size
+        local = model.params_per_gpu(layout.ep_size, layout.world)
         buckets = grad * (min(zero.get("reduce_bucket_size", DEEPSPEED_BUCKET_ELEMENTS), local)
                           + min(zero.get("allgather_bucket_size", DEEPSPEED_BUCKET_ELEMENTS), local))
     return {"cuda_context": CUDA_CONTEXT_GIB * GIB, "nccl_buffers": nccl * GIB, "deepspeed_buckets": buckets,

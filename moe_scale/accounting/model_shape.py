@@ -1,8 +1,9 @@
 """What the planner needs to know about a model, from the model itself: built on the meta device (no memory, any
 size), so its parameter counts are the module's, exactly.
 
-- parameters: dense ones (replicated on every rank) and those split over the expert-parallel ranks (every
-  `expert_shards()` tensor: the experts, the hierarchical gate's secondary matrices, MoA's attention experts),
+- parameters: dense ones (replicated on every rank), those split over the expert-parallel ranks (every
+  `expert_shards()` tensor: the experts, the hierarchical gate's secondary matrices, MoA's attention experts), and
+  the vocabulary tables (split by rows over all ranks with --vocab-exchange rows: models/vocab_parallel.py),
   and the factored optimizer's state for the latter (a row and a column vector per matrix, exactly as
   train/factored_optimizer.py keeps it);
 - FLOPs per token: `moe-scale train`'s own rule (6 x forward MACs, the softmax as built; accounting/flops.py),
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_scale.accounting.flops import active_experts, moe_gating, training_flops_per_token
+from moe_scale.accounting.vocab_exchange import rows_split
 from moe_scale.config import RunConfig
 
 
@@ -61,6 +63,7 @@ class PlannedModel:
     vocab: int
     dense_params: int                 # replicated on every rank
     sharded_params: int               # split over the expert-parallel ranks (all ranks together)
+    vocab_params: int                 # the vocabulary tables: split by rows over all ranks with --vocab-exchange rows
     factored_state: int               # the factored optimizer's numbers for the sharded parameters (all ranks)
     expert_layers: tuple[ExpertLayer, ...]
     flops_per_token: int              # training FLOPs per token (train's rule)
@@ -70,7 +73,15 @@ class PlannedModel:
 
     @property
     def total_params(self) -> int:
-        return self.dense_params + self.sharded_params
+        return self.dense_params + self.sharded_params + self.vocab_params
+
+    def vocab_split(self, world: int) -> bool:
+        return rows_split(self.config, world)
+
+    def params_per_gpu(self, ep_size: int, world: int) -> float:
+        """The parameters one rank holds: the dense ones, its experts, the vocabulary tables or its rows of them."""
+        tables = self.vocab_params / world if self.vocab_split(world) else self.vocab_params
+        return self.dense_params + self.sharded_params / ep_size + tables
 
     @property
     def sharded_units(self) -> list[int]:
@@ -80,6 +91,7 @@ class PlannedModel:
 def planned_model(config: RunConfig) -> PlannedModel:
     """Build `config`'s model on the meta device (one expert-parallel rank holding every expert) and count."""
     from moe_scale.models.build import build_model, forward_macs_per_token
+    from moe_scale.models.vocab_parallel import row_split_tables
 
     vocab = config.data.vocab_size
     counts = [1] * vocab if config.softmax.kind == "sampled" and config.softmax.sampler == "unigram" else None
@@ -87,12 +99,13 @@ def planned_model(config: RunConfig) -> PlannedModel:
         model = build_model(config, vocab, ep_size=1, ep_rank=0, counts=counts)
     shards = [shard.param for layer in model.moe_layers() for shard in layer.expert_shards().values()]
     sharded = sum(p.numel() for p in shards)
+    tables = sum(p.numel() for p in row_split_tables(model))
     softmax_macs = model.softmax.forward_macs_per_token()
     macs = {**forward_macs_per_token(config, vocab, config.data.seq_len), "softmax": softmax_macs}
     layers = _expert_layers(config)
     recompute = sum(2 * layer.active * config.model.d_model * layer.hidden for layer in layers if layer.kind == "moe")
     values, masks = _activations_per_token(config, softmax_macs / config.model.d_model)
-    return PlannedModel(config, vocab, sum(p.numel() for p in model.parameters()) - sharded, sharded,
+    return PlannedModel(config, vocab, sum(p.numel() for p in model.parameters()) - sharded - tables, sharded, tables,
                         sum(factored_state_numel(p.shape) for p in shards), tuple(layers),
                         training_flops_per_token(macs), recompute, values, masks)
 

@@ -54,7 +54,7 @@ class Planner:
                 "all_to_all": layout.all_to_all, "batch_sequences": config.train.batch_size,
                 "tokens_per_step": tokens, "tokens_per_gpu": tokens / layout.world,
                 "params_total": self.model.total_params,
-                "params_per_gpu": self.model.dense_params + self.model.sharded_params // layout.ep_size,
+                "params_per_gpu": round(self.model.params_per_gpu(layout.ep_size, layout.world)),
                 "flops_per_token": self.model.flops_per_token, **mem, "time": time,
                 "tokens_per_s": time["tokens_per_s"], "tflops_per_gpu": time["tflops_per_gpu"], "mfu": time["mfu"]}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "dispatch_buffers", "cuda_context",
                 "nccl_buffers", "deepspeed_buckets", "fragmentation")
-TIME_PARTS = ("compute", "waiting", "all_to_all", "sync", "gradient_sync", "optimizer")
+TIME_PARTS = ("compute", "waiting", "all_to_all", "vocab_exchange", "sync", "gradient_sync", "optimizer")
 GIB = 2**30
 
 

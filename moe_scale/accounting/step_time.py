@@ -23,10 +23,14 @@ Small synchronisations (latency-bound): every router sums its balance statistics
 floats per unit, an all-reduce in the forward and its gradient's in the backward) per expert-parallel layer and
 micro-batch, and clipping sums the squared gradient norms once per step.
 
-Gradient synchronisation: dense gradients over all ranks, expert gradients over the expert-data-parallel group
-(world / ep). ZeRO-0 (moe_scale's in-place reduce after the backward): all-reduce, 2 (n-1)/n of the bytes;
-ZeRO-1/2: reduce-scatter of the gradients and all-gather of the updated weights, (n-1)/n each; over the network
-when the group spans nodes. ZeRO-2 reduces every micro-batch's gradients, the others once per step.
+Vocabulary exchange (--vocab-exchange rows, more than one GPU): the split tables' all-to-alls and gathers over all
+ranks, per micro-batch (accounting/vocab_exchange.py), blocking as the experts' are.
+
+Gradient synchronisation: dense gradients over all ranks (the vocabulary tables too where they are whole; split,
+their rows need none), expert gradients over the expert-data-parallel group (world / ep). ZeRO-0 (moe_scale's
+in-place reduce after the backward): all-reduce, 2 (n-1)/n of the bytes; ZeRO-1/2: reduce-scatter of the gradients
+and all-gather of the updated weights, (n-1)/n each; over the network when the group spans nodes. ZeRO-2 reduces
+every micro-batch's gradients, the others once per step.
 
 Optimizer: memory-bound; bytes read and written per parameter this rank updates (Adam fp32 28 + 4 to clip, bf16
 with its master copy 30 + 2, factored 20 + 4) at the device's memory bandwidth.
@@ -44,6 +48,7 @@ from __future__ import annotations
 from moe_scale.accounting.gpus import GPU
 from moe_scale.accounting.layout import Layout
 from moe_scale.accounting.model_shape import ExpertLayer, PlannedModel
+from moe_scale.accounting.vocab_exchange import exchanges
 
 OPTIMIZER_BYTES = {("adam", "fp32"): 32, ("adam", "bf16"): 32, ("factored", "fp32"): 24}
 INDEX_BYTES, GATE_BYTES, COUNT_BYTES = 8, 4, 8
@@ -114,7 +119,8 @@ def gradient_sync(net: Network, model: PlannedModel, layout: Layout) -> tuple[fl
     grad = weight = 2 if layout.precision == "bf16" else 4
     world, edp, G = layout.world, layout.expert_data_parallel, layout.gpus_per_node
     experts = model.sharded_params / layout.ep_size
-    groups = [(model.dense_params, world, world > G)]
+    # split tables: each row lives on one rank, which has every rank's contribution to it: nothing to reduce
+    groups = [(model.dense_params + (0 if model.vocab_split(world) else model.vocab_params), world, world > G)]
     if experts and edp > 1:
         groups.append((experts, edp, world > G))
     reduce = gather = 0.0
@@ -138,11 +144,27 @@ def small_syncs(net: Network, model: PlannedModel, layout: Layout) -> float:
 
 def optimizer_seconds(model: PlannedModel, layout: Layout, gpu: GPU) -> float:
     partitioned = layout.zero_stage >= 1
-    dense = model.dense_params / (layout.world if partitioned else 1)
+    split = model.vocab_split(layout.world)
+    dense = (model.dense_params + (0 if split else model.vocab_params)) / (layout.world if partitioned else 1)
     experts = model.sharded_params / layout.ep_size / (layout.expert_data_parallel if partitioned else 1)
+    tables = model.vocab_params / layout.world if split else 0.0
     adam = OPTIMIZER_BYTES[("adam", layout.precision)]
     expert_bytes = OPTIMIZER_BYTES[("factored", "fp32")] if layout.optimizer == "factored" else adam
-    return (dense * adam + experts * expert_bytes) / (gpu.hbm_gbs * 1e9 * gpu.hbm_efficiency)
+    return ((dense + tables) * adam + experts * expert_bytes) / (gpu.hbm_gbs * 1e9 * gpu.hbm_efficiency)
+
+
+def vocab_exchange_seconds(net: Network, model: PlannedModel, layout: Layout, tokens_per_gpu: float,
+                           value: int) -> float:
+    """Seconds of the split vocabulary tables' exchanges in one micro-batch (accounting/vocab_exchange.py)."""
+    P = layout.world
+    in_node, spans = min(layout.gpus_per_node, P), P > layout.gpus_per_node
+    seconds = 0.0
+    for kind, nbytes in exchanges(model.config, model.vocab, P, tokens_per_gpu, value):
+        if kind == "all_to_all":
+            seconds += net.all_to_all(nbytes, P, in_node)
+        else:
+            seconds += net.reduce(nbytes, P, spans, 1 if kind == "all_gather" else 2)
+    return seconds
 
 
 def step_time(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_config: dict,
@@ -158,6 +180,7 @@ def step_time(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_c
     d, accum = model.config.model.d_model, model.config.train.grad_accum
     all_to_all = accum * sum(layer_all_to_all(net, layout, layer, tokens_per_gpu / accum, d, value,
                                               layer.units // layout.ep_size) for layer in model.expert_layers)
+    vocab = accum * vocab_exchange_seconds(net, model, layout, tokens_per_gpu / accum, value)
     reduce, gather = gradient_sync(net, model, layout)
     if layout.zero_stage == 2:
         reduce *= accum     # ZeRO-2 reduces (scatters) the gradients of every micro-batch
@@ -166,10 +189,10 @@ def step_time(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_c
     optimizer = optimizer_seconds(model, layout, gpu)
     sync = small_syncs(net, model, layout)
     waiting = gpu.straggler * compute if layout.world > 1 else 0.0
-    step = compute + waiting + all_to_all + sync + exposed + optimizer
+    step = compute + waiting + all_to_all + vocab + sync + exposed + optimizer
     tflops = model.flops_per_token * tokens_per_gpu / step / 1e12
-    return {"seconds": {"compute": compute, "waiting": waiting, "all_to_all": all_to_all, "sync": sync,
-                        "gradient_sync": exposed,
+    return {"seconds": {"compute": compute, "waiting": waiting, "all_to_all": all_to_all, "vocab_exchange": vocab,
+                        "sync": sync, "gradient_sync": exposed,
                         "optimizer": optimizer, "step": step},
             "gradient_sync_total_s": reduce + gather, "gradient_sync_overlapped": bool(overlap),
             "efficiency": efficiency, "peak_tflops": peak, "tokens_per_s": tokens / step,

@@ -38,6 +38,7 @@ def format_plan(r: dict, smallest: dict | None) -> str:
               f"{t['peak_tflops']:g} TFLOPS)",
               *([f"    waiting for stragglers    {s['waiting']:10.4f}"] if s["waiting"] else []),
               f"    {'all-to-all (' + r['all_to_all'] + ')':<26}{s['all_to_all']:10.4f}",
+              *([f"    vocabulary rows exchanged {s['vocab_exchange']:10.4f}"] if s["vocab_exchange"] else []),
               f"    router and norm sums      {s['sync']:10.4f}",
               f"    gradient sync             {s['gradient_sync']:10.4f}   "
               f"({'overlapped with the backward, ' if t['gradient_sync_overlapped'] else ''}"

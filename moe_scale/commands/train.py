@@ -54,7 +54,8 @@ _DEST = "setting:"
 # run's own (its config.json): a resume that silently trained on other data or with another learning rate would
 # report numbers of a run that never happened.
 RESUMABLE_CHANGES = ("max_steps", "token_budget", "log_interval", "eval_interval", "eval_max_batches",
-                     "checkpoint_interval", "keep_checkpoints", "resume_from", "ep_size", "accept_changed_data")
+                     "checkpoint_interval", "keep_checkpoints", "resume_from", "ep_size", "vocab_exchange",
+                     "accept_changed_data")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

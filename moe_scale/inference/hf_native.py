@@ -273,10 +273,11 @@ def _drop_zero_attention_biases(tensors: dict, where: str) -> None:
 def _wanted(model, config, tensors: dict, where: str) -> dict:
     """checkpoint name -> (the model's tensor to fill, how to read it from the checkpoint's)."""
     same = lambda t: t   # noqa: E731
-    wanted = {"model.embed_tokens.weight": (model.embedding.weight, same),
+    table = _my_rows(model.embedding)   # an expert-parallel rank holding some rows of the vocabulary tables
+    wanted = {"model.embed_tokens.weight": (model.embedding.weight, table),
               "model.norm.weight": (model.final_norm.weight, same)}
     if not config.model.transformer.tie_embeddings:
-        wanted["lm_head.weight"] = (model.softmax.proj.weight, same)
+        wanted["lm_head.weight"] = (model.softmax.proj.weight, table)
     for i, block in enumerate(model.blocks):
         layer, attn = f"model.layers.{i}.", block.attn
         wanted.update({layer + "input_layernorm.weight": (block.norm1.weight, same),
@@ -296,6 +297,14 @@ def _wanted(model, config, tensors: dict, where: str) -> dict:
                            for name in ("gate_proj", "up_proj", "down_proj")})
             wanted[mlp + "shared_expert_gate.weight"] = (shared.w_gate, lambda t: t[0] if t.shape[:1] == (1,) else t)
     return wanted
+
+
+def _my_rows(embedding):
+    """How to read this rank's rows of a vocabulary table: all of them, or those a row-split table holds."""
+    rows = getattr(getattr(embedding, "vocab", None), "rows", None)
+    if rows is None:
+        return lambda t: t
+    return lambda t: t[rows.first:rows.first + rows.count] if t.shape[0] == rows.total else t
 
 
 def _expert_sources(i: int, layer, tensors: dict, model_type: str) -> dict:

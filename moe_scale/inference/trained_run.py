@@ -53,6 +53,7 @@ def open_trained_run(run: Path | str, checkpoint: str | None, command: str, *, e
 
     from moe_scale.distributed.launch import init_distributed
     from moe_scale.models.build import build_model
+    from moe_scale.models.vocab_parallel import connect_vocabulary
     from moe_scale.train.checkpoint import load_weights
 
     env = init_distributed()
@@ -63,7 +64,9 @@ def open_trained_run(run: Path | str, checkpoint: str | None, command: str, *, e
                         f"launch a number of processes that divides it")
     torch.manual_seed(config.train.seed)
     model = build_model(config, len(tokenizer), ep_size=env.world_size, ep_rank=env.rank, seed=config.train.seed,
+                        world=env.world_size, rank=env.rank,
                         counts=tokenizer.counts)
+    connect_vocabulary(model)   # (deepspeed.initialize connects the expert layers, not the vocabulary tables)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
     load_weights(engine, run, tag, module_only=True)

@@ -17,7 +17,8 @@ Counted in step `counted_step` (not the first, which sets things up lazily; not 
                    synchronize(), torch.cuda.synchronize(); a blocking copy of host data to the device
                    (torch.tensor / torch.as_tensor of Python numbers with a device: CUDA waits for the stream)
     all-to-all     of those, the one read of the counts an expert-parallel exchange needs (all_to_all_single takes
-                   its split sizes as Python ints), reported apart: the one read the team's rules allow
+                   its split sizes as Python ints; the row-split vocabulary tables' exchanges and gathers too),
+                   reported apart: the one read the team's rules allow
     device waits   a stream waiting for a stream or an event (the device waits, the host does not): reported, not
                    counted
     kernel_ops     operations that launch work on a device (OpCounter.kernel_ops)
@@ -59,8 +60,10 @@ _SKIPPED = (str(_TORCH), str(Path(__file__).resolve()), str(Path(__file__).resol
 HOST_SIDE = {
     ("moe_scale/train/preemption.py", "agreed"): "the stop-request flag: a CPU tensor on a gloo group on GPUs too",
 }
-# The exchange's read of the counts, where rows really travel (LocalExchange moves nothing).
-_ALL_TO_ALL_PLANS = ("FlatExchange.plan", "HierarchicalExchange.plan")
+# The exchanges' reads of their counts, where rows really travel (LocalExchange moves nothing): the expert layers'
+# (read function, its caller), and the row-split vocabulary tables' (models/vocab_parallel.py).
+_COUNT_READS = {("_read_to_host", "FlatExchange.plan"), ("_read_to_host", "HierarchicalExchange.plan"),
+                ("_read_counts", "_FetchRows.forward"), ("_read_counts", "_row_counts")}
 
 
 def _where(path: str) -> str:
@@ -130,7 +133,7 @@ class StepCounter(OpCounter):
             if (file, function.split(".")[-1]) in HOST_SIDE:
                 host_side.append({**entry, "why": HOST_SIDE[(file, function.split(".")[-1])]})
                 continue
-            all_to_all = function == "_read_to_host" and caller in _ALL_TO_ALL_PLANS
+            all_to_all = (function, caller) in _COUNT_READS
             phases[phase]["all_to_all_count_reads" if all_to_all else "host_reads"] += count
             reads.append({**entry, "all_to_all": all_to_all})
         waits = [{"phase": phase, "kind": kind, "site": f"{file}:{line} {function}", "count": count}

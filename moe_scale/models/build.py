@@ -9,9 +9,24 @@ from moe_scale.errors import UserError
 
 
 def build_model(config: RunConfig, vocab_size: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
-                counts: list[int] | None = None) -> nn.Module:
+                counts: list[int] | None = None, world: int = 1, rank: int = 0) -> nn.Module:
     """The model with its --softmax; `counts`: the vocabulary's training counts (vocab.counts), which the unigram
-    sampler needs."""
+    sampler needs. Process `rank` of `world` (> 1) with --vocab-exchange rows holds its rows of the vocabulary
+    tables (models/vocab_parallel.py)."""
+    model = _build(config, vocab_size, ep_size, ep_rank, seed, counts)
+    if world > 1 and config.parallel.vocab_exchange == "rows":
+        from moe_scale.models.vocab_parallel import VocabRows, shard_vocabulary
+
+        try:
+            rows = VocabRows(vocab_size, world, rank)
+        except ValueError as e:
+            raise UserError(f"{e}; use --vocab-exchange dense") from None
+        shard_vocabulary(model, rows)
+    return model
+
+
+def _build(config: RunConfig, vocab_size: int, ep_size: int, ep_rank: int, seed: int,
+           counts: list[int] | None) -> nn.Module:
     if config.model.kind == "transformer":
         from moe_scale.models.transformer_lm import TransformerLM
 
@@ -37,8 +52,14 @@ def forward_macs_per_token(config: RunConfig, vocab_size: int, seq_len: int) -> 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """{"total", "experts"}: every expert (and what is sharded with the experts, e.g. the hierarchical gate's
-    secondary matrices) counted once over all expert-parallel ranks."""
+    secondary matrices) counted once over all expert-parallel ranks, and the vocabulary tables whole where each
+    rank holds some of their rows."""
+    from moe_scale.models.vocab_parallel import vocabulary_shards
+
     local_sharded = total_sharded = total_expert = 0
+    for shard in vocabulary_shards(model).values():
+        local_sharded += shard.param.numel()
+        total_sharded += shard.param[0].numel() * shard.total
     for layer in model.moe_layers():
         for name, shard in layer.expert_shards().items():
             n = shard.param.numel()

@@ -101,24 +101,34 @@ class SampledSoftmax(nn.Module):
 
     def forward(self, h_ND: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
         if not self.training:
-            logits_NV = self.proj(h_ND).float()
-            return F.cross_entropy(logits_NV, targets_N, reduction="none", ignore_index=IGNORE)
+            return self.exact_nll(h_ND, targets_N)
         counted_N = targets_N != IGNORE
         safe_targets_N = torch.where(counted_N, targets_N, torch.zeros_like(targets_N))
         sampled_S = self.sampler.sample(self.num_sampled, self.generator).to(targets_N.device)
         log_q_V = self._log_q(h_ND.device)
         log_expected_S = log_q_V[sampled_S] + math.log(self.num_sampled)
         log_expected_N = log_q_V[safe_targets_N] + math.log(self.num_sampled)
-        w, b = self.proj.weight, self.proj.bias
+        w_true_ND, w_sampled_SD, b_true_N, b_sampled_S = self.class_rows(safe_targets_N, sampled_S)
         h = h_ND.float()
-        true_N = (h * w[safe_targets_N].float()).sum(-1)
-        sampled_NS = h @ w[sampled_S].float().t()
-        if b is not None:   # the llama block's output layer has none
-            true_N, sampled_NS = true_N + b[safe_targets_N].float(), sampled_NS + b[sampled_S].float()
+        true_N = (h * w_true_ND.float()).sum(-1)
+        sampled_NS = h @ w_sampled_SD.float().t()
+        if b_true_N is not None:   # the llama block's output layer has none
+            true_N, sampled_NS = true_N + b_true_N.float(), sampled_NS + b_sampled_S.float()
         true_N, sampled_NS = true_N - log_expected_N, sampled_NS - log_expected_S
         logits_N1S = torch.cat([true_N[:, None], sampled_NS], dim=1)
         nll_N = torch.logsumexp(logits_N1S, dim=1) - true_N
         return torch.where(counted_N, nll_N, torch.zeros_like(nll_N))
+
+    def class_rows(self, targets_N: torch.Tensor, sampled_S: torch.Tensor):
+        """The output layer's rows (and biases; None without) of the targets and of the samples."""
+        w, b = self.proj.weight, self.proj.bias
+        if b is None:
+            return w[targets_N], w[sampled_S], None, None
+        return w[targets_N], w[sampled_S], b[targets_N], b[sampled_S]
+
+    def exact_nll(self, h_ND: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+        logits_NV = self.proj(h_ND).float()
+        return F.cross_entropy(logits_NV, targets_N, reduction="none", ignore_index=IGNORE)
 
     def log_probs(self, h_ND: torch.Tensor) -> torch.Tensor:
         """The exact distribution (as at eval): [N, V] float32."""

@@ -30,7 +30,8 @@ from moe_scale.deepspeed_internals import MODEL_STATES_FILE
 from moe_scale.distributed.comm import collective_device
 from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
-from moe_scale.train.reshard import has_portable, load_portable, save_portable
+from moe_scale.models.vocab_parallel import vocabulary_shards
+from moe_scale.train.reshard import has_portable, load_portable, load_vocabulary_rows, save_portable
 from moe_scale.train.state import TrainState
 
 MANIFEST = "manifest.json"
@@ -64,8 +65,7 @@ def save_checkpoint(engine, run: Path, state: TrainState, rank: int, *, rows: st
     def finish() -> None:   # rank 0, once every rank's files are there
         if (run / "config.json").is_file():   # what the weights were trained as, checked on every load
             shutil.copyfile(run / "config.json", partial / "config.json")
-        layout = {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                  "ep_size": _ep_size(engine.module)}
+        layout = {"world_size": dist.get_world_size() if dist.is_initialized() else 1, **_model_layout(engine.module)}
         if rows is not None:
             layout["rows"] = rows
         write_json_atomic(partial / LAYOUT, layout)
@@ -260,7 +260,8 @@ def choose_checkpoint(run: Path, tag: str | None, flag: str, config=None, resume
     if config is not None:
         _check_same_model(run, tag, config)
     if resume_world is not None:
-        _check_layout(run, tag, resume_world, config.parallel.ep_size, config.data.stream)
+        split = resume_world > 1 and config.parallel.vocab_exchange == "rows"
+        _check_layout(run, tag, resume_world, config.parallel.ep_size, split, config.data.stream)
     return tag, int(tag.removeprefix("step"))
 
 
@@ -278,13 +279,16 @@ def _check_same_model(run: Path, tag: str, config) -> None:
                             f"checkpoint keeps a copy: {saved})")
 
 
-def _check_layout(run: Path, tag: str, world_size: int, ep_size: int, streamed: bool) -> None:
-    """A resume with another number of processes or --ep-size needs the checkpoint's portable state."""
+def _check_layout(run: Path, tag: str, world_size: int, ep_size: int, vocab_split: bool, streamed: bool) -> None:
+    """A resume with another number of processes, --ep-size or --vocab-exchange needs the checkpoint's portable
+    state."""
     checkpoint = run / "checkpoints" / tag
     saved = saved_layout(checkpoint)
-    if _same_layout(saved, world_size, ep_size):
+    if _same_layout(saved, world_size, ep_size, vocab_split):
         return
     was = f"{saved['world_size']} process{'es' if saved['world_size'] > 1 else ''} with --ep-size {saved['ep_size']}"
+    if bool(saved["vocab_rows"]) != vocab_split and saved["world_size"] > 1:
+        was += f" and --vocab-exchange {'rows' if saved['vocab_rows'] else 'dense'}"
     if streamed:
         raise UserError(f"checkpoint {tag} was written by {was}: a --stream run resumes only with the same layout "
                         f"(each rank's position in the stream is its own)")
@@ -294,8 +298,9 @@ def _check_layout(run: Path, tag: str, world_size: int, ep_size: int, streamed: 
 
 
 def saved_layout(checkpoint: Path) -> dict | None:
-    """{"world_size", "ep_size", "rows"} of the run that wrote a checkpoint (None: written before this was
-    recorded; "rows": "lines" before rows were cut by tokens)."""
+    """{"world_size", "ep_size", "rows", "vocab_rows"} of the run that wrote a checkpoint (None: written before
+    this was recorded; "rows": "lines" before rows were cut by tokens; "vocab_rows": the vocabulary tables it kept
+    split by rows, in its portable files)."""
     try:
         saved = json.loads((checkpoint / LAYOUT).read_text())
     except FileNotFoundError:
@@ -306,11 +311,17 @@ def saved_layout(checkpoint: Path) -> dict | None:
         raise UserError(f"{checkpoint / LAYOUT} is not the JSON moe_scale writes; restore it or use another "
                         f"checkpoint")
     return {"world_size": saved["world_size"], "ep_size": saved.get("ep_size", 1),
-            "rows": saved.get("rows", "lines")}
+            "rows": saved.get("rows", "lines"), "vocab_rows": saved.get("vocab_rows", [])}
 
 
-def _same_layout(saved: dict | None, world_size: int, ep_size: int) -> bool:
-    return saved is None or (saved["world_size"], saved["ep_size"]) == (world_size, ep_size)
+def _same_layout(saved: dict | None, world_size: int, ep_size: int, vocab_split: bool) -> bool:
+    return saved is None or (saved["world_size"], saved["ep_size"], bool(saved["vocab_rows"])) == \
+        (world_size, ep_size, vocab_split)
+
+
+def _model_layout(model) -> dict:
+    """What of the layout the model says: --ep-size, and the vocabulary tables it holds split by rows."""
+    return {"ep_size": _ep_size(model), "vocab_rows": sorted(vocabulary_shards(model))}
 
 
 def _ep_size(model) -> int:
@@ -320,12 +331,19 @@ def _ep_size(model) -> int:
 
 
 def load_weights(engine, run: Path, tag: str, module_only: bool = False) -> dict:
-    """DeepSpeed's load of checkpoint `tag` (weights only where `module_only`); returns its client state. A
+    """DeepSpeed's load of checkpoint `tag` (weights only where `module_only`), and the rows of the vocabulary
+    tables the checkpoint kept split (whole or split here, as the model holds them); returns its client state. A
     checkpoint that does not fit the model (a file edited by hand) is one line, not a traceback."""
+    saved = saved_layout(run / "checkpoints" / tag)
+    vocab_rows = set(saved["vocab_rows"]) if saved else set()
     try:
         _, client_state = engine.load_checkpoint(str(run / "checkpoints"), tag=tag, load_module_only=module_only,
                                                  load_optimizer_states=not module_only,
-                                                 load_lr_scheduler_states=not module_only)
+                                                 load_lr_scheduler_states=not module_only,
+                                                 load_module_strict=not vocab_rows)
+        if vocab_rows:   # DeepSpeed's files lack them (train/reshard.py), so its load could not be strict
+            _check_keys(engine.module, run / "checkpoints" / tag, vocab_rows)
+            load_vocabulary_rows(engine.module, run / "checkpoints" / tag, vocab_rows)
     except (RuntimeError, KeyError, ValueError, OSError) as e:
         if _secondary_gates_replicated(run / "checkpoints" / tag):
             raise UserError(f"checkpoint {tag} was written before the hierarchical gate's secondary matrices were "
@@ -335,6 +353,25 @@ def load_weights(engine, run: Path, tag: str, module_only: bool = False) -> dict
         raise UserError(f"checkpoint {tag} does not fit this model ({what}); was {run / 'config.json'} or "
                         f"{run / 'vocab'} edited? restore them, or use another checkpoint") from None
     return client_state or {}
+
+
+def _check_keys(model, checkpoint: Path, vocab_rows: set[str]) -> None:
+    """What a strict load checks, for a checkpoint whose vocabulary rows are not in DeepSpeed's files: that its
+    module state holds every other key of the model and none the model lacks."""
+    saved = torch.load(checkpoint / MODEL_STATES_FILE, map_location="cpu", weights_only=False, mmap=True)["module"]
+    wanted = {key for key in model.state_dict() if ".deepspeed_moe.experts." not in key} - vocab_rows
+    found = {key for key in saved if ".deepspeed_moe.experts." not in key}
+    tied = {key for key in wanted - found if _tied_to(model, key, vocab_rows)}
+    if wanted - tied != found:
+        raise RuntimeError(f"keys the model lacks: {sorted(found - wanted)[:3]}, keys missing: "
+                           f"{sorted(wanted - tied - found)[:3]}")
+
+
+def _tied_to(model, key: str, names: set[str]) -> bool:
+    """Whether parameter `key` is one of the tables `names` under another name (a tied output layer)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_name = dict(model.named_parameters())
+    return key in params and any(params[key] is by_name.get(name) for name in names)
 
 
 def _secondary_gates_replicated(checkpoint: Path) -> bool:
@@ -360,8 +397,11 @@ def load_checkpoint(engine, run: Path, tag: str, state: TrainState, source: Trai
     directory = run / "checkpoints"
     saved = saved_layout(directory / tag)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if _same_layout(saved, world, _ep_size(engine.module)):
+    split = vocabulary_shards(engine.module)
+    if _same_layout(saved, world, _ep_size(engine.module), bool(split)):
         step = int(load_weights(engine, run, tag)["step"])
+        if split:   # the tables' optimizer state: each rank's own, in the portable files
+            load_portable(engine, directory / tag, only=set(split))
     else:   # another layout: weights by global expert from DeepSpeed's files, then the portable state
         load_weights(engine, run, tag, module_only=True)
         load_portable(engine, directory / tag)

@@ -5,10 +5,12 @@ DeepSpeed's stage-0 clipping (`deepspeed.runtime.utils.clip_grad_norm_`) takes e
 over ranks that is not the norm of the full gradient, so every rank clips by a wrong factor. (ZeRO-1/2
 compute it correctly; tests/train/test_multiprocess.py checks all three.) Here:
 
-    norm² = ‖dense‖²  +  Σ_ranks ‖local experts‖² / (expert-data-parallel replicas)
+    norm² = ‖dense‖²  +  Σ_groups Σ_ranks ‖local experts of the group‖² / (the group's expert-data-parallel replicas)
 
 Dense gradients are identical on every rank after DeepSpeed's all-reduce; each expert's gradient lives on
-the ranks of its expert-data-parallel group, so the sum over all ranks counts it that many times.
+the ranks of its expert-data-parallel group, so the sum over all ranks counts it that many times. The rows of the
+vocabulary tables split over all ranks (models/vocab_parallel.py) are a group of their own (one copy each), beside
+the experts' (one --ep-size per model).
 """
 
 from __future__ import annotations
@@ -18,21 +20,24 @@ import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 
 from moe_scale.distributed.comm import collective_device
-from moe_scale.moe.deepspeed_adapter import expert_data_parallel_groups
+from moe_scale.models.vocab_parallel import split_parameter_groups
 
 
 def expert_aware_clip_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clips gradients in place to a global norm of `max_norm`; returns the norm before clipping (a device
     scalar: nothing here waits for the device)."""
-    grads = [(p.grad, is_moe_param(p)) for p in model.parameters() if p.grad is not None]
+    names = sorted({p.group_name for p in model.parameters() if is_moe_param(p)})
+    column = {name: 1 + i for i, name in enumerate(names)}   # 0: dense
+    grads = [(p.grad, column[p.group_name] if is_moe_param(p) else 0) for p in model.parameters()
+             if p.grad is not None]
     device = collective_device()
-    sums = torch.zeros(2, dtype=torch.float64, device=device)     # [dense², local experts² / replicas]
-    for grad, is_expert in grads:
-        sums[int(is_expert)] += _sum_of_squares(grad.detach()).to(device)
-    has_experts = any(is_moe_param(p) for p in model.parameters())
-    if dist.is_initialized() and dist.get_world_size() > 1 and has_experts:
-        (group,) = set(expert_data_parallel_groups(model).values())   # one expert-parallel size per model
-        sums[1] /= dist.get_world_size(group)
+    sums = torch.zeros(1 + len(names), dtype=torch.float64, device=device)   # [dense², each group's² / replicas]
+    for grad, i in grads:
+        sums[i] += _sum_of_squares(grad.detach()).to(device)
+    if dist.is_initialized() and dist.get_world_size() > 1 and names:
+        groups = split_parameter_groups(model)
+        for name in names:
+            sums[column[name]] /= dist.get_world_size(groups[name])
         dist.all_reduce(sums[1:])
     norm = sums.sum().sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -15,7 +15,7 @@ from torch import nn
 from moe_scale.config import TrainConfig
 from moe_scale.deepspeed_internals import (backward_allreduce_is_plain_average, disable_backward_allreduce,
                                            engine_data_parallel_size, zero_norm_without_host_reads)
-from moe_scale.moe.deepspeed_adapter import expert_data_parallel_groups
+from moe_scale.models.vocab_parallel import connect_vocabulary, split_parameter_groups
 from moe_scale.train.clipping import expert_aware_clip_
 from moe_scale.train.factored_optimizer import build_optimizer
 from moe_scale.train.ds_config import zero_stage
@@ -51,6 +51,7 @@ class TrainingEngine:
             # default where the JSON has none), and DeepSpeed must not clip again (0, not absent: absent is 1.0)
             self.clip = float(ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
             ds_config["gradient_clipping"] = 0.0
+        connect_vocabulary(model, bool(ds_config.get("use_data_before_expert_parallelism", False)))
         optimizer = build_optimizer(optimizer_groups(model), train)   # --optimizer adam|factored
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(train.warmup_steps))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -99,7 +100,7 @@ def reduce_gradients_in_place(model: nn.Module, data_parallel_group) -> None:
         flat.mul_(1.0 / world)
         for grad, part in zip(dense, flat.split([g.numel() for g in dense])):
             grad.copy_(part.view_as(grad))
-    expert_groups = expert_data_parallel_groups(model) if experts else {}
+    expert_groups = split_parameter_groups(model) if experts else {}
     for name in sorted(experts):
         group = expert_groups[name]
         for grad in experts[name]:

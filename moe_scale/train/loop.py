@@ -65,7 +65,7 @@ def run_training(config: RunConfig) -> dict:
         torch.set_float32_matmul_precision("high")
     def build():
         return build_model(config, len(data.vocab), ep_size=ep_size, ep_rank=env.rank % ep_size, seed=t.seed,
-                           counts=data.vocab.counts)
+                           counts=data.vocab.counts, world=env.world_size, rank=env.rank)
 
     check_model_fits(build, ds_config, t.optimizer, env.world_size, ep_size, env.device)   # on the meta device
     torch.manual_seed(t.seed)

@@ -1,12 +1,14 @@
 """Layout-free training state, so a run resumes with another number of processes or another --ep-size.
 
-DeepSpeed's optimizer files belong to the layout that wrote them (each rank's ZeRO partition of flat buffers, or
-its expert-parallel rank's experts). Every checkpoint therefore also holds the same state by parameter name, in
+DeepSpeed's optimizer files belong to the layout that wrote them (each rank's ZeRO partition of flat buffers, or its
+expert-parallel rank's experts). Every checkpoint therefore also holds the same state by parameter name, in
 `portable/`: `dense.pt` (every dense parameter's fp32 value and optimizer state, the schedule and the step) and
-`experts_ep<r>.pt` (expert-parallel rank r's experts, stacked [L, ...], with their optimizer state). A resume with
-another layout builds the engine for the new layout and then gives each rank its slice: dense state whole, expert
-state by global expert index. fp32 masters, Adam's moments and step are copied exactly, so the continued run
-equals one that had used the new layout from the start with the same state.
+`experts_ep<r>.pt` (expert-parallel rank r's experts, stacked [L, ...], with their optimizer state) and
+`vocab_rows<r>.pt` (rank r's rows of the vocabulary tables split over the ranks, with their optimizer state). A
+resume with another layout builds the engine for the new layout and then gives each rank its slice: dense state
+whole, expert state by global expert index, a vocabulary table's state by row (from the rows of any layout, or from
+the whole table of a checkpoint that kept it whole). fp32 masters, Adam's moments and step are copied exactly, so
+the continued run equals one that had used the new layout from the start with the same state.
 
 Under ZeRO 1/2 and bf16 a parameter's fp32 master and moments are fragments of flat per-rank partitions: they are
 read through each parameter's fragment (moe_scale/deepspeed_internals.py) and summed over its data-parallel
@@ -17,6 +19,7 @@ Without ZeRO the optimizer's per-parameter state is copied as it is.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,20 +29,39 @@ from deepspeed.moe.utils import is_moe_param
 from moe_scale.deepspeed_internals import (base_optimizer, flat_partition, fragment, is_partitioned, partition_group,
                                            set_step_counters, step_counters)
 from moe_scale.errors import UserError
-from moe_scale.moe.deepspeed_adapter import ExpertParallelModule, ExpertShard, expert_data_parallel_groups
+from moe_scale.models.vocab_parallel import split_parameter_groups, vocabulary_shards
+from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 
 PORTABLE = "portable"
 PARAM = "param"   # the fp32 value, beside the optimizer state's keys
 
 
-def _expert_modules(model: torch.nn.Module) -> dict[str, tuple[ExpertParallelModule, ExpertShard]]:
-    """Each expert-parallel parameter's name -> the module that holds it and how it is split."""
-    owners = {}
+@dataclass(frozen=True)
+class _Split:
+    """Where a parameter split over ranks lies in the whole: entries [first, first + count) of `total` along dim 0
+    (experts, or rows of a vocabulary table), kept in the portable file `file` (written by the first rank of the
+    parameter's expert-data-parallel group `group_name`)."""
+
+    first: int
+    count: int
+    total: int
+    file: str
+    group_name: str
+
+
+def split_parameters(model: torch.nn.Module) -> dict[str, _Split]:
+    """Each parameter split over the expert-parallel ranks, by name: experts and row-split vocabulary tables."""
+    found = {}
     for prefix, module in model.named_modules():
         if isinstance(module, ExpertParallelModule):
             for name, shard in module.expert_shards().items():
-                owners[f"{prefix}.{name}" if prefix else name] = module, shard
-    return owners
+                found[f"{prefix}.{name}" if prefix else name] = _Split(
+                    module.ep_rank * shard.per_rank, shard.per_rank, shard.total, f"experts_ep{module.ep_rank}.pt",
+                    module.expert_group_name)
+    for name, shard in vocabulary_shards(model).items():
+        found[name] = _Split(shard.first, shard.param.shape[0], shard.total, f"vocab_rows{shard.rank}.pt",
+                             shard.param.group_name)
+    return found
 
 
 def _flat_partition(engine, group_index: int) -> torch.Tensor:
@@ -94,18 +116,17 @@ def save_portable(engine, directory: Path, rank: int) -> None:
     """Every rank calls this (the full tensors are collectives); rank 0 writes the dense state, the first rank of
     each expert-data-parallel group its experts."""
     model = engine.module
-    owners = _expert_modules(model)
-    expert_groups = expert_data_parallel_groups(model) if dist.is_initialized() else {}
-    dense, experts, ep_rank, writes_experts = {}, {}, 0, False
+    splits = split_parameters(model)
+    expert_groups = split_parameter_groups(model) if dist.is_initialized() else {}
+    dense, files = {}, {}
     for name, param in model.named_parameters():
         state = _full_state(engine, param)
         if is_moe_param(param):
-            module, shard = owners[name]
-            ep_rank = module.ep_rank
-            group = expert_groups.get(module.expert_group_name)
-            writes_experts = group is None or dist.get_rank(group=group) == 0
-            experts[name] = {"first": module.ep_rank * shard.per_rank, "total": shard.total,
-                             "state": state}
+            split = splits[name]
+            group = expert_groups.get(split.group_name)
+            if group is None or dist.get_rank(group=group) == 0:
+                files.setdefault(split.file, {})[name] = {"first": split.first, "total": split.total,
+                                                          "state": state}
         else:
             dense[name] = state
     target = directory / PORTABLE
@@ -116,38 +137,82 @@ def save_portable(engine, directory: Path, rank: int) -> None:
         common = {"scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
                   "flat_step": flat.get("step"), "global_steps": global_steps, "global_samples": global_samples}
         torch.save({"dense": dense, "common": common}, target / "dense.pt")
-    if experts and writes_experts:
-        torch.save(experts, target / f"experts_ep{ep_rank}.pt")
+    for file, entries in files.items():
+        torch.save(entries, target / file)
 
 
 def has_portable(checkpoint: Path) -> bool:
     return (checkpoint / PORTABLE / "dense.pt").is_file()
 
 
-def load_portable(engine, checkpoint: Path) -> None:
-    """Give this rank its share of a checkpoint written with any layout (engine built for the new one)."""
+def load_portable(engine, checkpoint: Path, only: set[str] | None = None) -> None:
+    """Give this rank its share of a checkpoint written with any layout (engine built for the new one); `only`:
+    just these parameters (their values and optimizer state), not the schedule or the step counters."""
     model = engine.module
     source = checkpoint / PORTABLE
     saved = torch.load(source / "dense.pt", weights_only=False)
     experts = _ExpertFiles(source)
-    owners = _expert_modules(model)
+    splits = split_parameters(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if is_moe_param(param):
-                module, shard = owners[name]
-                state = experts.slice(name, module.ep_rank * shard.per_rank, shard.per_rank, shard.total)
-            elif name in saved["dense"]:
-                state = saved["dense"][name]
-            else:
-                raise UserError(f"{checkpoint}: no saved state for parameter {name}; resume with the settings "
-                                f"the checkpoint was written with")
-            _set_state(engine, param, state, saved["common"]["flat_step"])
+            if only is None or name in only:
+                state = _saved_state(name, param, splits.get(name), saved["dense"], experts, checkpoint)
+                _set_state(engine, param, state, saved["common"]["flat_step"])
+    if only is not None:
+        return
     common = saved["common"]
     if engine.lr_scheduler is not None and common["scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(common["scheduler"])
+        engine.lr_scheduler.load_state_dict(_per_group(common["scheduler"], len(engine.lr_scheduler.base_lrs)))
         for group, lr in zip(base_optimizer(engine).param_groups, engine.lr_scheduler.get_last_lr()):
             group["lr"] = lr
     set_step_counters(engine, common["global_steps"], common["global_samples"])
+
+
+def _per_group(scheduler: dict, groups: int) -> dict:
+    """A schedule's state for `groups` optimizer groups: another layout may group the parameters otherwise (the
+    vocabulary tables split over all ranks are a group of their own beside --ep-size's experts). Every group has
+    the same learning rate (--lr), so each list holds one value, repeated."""
+    state = dict(scheduler)
+    for key in ("base_lrs", "_last_lr"):
+        values = state.get(key)
+        if isinstance(values, list) and values and len(values) != groups:
+            if len(set(values)) != 1:
+                raise UserError(f"the checkpoint's schedule has {len(values)} different learning rates for "
+                                f"{groups} parameter groups; resume with the layout it was written with")
+            state[key] = values[:1] * groups
+    return state
+
+
+def _saved_state(name: str, param, split: _Split | None, dense: dict, experts: "_ExpertFiles", checkpoint: Path):
+    """The saved state of the part of parameter `name` this rank holds, from wherever the checkpoint kept it."""
+    if split is not None and experts.has(name):
+        return experts.slice(name, split.first, split.count, split.total)
+    if split is not None and name in dense:   # a table kept whole (one process, --vocab-exchange dense)
+        return {k: _rows(v, split.first, split.count, split.total) for k, v in dense[name].items()}
+    if name in dense:
+        return dense[name]
+    if experts.has(name):   # a table whole here that the checkpoint split by rows
+        return experts.slice(name, 0, param.shape[0], param.shape[0])
+    raise UserError(f"{checkpoint}: no saved state for parameter {name}; resume with the settings the checkpoint "
+                    f"was written with")
+
+
+def _rows(value, first: int, count: int, total: int):
+    return value[first:first + count] if torch.is_tensor(value) and value.dim() and value.shape[0] == total \
+        else value
+
+
+def load_vocabulary_rows(model: torch.nn.Module, checkpoint: Path, names: set[str]) -> None:
+    """The values (not the optimizer state) of the row-split tables `names` into `model`, split or whole."""
+    experts = _ExpertFiles(checkpoint / PORTABLE)
+    splits = split_parameters(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in names:
+                split = splits.get(name)
+                first, count = (split.first, split.count) if split else (0, param.shape[0])
+                value = experts.slice(name, first, count, split.total if split else param.shape[0])[PARAM]
+                param.data.copy_(value.to(param.device, param.dtype))
 
 
 def _set_state(engine, param, state: dict, flat_step) -> None:
@@ -175,11 +240,14 @@ def _set_state(engine, param, state: dict, flat_step) -> None:
 
 
 class _ExpertFiles:
-    """The experts_ep<r>.pt files of one checkpoint, read as needed."""
+    """The experts_ep<r>.pt and vocab_rows<r>.pt files of one checkpoint, read as needed."""
 
     def __init__(self, source: Path):
-        self.paths = sorted(source.glob("experts_ep*.pt"))
+        self.paths = sorted(source.glob("experts_ep*.pt")) + sorted(source.glob("vocab_rows*.pt"))
         self._loaded: dict[Path, dict] = {}
+
+    def has(self, name: str) -> bool:
+        return any(name in self._file(path) for path in self.paths)
 
     def _file(self, path: Path) -> dict:
         if path not in self._loaded:

@@ -12,7 +12,8 @@ from moe_scale.accounting.memory import GIB, communicators, memory
 from moe_scale.accounting.model_shape import planned_model
 from moe_scale.config import RunConfig
 
-DENSE = 500 * 32 + 2 * (4 * 32 * 64 + 2 * 4 * 32) + 2 * 32 * 8 + 500 * 32 + 500   # embedding, LSTMs, gates, softmax
+TABLES = 500 * 32 + 500 * 32 + 500                               # the embedding and the softmax (weight, bias)
+DENSE = 2 * (4 * 32 * 64 + 2 * 4 * 32) + 2 * 32 * 8              # the LSTMs and the gates
 EXPERTS = 8 * 2 * 32 * 48
 TOKENS = 512
 
@@ -25,11 +26,12 @@ def small(**settings) -> RunConfig:
 
 def test_every_part_by_hand():
     model = planned_model(small())
-    assert (model.dense_params, model.sharded_params) == (DENSE, EXPERTS)
+    assert (model.dense_params, model.sharded_params, model.vocab_params) == (DENSE, EXPERTS, TABLES)
     layout = Layout(1, 4, ep_size=4, zero_stage=2)
     result = memory(model, layout, get_gpu("h100-sxm"), TOKENS, {"zero_optimization": {"stage": 2}})
     b = result["bytes"]
-    local = EXPERTS // 4
+    local = EXPERTS // 4 + TABLES / 4     # each rank's experts and rows of the tables (--vocab-exchange rows)
+    assert model.params_per_gpu(4, 4) == DENSE + local
     assert b["parameters"] == (DENSE + local) * 4
     assert b["gradients"] == DENSE * 4 / 4 + local * 4            # dense over 4 ranks; each expert on one rank
     assert b["optimizer_state"] == DENSE * 8 / 4 + local * 8
@@ -47,11 +49,21 @@ def test_every_part_by_hand():
     assert b["total"] == pytest.approx(sum(v for k, v in b.items() if k != "total"))
 
 
+def test_tables_kept_whole_are_dense_state():
+    model = planned_model(small(vocab_exchange="dense"))
+    layout = Layout(1, 4, ep_size=4, zero_stage=2)
+    b = memory(model, layout, get_gpu("h100-sxm"), TOKENS, {"zero_optimization": {"stage": 2}})["bytes"]
+    assert b["parameters"] == (DENSE + TABLES + EXPERTS // 4) * 4
+    assert b["optimizer_state"] == (DENSE + TABLES) * 8 / 4 + EXPERTS // 4 * 8
+    assert planned_model(small()).params_per_gpu(1, 1) == DENSE + TABLES + EXPERTS     # one rank holds everything
+
+
 def test_factored_state():
     model = planned_model(small(optimizer="factored"))
     layout = Layout(1, 2, ep_size=2, optimizer="factored")
     b = memory(model, layout, get_gpu("a100-80"), TOKENS, {})["bytes"]
-    assert b["optimizer_state"] == DENSE * 8 + 4 * 2 * (48 + 32) * 4   # 4 experts here: w_in, w_out rows + columns
+    # 4 experts here: w_in, w_out rows + columns; half the tables' rows with Adam's state
+    assert b["optimizer_state"] == DENSE * 8 + 4 * 2 * (48 + 32) * 4 + TABLES / 2 * 8
     assert communicators(layout, model) == 2
 
 

@@ -48,9 +48,14 @@ def test_counts_equal_the_built_model(name):
         p.grad = torch.zeros_like(p)
     optimizer.step()
     assert planned.factored_state == optimizer_state_numel(optimizer, factored_only=True)
-    # one rank of two holds the dense parameters and half of the sharded ones
-    half = build_model(config, VOCAB, ep_size=2, ep_rank=1)
-    assert sum(p.numel() for p in half.parameters()) == planned.dense_params + planned.sharded_params // 2
+    # one rank of two holds the dense parameters, half of the sharded ones and half the vocabulary tables' rows;
+    # with one expert-parallel rank per process or none, the tables are split over the processes all the same
+    data_parallel = build_model(config, VOCAB, world=2, rank=1)
+    assert sum(p.numel() for p in data_parallel.parameters()) == planned.params_per_gpu(1, 2) == \
+        planned.dense_params + planned.sharded_params + planned.vocab_params // 2
+    half = build_model(config, VOCAB, ep_size=2, ep_rank=1, world=2, rank=1)
+    assert sum(p.numel() for p in half.parameters()) == planned.params_per_gpu(2, 2) == \
+        planned.dense_params + planned.sharded_params // 2 + planned.vocab_params // 2
     # FLOPs per token by train's own rule (train/report.py)
     macs = {**forward_macs_per_token(config, VOCAB, config.data.seq_len),
             "softmax": model.softmax.forward_macs_per_token()}

@@ -19,9 +19,10 @@ from moe_scale.train.ds_config import DEFAULT_DS_CONFIG
 from moe_scale.train.factored_optimizer import check_optimizer_fits
 
 
-def paper_planner(name: str) -> Planner:
+def paper_planner(name: str, vocab_exchange: str = "rows") -> Planner:
     preset, config = get_preset(name), preset_config(name)
     config.softmax.kind, config.softmax.num_sampled = preset.softmax.kind, preset.softmax.num_samples
+    config.parallel.vocab_exchange = vocab_exchange
     return Planner(planned_model(config), get_gpu("k40"), DEFAULT_DS_CONFIG, preset.batch_words, name=name)
 
 
@@ -32,20 +33,25 @@ def k40s(nodes: int, optimizer: str = "factored", zero: int = 0, ep: int = 1) ->
 def test_the_largest_100b_models_on_k40s_with_the_factored_optimizer_at_zero_0():
     """The factored optimizer trains at ZeRO-0 only (train refuses it under ZeRO-1/2), so every GPU keeps the dense
     parameters' Adam state whole; with the runtime's reserves and the 5% margin MoE-131072-h needs 256 K40s (the
-    paper trained it on 128) and MoE-65536-h 128 (the paper: 64); with Adam, MoE-131072-h fits nowhere."""
+    paper trained it on 128) and MoE-65536-h 128 (the paper: 64). With Adam, MoE-131072-h fits on 1,792 K40s (ep
+    256) only because the vocabulary tables' rows and their Adam state are split over the expert-parallel ranks;
+    kept whole on every GPU (--vocab-exchange dense) it fits nowhere."""
     largest, second = paper_planner("news100b-moe-131072-h"), paper_planner("news100b-moe-65536-h")
     assert largest.smallest_fitting(k40s(1), ep_fixed=False)["world"] == 256
     assert not largest.plan(k40s(32, ep=128))["fits"]
     assert second.smallest_fitting(k40s(1), ep_fixed=False)["world"] == 128
-    assert largest.smallest_fitting(k40s(1, "adam"), ep_fixed=False) is None
+    assert largest.smallest_fitting(k40s(1, "adam"), ep_fixed=False)["world"] == 1792
+    whole = paper_planner("news100b-moe-131072-h", vocab_exchange="dense")
+    assert whole.smallest_fitting(k40s(1, "adam"), ep_fixed=False) is None
 
 
 def test_hierarchical_secondary_gates_are_counted_with_the_experts():
     planner = paper_planner("news100b-moe-65536-h")
     one, many = planner.plan(k40s(16, ep=64)), planner.plan(k40s(32, ep=128))
     sharded = 65536 * 2 * 512 * 1024 + 256 * 2 * 512 * 256          # experts, and the a·2·d·b secondary gates
-    dense = one["params_per_gpu"] - sharded // 64
-    assert many["params_per_gpu"] == dense + sharded // 128
+    tables = planner.model.vocab_params                              # split by rows over the same ranks
+    dense = one["params_per_gpu"] - sharded // 64 - round(tables / 64)
+    assert many["params_per_gpu"] == dense + sharded // 128 + round(tables / 128)
     assert dense == planner.model.dense_params
 
 

@@ -70,11 +70,17 @@ def _model(**settings):
 def test_gradient_sync_by_hand():
     model = _model()
     net = Network(GPU, 4)
-    dense, experts = model.dense_params, model.sharded_params
-    # ZeRO-0 on 8 GPUs over 2 nodes, ep 4: dense all-reduced over 8, experts over the 2 copies of each
+    dense, experts, tables = model.dense_params, model.sharded_params, model.vocab_params
+    # ZeRO-0 on 8 GPUs over 2 nodes, ep 4: dense all-reduced over 8, experts over the 2 copies of each, the tables'
+    # rows not at all (each lives on one rank)
     reduce, gather = gradient_sync(net, model, Layout(2, 4, ep_size=4))
     assert reduce == pytest.approx(1e-4 + 2 * 7 / 8 * dense * 4 / INTER + 1e-4 + 2 * 1 / 2 * experts / 4 * 4 / INTER)
     assert gather == 0
+    # the tables kept whole: all-reduced with the dense parameters
+    whole = _model(vocab_exchange="dense")
+    reduce, _ = gradient_sync(net, whole, Layout(2, 4, ep_size=4))
+    assert reduce == pytest.approx(1e-4 + 2 * 7 / 8 * (dense + tables) * 4 / INTER
+                                   + 1e-4 + 2 * 1 / 2 * experts / 4 * 4 / INTER)
     # ZeRO-2 in one node: reduce-scatter of gradients and all-gather of weights, (n-1)/n each
     reduce, gather = gradient_sync(net, model, Layout(1, 4, ep_size=4, zero_stage=2))
     assert reduce == gather == pytest.approx(1e-5 + 3 / 4 * dense * 4 / INTRA)
@@ -88,7 +94,8 @@ def test_compute_overlap_and_throughput():
     s = plain["seconds"]
     assert s["compute"] == pytest.approx(tokens / 4 * model.flops_per_token / (494.7e12 * 0.35))
     assert s["waiting"] == 0
-    assert s["step"] == pytest.approx(s["compute"] + s["all_to_all"] + s["sync"] + s["gradient_sync"] + s["optimizer"])
+    assert s["step"] == pytest.approx(s["compute"] + s["all_to_all"] + s["vocab_exchange"] + s["sync"]
+                                      + s["gradient_sync"] + s["optimizer"])
     # one router: its statistics (2 x 8 floats) summed forward and backward; the gradient norm once; one node
     assert s["sync"] == pytest.approx(3 * 1e-5 + 2 * 3 / 4 * (2 * 64 / INTRA + 16 / INTRA))
     assert plain["tokens_per_s"] == pytest.approx(tokens / s["step"])

@@ -24,6 +24,7 @@ def open_and_record(argv: list[str]) -> int:
     after IDS."""
     import moe_scale.commands.prune_heads as prune_heads
     from moe_scale.inference import trained_run
+    from moe_scale.models.vocab_parallel import vocabulary_shards
 
     opened, records = trained_run.open_trained_run, []
 
@@ -32,6 +33,8 @@ def open_and_record(argv: list[str]) -> int:
         records.append({"command": command, "checkpoint": trained.checkpoint,
                         "softmax": type(trained.model.softmax).__name__,
                         "state": {k: v.clone() for k, v in trained.model.state_dict().items()},
+                        "rows": {k: (shard.first, shard.param.detach().clone())
+                                 for k, shard in vocabulary_shards(trained.model).items()},
                         "log_probs": trained.model.decode(torch.tensor(IDS))[0]
                         if trained.env.world_size == 1 else None})
         torch.save(records, f"{argv[0]}.rank{trained.env.rank}")
@@ -90,13 +93,21 @@ def test_eval_spreads_the_experts_over_the_processes_of_a_launch(lstm_run, tmp_p
         proc = run_cli(str(record), "eval", "--json", "--run", str(lstm_run), cwd=tmp_path, cache=embedded_cache,
                        nprocs=nprocs, entry=open_and_record, check=True)
         results.append(json.loads(proc.stdout))   # rank 0 prints the result, rank 1 nothing
-        opened.append([torch.load(f"{record}.rank{r}", weights_only=False)[0]["state"] for r in range(nprocs)])
+        opened.append([torch.load(f"{record}.rank{r}", weights_only=False)[0] for r in range(nprocs)])
     one, two = results
     assert (two["tokens"], two["words_predicted"]) == (one["tokens"], one["words_predicted"])
     assert two["ppl"] == pytest.approx(one["ppl"], rel=1e-6)
-    [whole], halves = opened
-    for rank, half in enumerate(halves):   # rank r holds global experts 4r..4r+3 of the 8, the rest whole
-        assert half.keys() == {k for k in whole if _local_expert(k) is None or _local_expert(k) < 4}
+    [[whole]], halves = [[r["state"] for r in records] for records in opened[:1]], opened[1]
+    assert opened[0][0]["rows"] == {}
+    tables = set(halves[0]["rows"])
+    assert tables >= {"embedding.weight"}
+    for rank, record in enumerate(halves):   # rank r holds global experts 4r..4r+3 of the 8 and its rows of the
+        half = record["state"]               # vocabulary tables, the rest whole
+        assert half.keys() == {k for k in whole if (_local_expert(k) is None or _local_expert(k) < 4)
+                               and k not in tables}
+        for key, (first, rows) in record["rows"].items():
+            assert first == (0 if rank == 0 else halves[0]["rows"][key][1].shape[0])
+            assert torch.equal(rows, whole[key][first:first + rows.shape[0]]), (rank, key)
         for key, value in half.items():
             local = _local_expert(key)
             same = key if local is None else key.replace(f"{DS_EXPERT_PREFIX}{local}.",

@@ -128,7 +128,7 @@ class _Writes:
 def test_a_failed_or_killed_save_leaves_the_previous_checkpoint_in_use(run, monkeypatch):
     monkeypatch.setattr(ckpt.dist, "barrier", lambda *a, **k: None)
     monkeypatch.setattr(ckpt, "save_portable", lambda *a: None)   # the fake engines hold no model
-    monkeypatch.setattr(ckpt, "_ep_size", lambda model: 1)
+    monkeypatch.setattr(ckpt, "_model_layout", lambda model: {"ep_size": 1, "vocab_rows": []})
     marker = (run / "checkpoints" / "complete").read_text()
     with pytest.raises(UserError, match=f"No space left on device.*previous complete checkpoint {NEW} is intact"):
         ckpt.save_checkpoint(_FullDisk(), run, STEP_9, rank=0, rows="tokens", keep=2)
@@ -178,7 +178,7 @@ def test_a_full_disk_inside_torch_save_is_the_same_one_line(run, monkeypatch):
 def test_a_full_disk_while_rank_0_writes_the_manifest_is_the_same_one_line(run, monkeypatch):
     monkeypatch.setattr(ckpt.dist, "barrier", lambda *a, **k: None)
     monkeypatch.setattr(ckpt, "save_portable", lambda *a: None)
-    monkeypatch.setattr(ckpt, "_ep_size", lambda model: 1)
+    monkeypatch.setattr(ckpt, "_model_layout", lambda model: {"ep_size": 1, "vocab_rows": []})
 
     def full(path, value):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -24,14 +24,14 @@ SETTINGS = ["--d-model", "32", "--expert-hidden", "32", "--num-experts", "4", "-
 
 
 def _resharded_run_matches(tmp_path, cache, before: tuple[int, int], after: tuple[int, int], ds: str,
-                           extra: tuple[str, ...] = ()) -> None:
+                           extra: tuple[str, ...] = (), resume_extra: tuple[str, ...] = ()) -> None:
     (procs, ep), (new_procs, new_ep) = before, after
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train([*SETTINGS, *extra, "--ds-config", str(CONFIGS / f"{ds}.json"), "--ep-size", str(ep), "--out",
                str(straight)], cwd=tmp_path, cache=cache, nprocs=procs)
     shutil.copytree(straight, resumed)
     (resumed / "checkpoints" / "complete").write_text(json.dumps({"tag": "step00000002", "step": 2}))
-    run_train(["--resume", "--ep-size", str(new_ep), "--out", str(resumed)], cwd=tmp_path, cache=cache,
+    run_train(["--resume", "--ep-size", str(new_ep), *resume_extra, "--out", str(resumed)], cwd=tmp_path, cache=cache,
               nprocs=new_procs)
     a, b = step_log(straight), step_log(resumed)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -39,7 +39,9 @@ def _resharded_run_matches(tmp_path, cache, before: tuple[int, int], after: tupl
     for x, y in zip(a[2:], b[2:]):
         assert abs(x["loss"] - y["loss"]) < 1e-5 and abs(x["grad_norm"] - y["grad_norm"]) < 1e-5, (x, y)
     layout = json.loads((resumed / "checkpoints" / "step00000004" / "layout.json").read_text())
-    assert layout == {"world_size": new_procs, "ep_size": new_ep, "rows": "tokens"}
+    split = new_procs > 1 and "dense" not in resume_extra    # the tables are split over the processes by default
+    tables = ["embedding.weight", "softmax.proj.bias", "softmax.proj.weight"] if split else []
+    assert layout == {"world_size": new_procs, "ep_size": new_ep, "rows": "tokens", "vocab_rows": tables}
 
 
 @pytest.mark.multiprocess
@@ -79,6 +81,14 @@ def test_aux_free_biases_and_shared_experts_move_to_another_layout(tmp_path, emb
                        weights_only=False)["module"]
     assert torch.count_nonzero(dense["moe.router.score_bias"]) > 0
     assert {"moe.shared.w_in", "moe.shared.w_out", "moe.shared.w_gate"} <= set(dense)
+
+
+@pytest.mark.multiprocess
+def test_a_resume_may_keep_the_vocabulary_tables_whole_instead(tmp_path, embedded_cache):
+    """The same 2 processes, the tables split by rows until step 2, then whole (--vocab-exchange dense): their rows
+    and Adam state come back whole from the portable files, and the run goes on as if it had never changed."""
+    _resharded_run_matches(tmp_path, embedded_cache, (2, 2), (2, 2), "zero2_ep",
+                           resume_extra=("--vocab-exchange", "dense"))
 
 
 @pytest.mark.multiprocess

@@ -86,15 +86,18 @@ def test_counts_do_not_depend_on_the_width(tmp_path, embedded_cache):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("config", GPU_CONFIGS, ids=["zero2", "zero1"])
 def test_two_ranks_read_only_the_exchanges_counts(tmp_path, embedded_cache, config):
-    """Expert-parallel over both ranks: one count read per MoE layer, in the forward, at the exchange; nothing else
-    on either rank but the stop-request flag, a CPU tensor on GPUs too. Data-parallel only (ep_size 1): nothing is
-    exchanged, nothing read."""
+    """Expert-parallel over both ranks: one count read per MoE layer, in the forward, at the exchange, and one for
+    each vocabulary table's exchange (the embedding's rows; the softmax's hidden states: the tables are split over
+    the processes); nothing else on either rank but the stop-request flag, a CPU tensor on GPUs too. Data-parallel
+    only (ep_size 1): the tables' two reads, nothing else."""
     flags = [*TRANSFORMER, *WIDTH, "--ds-config", str(config)]
     for rank, report in enumerate(count(tmp_path / "ep2", [*flags, "--ep-size", "2"], embedded_cache, nprocs=2)):
-        assert report["host_reads"] == 0 and report["all_to_all_count_reads"] == 2, (rank, where(report))
-        assert [(r["phase"], r["site"].split(":")[0], r["count"], r["all_to_all"]) for r in report["reads"]] == \
-            [("forward", "moe_scale/moe/dispatch/exchange.py", 2, True)]
+        assert report["host_reads"] == 0 and report["all_to_all_count_reads"] == 4, (rank, where(report))
+        assert [(r["phase"], r["site"].split(":")[0], r["site"].split(" ")[-1], r["count"], r["all_to_all"])
+                for r in report["reads"]] == \
+            [("forward", "moe_scale/models/vocab_parallel.py", "_read_counts", 1, True)] * 2 + \
+            [("forward", "moe_scale/moe/dispatch/exchange.py", "_read_to_host", 2, True)], where(report)
         assert [r["site"].split(" ")[-1] for r in report["host_side_reads"]] == ["StopRequests.agreed"]
     for rank, report in enumerate(count(tmp_path / "ep1", [*flags, "--ep-size", "1"], embedded_cache, nprocs=2)):
-        assert report["host_reads"] == 0 and report["all_to_all_count_reads"] == 0, (rank, where(report))
+        assert report["host_reads"] == 0 and report["all_to_all_count_reads"] == 2, (rank, where(report))
 

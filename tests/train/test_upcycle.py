@@ -83,6 +83,15 @@ def test_noise_sets_the_copies_apart_by_its_size_and_the_same_on_every_layout(tm
     second_half = build_model(_config(), VOCAB, ep_size=2, ep_rank=1)   # experts 4-7 on the second rank
     upcycle(second_half, run, TAG, noise=0.01, seed=5)
     assert torch.equal(second_half.moe.experts.w_in.detach(), w_in[4:])
+    # the second of 2 processes also holds only its rows of the vocabulary tables (--vocab-exchange rows)
+    split = build_model(_config(), VOCAB, ep_size=2, ep_rank=1, world=2, rank=1)
+    upcycle(split, run, TAG, noise=0.01, seed=5)
+    assert torch.equal(split.moe.experts.w_in.detach(), w_in[4:])
+    rows = split.embedding.vocab.rows
+    assert 0 < rows.first and torch.equal(split.embedding.weight.detach(),
+                                          one.embedding.weight.detach()[rows.first:rows.first + rows.count])
+    assert torch.equal(split.softmax.proj.weight.detach(),
+                       one.softmax.proj.weight.detach()[rows.first:rows.first + rows.count])
 
 
 @pytest.mark.slow
