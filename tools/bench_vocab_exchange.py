@@ -16,7 +16,8 @@ tools/comm_bytes.py, which counts what each rank sends in every collective (by t
 ring all-reduce 2(n-1)/n of the tensor, all-gather and reduce-scatter (n-1)/n of the whole, an all-to-all what goes
 to the other ranks) between the starts of consecutive optimizer steps. Per run the JSON holds the median bytes a
 rank sends in a step, by collective, the rows of the tables the step touched (the distinct ids the ranks fetched,
-summed over the ranks: what a row-sparse exchange would send at the least), the run's step seconds and tokens/s
+summed over the ranks: what a row-sparse exchange would send at the least) and the bytes of the split tables' own
+exchanges (the "vocabulary:" collectives; the rest is the model's other traffic), the run's step seconds and tokens/s
 (its summary: the steps after the warm-up) and the largest resident memory of a rank; per process count the ratios
 dense / rows. Exit status: 0 done; 1 a run failed or was killed; 2 a bad flag.
 """
@@ -105,8 +106,10 @@ def run_one(work: Path, data: Path, procs: int, mode: str, args) -> dict:
     kinds = sorted({kind for step in steps for kind in step["bytes"]})
     per_kind = {kind: statistics.median(step["bytes"].get(kind, 0) for step in steps) for kind in kinds}
     rows = [sum(rank["steps"][i]["rows_fetched"] for rank in ranks) for i in range(3, len(ranks[0]["steps"]))]
+    vocabulary = sum(v for k, v in per_kind.items() if k.startswith("vocabulary:"))
     return {"procs": procs, "mode": mode, "bytes_per_rank_per_step": sum(per_kind.values()),
-            "bytes_by_collective": per_kind, "rows_touched_per_step": statistics.median(rows) if rows else 0,
+            "bytes_by_collective": per_kind, "vocabulary_bytes_per_rank_per_step": vocabulary,
+            "rows_touched_per_step": statistics.median(rows) if rows else 0,
             "step_seconds": summary["step_seconds"], "tokens_per_s": summary["tokens_per_s"],
             "peak_rss_mib_per_process": summary.get("peak_rss_mib_per_process")}
 
@@ -136,7 +139,7 @@ def main(argv: list[str]) -> int:
                 ratios[str(procs)] = {
                     "bytes_dense_over_rows": dense["bytes_per_rank_per_step"] / rows["bytes_per_rank_per_step"],
                     "step_seconds_dense_over_rows": dense["step_seconds"] / rows["step_seconds"],
-                    "rows_bytes_over_touched_rows_bytes": rows["bytes_per_rank_per_step"] * procs
+                    "vocabulary_bytes_over_touched_rows_bytes": rows["vocabulary_bytes_per_rank_per_step"] * procs
                     / max(1, rows["rows_touched_per_step"] * args.d_model * 4)}
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             print(f"bench_vocab_exchange.py: {e}", file=sys.stderr)

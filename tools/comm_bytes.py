@@ -5,8 +5,9 @@
 
 Each rank writes COUNTS_DIR/rank<r>.json at exit: one entry per optimizer step (from the start of one
 `TrainingEngine.backward_and_step` to the start of the next: one step's backward and optimizer, then the next
-step's forward), each with the bytes this rank sent by collective and the vocabulary rows it fetched (the
-distinct ids of its batch: models/vocab_parallel.py). Bytes sent by the collectives' usual algorithms: ring
+step's forward), each with the bytes this rank sent by collective ("vocabulary:<collective>" for those of the
+vocabulary tables' exchanges, models/vocab_parallel.py) and the vocabulary rows it fetched (the distinct ids of its
+batch). Bytes sent by the collectives' usual algorithms: ring
 all-reduce 2(n-1)/n of the tensor; all-gather (n-1) x this rank's piece; reduce-scatter (n-1)/n of the input; an
 all-to-all what goes to the other ranks; reduce and broadcast the tensor once (the root's share).
 """
@@ -35,6 +36,21 @@ class Counts:
         self.bytes, self.rows = Counter(), 0
 
 
+_VOCABULARY = "vocabulary:"
+
+
+def _from_vocabulary() -> bool:
+    """Whether the collective was called from the vocabulary tables' exchanges (models/vocab_parallel.py)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith("vocab_parallel.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _wrap(counts: Counts) -> None:
     """Wraps torch.distributed's collectives (DeepSpeed's comm and moe_scale call them through the module)."""
     import inspect
@@ -53,7 +69,7 @@ def _wrap(counts: Counts) -> None:
             group = bound.get("group")
             n = dist.get_world_size(group)
             if n > 1:
-                counts.bytes[name] += int(sent(n, group, bound))
+                counts.bytes[_VOCABULARY + name if _from_vocabulary() else name] += int(sent(n, group, bound))
             return original(*args, **kwargs)
         setattr(dist, name, wrapper)
 

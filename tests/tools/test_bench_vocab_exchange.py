@@ -31,7 +31,11 @@ def test_dense_and_rows_on_2_processes(tmp_path):
     # the whole tables' gradients (1,003 x 16 each, and the softmax's bias) are reduced by ZeRO-2 in every step
     assert dense["bytes_per_rank_per_step"] > 2 * 1003 * 16 * 4 / 2
     assert dense["rows_touched_per_step"] == 0 < rows["rows_touched_per_step"] <= 2 * (2 * 8 * 32 + 1024)
-    assert rows["bytes_by_collective"]["all_to_all_single"] > 0
+    assert rows["bytes_by_collective"]["vocabulary:all_to_all_single"] > 0
+    assert dense["vocabulary_bytes_per_rank_per_step"] == 0
+    # the rows there and their gradients back, 1/2 of them staying on their rank; the ids beside them
+    touched = rows["rows_touched_per_step"] * 16 * 4
+    assert 0.9 < rows["vocabulary_bytes_per_rank_per_step"] * 2 / touched < 2
     for run in (dense, rows):
         assert run["step_seconds"] > 0 and run["tokens_per_s"] > 0
     ratio = report["ratios"]["2"]
