@@ -16,7 +16,7 @@ import torch
 from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.data.vocab import Vocab
 from tests.wikitext import wikitext_sentences
-from tests.cli_runs import TINY, run_cli, run_eval, run_train
+from tests.cli_runs import TINY, run_cli, run_eval, run_train, step_log
 
 _GLUE = [(r" @(.)@ ", r"\1"), (r" ([,.;:!?)])", r"\1"), (r"\( ", "("), (r" ('s|'re|n't)\b", r"\1")]
 
@@ -110,3 +110,22 @@ def test_bpe_run_end_to_end(tmp_path, raw_text, embedded_cache):
     text = tokenizer(raw(wikitext_sentences("test")[7]), return_tensors="pt").input_ids[:, :16]
     with torch.no_grad():
         torch.testing.assert_close(model(text).logits, lm.decode(text)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_bpe_two_processes_equal_one_process(tmp_path, raw_text, embedded_cache):
+    """Subword ids split over 2 processes by rows (--vocab-exchange rows, the default) as word ids are: the steps of
+    1 and 2 processes (--ep-size 2, the same BPE tokenizer, the full softmax: each process draws its own samples
+    for the sampled one) are the same."""
+    common = [*TINY, "--data", str(raw_text), "--vocab-size", "600", "--eval-interval", "3", "--max-steps", "3",
+              "--checkpoint-interval", "3", "--noise-rng", "global", "--dropout", "0", "--lr", "0.01",
+              "--warmup-steps", "0"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train([*common, "--tokenizer", "bpe", "--out", str(one)], cwd=tmp_path, cache=embedded_cache)
+    run_train([*common, "--tokenizer", str(one / "tokenizer.json"), "--ep-size", "2", "--out", str(two)],
+              cwd=tmp_path, cache=embedded_cache, nprocs=2)
+    for a, b in zip(step_log(one), step_log(two), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (a, b)
+    layout = json.loads((two / "checkpoints" / "step00000003" / "layout.json").read_text())
+    assert layout["vocab_rows"] == ["embedding.weight", "softmax.proj.bias", "softmax.proj.weight"]
