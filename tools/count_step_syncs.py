@@ -8,8 +8,10 @@ forward, backward, clipping, DeepSpeed's optimizer step and the loop's bookkeepi
 One JSON line per rank:
 
     host_reads               reads that make the host wait for the device (the all-to-all's count reads apart)
-    all_to_all_count_reads   the read of the counts an expert-parallel exchange needs, one per MoE layer where rows
-                             travel (`all_to_all_count_reads_per_moe_layer`); none where nothing is exchanged
+    all_to_all_count_reads   the read of the counts an exchange needs: one per MoE layer where rows travel, and one
+                             per vocabulary table split over several processes (its rows' exchange, or the full
+                             softmax's gather); `all_to_all_count_reads_per_moe_layer` divides them all by the
+                             MoE layers; none where nothing is exchanged
     kernel_ops               operations that launch work on a device
     phases                   the three by phase (forward, backward, clip, optimizer, loop), with each phase's most
                              frequent operations
