@@ -31,6 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from json_lines import emit_report
 from tool_args import OneLineParser, check_out_file, positive_int
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,10 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                   "threads_per_process": rows[0]["threads_per_process"]} for name, rows in runs.items()},
         "ratio": median["after"] / median["before"],
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    emit_report(report, args.out)
     return 0
 
 

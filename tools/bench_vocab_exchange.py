@@ -33,7 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tool_args import OneLineParser, check_out_file, positive_int
+from json_lines import emit_report
+from tool_args import OneLineParser, check_out_file, positive_int, positive_int_list
 
 REPO = Path(__file__).resolve().parents[1]
 DS_CONFIG = "ds_configs/zero2_ep.json"
@@ -42,7 +43,8 @@ MODES = ("dense", "rows")
 
 def parse_args(argv: list[str]):
     parser = OneLineParser(prog="bench_vocab_exchange.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--procs", default="2,4", help="process counts, comma-separated (each ≥ 2)")
+    parser.add_argument("--procs", type=positive_int_list, default=[2, 4], help="process counts, comma-separated "
+                                                                                "(each ≥ 2)")
     parser.add_argument("--types", type=positive_int, default=200_000, help="word types (the vocabulary)")
     parser.add_argument("--words", type=positive_int, default=1_500_000, help="Zipf-drawn training tokens")
     parser.add_argument("--d-model", type=positive_int, default=128, help="model width")
@@ -51,10 +53,6 @@ def parse_args(argv: list[str]):
     parser.add_argument("--timeout", type=positive_int, default=900, help="seconds a run may take (exit 1)")
     parser.add_argument("--out", type=Path, help="also write the JSON to this file")
     args = parser.parse_args(argv)
-    try:
-        args.procs = [int(p) for p in args.procs.split(",")]
-    except ValueError:
-        parser.error(f"--procs {args.procs!r}: expected process counts such as 2,4")
     if any(p < 2 for p in args.procs):
         parser.error("--procs: every count must be at least 2 (one process splits nothing)")
     if args.max_steps < 6:
@@ -150,10 +148,7 @@ def main(argv: list[str]) -> int:
                            "max_steps": args.max_steps, "seed": args.seed, "ds_config": DS_CONFIG,
                            "num_sampled": samples(args)},
               "runs": runs, "ratios": ratios}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    emit_report(result, args.out)
     return 0
 
 

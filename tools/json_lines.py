@@ -1,4 +1,5 @@
-"""JSON-lines output shared by the benchmarks in tools/: one row per line on stdout, and appended to --out."""
+"""JSON output shared by the benchmarks in tools/: one row per line on stdout, and appended to --out (`emit`); or
+one report, indented, on stdout and in --out (`emit_report`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ def emit(row: dict, out: Path | None) -> None:
     if out is not None:
         with out.open("a") as f:
             f.write(line + "\n")
+
+
+def emit_report(report: dict, out: Path | None) -> None:
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
 
 
 def sig(x: float) -> float:

@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe_scale.distributed.comm import _SumOverGroup
-from moe_scale.moe.dispatch.exchange import CommTimer
+from moe_scale.distributed.comm import BatchCollectives
+from moe_scale.moe.dispatch.exchange import CommTimer, all_to_all_plain
 from moe_scale.models.softmax import IGNORE, AdaptiveSoftmax, FullSoftmax, SampledSoftmax
 
 
@@ -89,13 +89,6 @@ class VocabGroup:
         return self.group
 
 
-def _all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
-                           group=group)
-    return out
-
-
 def _read_counts(counts: torch.Tensor) -> list:
     """The one read to the host an exchange of rows needs: its split sizes (all_to_all_single and all_gather take
     them as Python ints). metrics/step_syncs.py counts reads made here as such."""
@@ -130,10 +123,10 @@ class _FetchRows(torch.autograd.Function):
         vocab.timer.run(lambda: dist.all_to_all_single(recv_P, send_P, group=group), send_P.device)
         send, recv = _read_counts(torch.stack([send_P, recv_P]))
         ids_U = distinct_K[:sum(send)]
-        asked = vocab.timer.run(lambda: _all_to_all(ids_U, recv, send, group), ids_U.device) - rows.first
+        asked = vocab.timer.run(lambda: all_to_all_plain(ids_U, recv, send, group), ids_U.device) - rows.first
         widths = [s[0].numel() for s in shards]
         flat = torch.cat([s.reshape(s.shape[0], -1)[asked] for s in shards], dim=1)
-        back = vocab.timer.run(lambda: _all_to_all(flat, send, recv, group), flat.device)
+        back = vocab.timer.run(lambda: all_to_all_plain(flat, send, recv, group), flat.device)
         ctx.vocab, ctx.splits, ctx.widths = vocab, (send, recv), widths
         ctx.shapes = [s.shape for s in shards]
         ctx.save_for_backward(asked)
@@ -144,7 +137,7 @@ class _FetchRows(torch.autograd.Function):
         (asked,) = ctx.saved_tensors
         send, recv = ctx.splits
         flat = torch.cat([g.reshape(g.shape[0], -1) for g in grads_U], dim=1)
-        arrived = ctx.vocab.timer.run(lambda: _all_to_all(flat, recv, send, ctx.vocab.group), flat.device)
+        arrived = ctx.vocab.timer.run(lambda: all_to_all_plain(flat, recv, send, ctx.vocab.group), flat.device)
         out = []
         for part, shape in zip(arrived.split(ctx.widths, dim=1), ctx.shapes):
             grad = part.new_zeros((shape[0], part.shape[1])).index_add_(0, asked, part)
@@ -262,11 +255,12 @@ class ShardedOutput(nn.Module):
         group = vocab.group
         max_M = logits_MR.detach().max(dim=1).values
         dist.all_reduce(max_M, op=dist.ReduceOp.MAX, group=group)
-        sum_exp_M = _SumOverGroup.apply((logits_MR - max_M[:, None]).exp().sum(dim=1), group)
+        summed = BatchCollectives(group)   # sums whose backward sums the gradients over the ranks too
+        sum_exp_M = summed.sum((logits_MR - max_M[:, None]).exp().sum(dim=1))
         local_M = targets_M - rows.first
         mine_M = (local_M >= 0) & (local_M < rows.count)
         picked_M = logits_MR.gather(1, torch.where(mine_M, local_M, 0)[:, None])
-        target_M = _SumOverGroup.apply(torch.where(mine_M, picked_M[:, 0], 0.0), group)
+        target_M = summed.sum(torch.where(mine_M, picked_M[:, 0], 0.0))
         nll_M = sum_exp_M.log() + max_M - target_M
         nll_N = nll_M[start:start + h_ND.shape[0]]
         counted_N = targets_N != IGNORE

@@ -45,7 +45,7 @@ def test_dense_and_rows_on_2_processes(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--procs", "1"], "at least 2"),
-    (["--procs", "two"], "expected process counts"),
+    (["--procs", "2,two"], "expected a positive integer, got 'two'"),
     (["--max-steps", "3"], "at least 6"),
     (["--types", "10"], "at least 1000"),
     (["--out", "no/such/dir/x.json"], "does not exist"),

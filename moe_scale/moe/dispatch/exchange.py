@@ -79,7 +79,8 @@ class CommTimer:
         self._pending = keep
 
 
-def _all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def all_to_all_plain(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """One variable-size all-to-all of rows (no autograd): `in_splits` rows to each rank, `out_splits` from each."""
     out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
     dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
                            group=group)
@@ -92,12 +93,12 @@ class _TimedAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, out_splits, in_splits, group, timer):
         ctx.splits, ctx.group, ctx.timer = (out_splits, in_splits), group, timer
-        return timer.run(lambda: _all_to_all_rows(rows, out_splits, in_splits, group), rows.device)
+        return timer.run(lambda: all_to_all_plain(rows, out_splits, in_splits, group), rows.device)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        back = ctx.timer.run(lambda: _all_to_all_rows(grad, in_splits, out_splits, ctx.group), grad.device)
+        back = ctx.timer.run(lambda: all_to_all_plain(grad, in_splits, out_splits, ctx.group), grad.device)
         return back, None, None, None, None
 
 
