@@ -119,3 +119,16 @@ def test_distinct_ids_equal_torch_unique_without_reading_a_size():
         unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
         assert int(filled.sum()) == unique.numel() and bool(filled[:unique.numel()].all())
         assert torch.equal(distinct[:unique.numel()], unique) and torch.equal(where, inverse)
+
+
+def test_a_vocabulary_too_small_to_split_is_one_line_naming_the_flag():
+    from moe_scale.config import RunConfig
+    from moe_scale.errors import UserError
+    from moe_scale.models.build import build_model
+
+    config = RunConfig.from_settings(d_model=8, expert_hidden=8, num_experts=4, top_k=1, vocab_size=5)
+    with pytest.raises(UserError, match="a vocabulary of 5 cannot be split over 4 ranks.*use --vocab-exchange dense"):
+        build_model(config, 5, ep_size=4, ep_rank=1, world=4, rank=1)
+    config.parallel.vocab_exchange = "dense"
+    whole = build_model(config, 5, ep_size=4, ep_rank=1, world=4, rank=1)
+    assert whole.embedding.weight.shape == (5, 8)
