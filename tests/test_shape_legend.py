@@ -14,7 +14,7 @@ LOCAL = {"moe_scale/models/softmax.py": {"S": "classes drawn per batch"},
          "moe_scale/models/vocab_parallel.py": {"S": "classes drawn per batch", "R": "table rows this rank holds",
                                                 "U": "distinct ids this rank's batch needs",
                                                 "K": "ids asked for (N, or N + S)",
-                                                "M": "tokens of the expert-parallel group"}}
+                                                "M": "tokens of all P ranks"}}
 # multi-letter tokens first, so "Kp" is one letter and not K then p
 TOKEN = re.compile("|".join(sorted(map(re.escape, TABLE), key=len, reverse=True)) + "|[A-Z]")
 STOP = {"the", "of", "a", "an", "per", "on", "this", "that", "and", "for", "in", "one", "each", "its", "or", "as",

@@ -2,7 +2,7 @@
 
 Legend (docs/shapes.md): N tokens, D model width, V vocabulary, P ranks (every process of the run), R table rows
 this rank holds, U distinct ids this rank's batch needs, S classes drawn per batch, K ids asked for (N, or N + S),
-M tokens of the expert-parallel group (Σ N over the P ranks).
+M tokens of all P ranks (Σ N).
 
 With P > 1 each rank holds rows [first, first + R) of every vocabulary table (`VocabRows`) and the rows' optimizer
 state, so the tables' memory falls with P, whatever --ep-size; no gradient of theirs is reduced: each row lives on
@@ -66,7 +66,8 @@ class VocabRows:
 
 
 class VocabGroup:
-    """The expert-parallel group the tables are split over, as DeepSpeed built it; and the all-to-all time."""
+    """The ranks the tables are split over (DeepSpeed's expert-parallel group of all P processes, as it built it);
+    and the exchanges' time."""
 
     def __init__(self, rows: VocabRows):
         self.rows = rows
@@ -80,7 +81,7 @@ class VocabGroup:
                 dist.get_rank(expert_parallel) != self.rows.rank:
             raise RuntimeError(f"vocabulary rows built for rank {self.rows.rank} of {self.rows.parts}, but this "
                                f"process is rank {dist.get_rank(expert_parallel)} of "
-                               f"{dist.get_world_size(expert_parallel)} of its expert-parallel group")
+                               f"{dist.get_world_size(expert_parallel)} of the group it was given")
         self.group, self.expert_data_parallel = expert_parallel, expert_data_parallel
 
     def require(self):
@@ -216,7 +217,7 @@ def _rows_of(tensor: torch.Tensor, rows: VocabRows) -> nn.Parameter:
 
 
 class ShardedEmbedding(nn.Module):
-    """nn.Embedding whose rows are split over the expert-parallel ranks: `weight` [R, D]."""
+    """nn.Embedding whose rows are split over the ranks: `weight` [R, D]."""
 
     def __init__(self, dense: nn.Embedding, vocab: VocabGroup, weight: nn.Parameter | None = None):
         super().__init__()
@@ -354,7 +355,7 @@ def vocabulary_groups(model: nn.Module) -> list[VocabGroup]:
 
 @dataclass(frozen=True)
 class RowShard:
-    """A parameter holding rows [first, first + its rows) of a table of `total` rows, on expert-parallel `rank`."""
+    """A parameter holding rows [first, first + its rows) of a table of `total` rows, on `rank`."""
 
     param: nn.Parameter
     first: int
