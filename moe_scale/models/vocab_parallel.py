@@ -383,6 +383,13 @@ def row_split_keys(model: nn.Module) -> set[str]:
             for name, _ in module.named_parameters(recurse=False)}
 
 
+def names_of(model: nn.Module, names: set[str]) -> set[str]:
+    """Every name of the parameters `names` in `model`: theirs and their aliases (a tied output layer's)."""
+    by_name = dict(model.named_parameters())
+    wanted = {id(by_name[name]) for name in names if name in by_name}
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in wanted}
+
+
 def connect_vocabulary(model: nn.Module, use_data_before_expert_parallel: bool = False) -> None:
     """Joins each row-split table to DeepSpeed's expert-parallel group of its size (created here when no expert
     layer has created it yet: collective, every rank calls it), before deepspeed.initialize, whose ZeRO looks the

@@ -30,7 +30,7 @@ from moe_scale.deepspeed_internals import MODEL_STATES_FILE
 from moe_scale.distributed.comm import collective_device
 from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
-from moe_scale.models.vocab_parallel import vocabulary_shards
+from moe_scale.models.vocab_parallel import names_of, vocabulary_shards
 from moe_scale.train.reshard import has_portable, load_portable, load_vocabulary_rows, save_portable
 from moe_scale.train.state import TrainState
 
@@ -361,17 +361,10 @@ def _check_keys(model, checkpoint: Path, vocab_rows: set[str]) -> None:
     saved = torch.load(checkpoint / MODEL_STATES_FILE, map_location="cpu", weights_only=False, mmap=True)["module"]
     wanted = {key for key in model.state_dict() if ".deepspeed_moe.experts." not in key} - vocab_rows
     found = {key for key in saved if ".deepspeed_moe.experts." not in key}
-    tied = {key for key in wanted - found if _tied_to(model, key, vocab_rows)}
-    if wanted - tied != found:
+    wanted -= names_of(model, vocab_rows)   # (a tied output layer's name too)
+    if wanted != found:
         raise RuntimeError(f"keys the model lacks: {sorted(found - wanted)[:3]}, keys missing: "
-                           f"{sorted(wanted - tied - found)[:3]}")
-
-
-def _tied_to(model, key: str, names: set[str]) -> bool:
-    """Whether parameter `key` is one of the tables `names` under another name (a tied output layer)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    by_name = dict(model.named_parameters())
-    return key in params and any(params[key] is by_name.get(name) for name in names)
+                           f"{sorted(wanted - found)[:3]}")
 
 
 def _secondary_gates_replicated(checkpoint: Path) -> bool:

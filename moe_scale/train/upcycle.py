@@ -87,7 +87,7 @@ def upcycle(model: torch.nn.Module, run: Path, tag: str, noise: float, seed: int
     """Loads the dense run's weights into `model` (built from the paired config): each MoE layer's experts that
     this process holds from the dense FFN in its place, the rest by name; the routers keep their fresh
     initialisation."""
-    from moe_scale.models.vocab_parallel import row_split_keys
+    from moe_scale.models.vocab_parallel import names_of, row_split_keys
     from moe_scale.train.checkpoint import saved_layout
     from moe_scale.train.reshard import load_vocabulary_rows
 
@@ -100,7 +100,7 @@ def upcycle(model: torch.nn.Module, run: Path, tag: str, noise: float, seed: int
     saved = saved_layout(checkpoint)
     split_there = set(saved["vocab_rows"]) if saved else set()   # tables the dense run kept split, by rows
     if any(not any(name.startswith(moe) for moe in layers) for name in ours - set(rest) - split_there
-           - _aliases(model, split_there)) or set(rest) - ours:
+           - names_of(model, split_there)) or set(rest) - ours:
         raise UserError(f"--upcycle-from {run}: checkpoint {tag} does not hold the dense model its config.json "
                         f"describes; restore the run or upcycle another")
     with torch.no_grad():
@@ -116,13 +116,6 @@ def upcycle(model: torch.nn.Module, run: Path, tag: str, noise: float, seed: int
                                                e_in.shape, e_out.shape)
                 e_in.copy_(w_in_FD * factor_in)
                 e_out.copy_(w_out_FD * factor_out)
-
-
-def _aliases(model: torch.nn.Module, names: set[str]) -> set[str]:
-    """Other names of the parameters `names` (a tied output layer's)."""
-    by_name = dict(model.named_parameters())
-    wanted = {id(by_name[name]) for name in names if name in by_name}
-    return {name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in wanted}
 
 
 def _moe_layers_and_their_ffns(model: torch.nn.Module) -> dict[str, str]:
