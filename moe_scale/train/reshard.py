@@ -34,6 +34,8 @@ from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 
 PORTABLE = "portable"
 PARAM = "param"   # the fp32 value, beside the optimizer state's keys
+VOCAB_PREFIX = "vocab_rows"   # vocab_rows<r>.pt: rank r's rows of the vocabulary tables
+VOCAB_FILES = VOCAB_PREFIX + "*.pt"
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def split_parameters(model: torch.nn.Module) -> dict[str, _Split]:
                     module.ep_rank * shard.per_rank, shard.per_rank, shard.total, f"experts_ep{module.ep_rank}.pt",
                     module.expert_group_name)
     for name, shard in vocabulary_shards(model).items():
-        found[name] = _Split(shard.first, shard.param.shape[0], shard.total, f"vocab_rows{shard.rank}.pt",
+        found[name] = _Split(shard.first, shard.param.shape[0], shard.total, f"{VOCAB_PREFIX}{shard.rank}.pt",
                              shard.param.group_name)
     return found
 
@@ -152,11 +154,12 @@ def load_portable(engine, checkpoint: Path, only: set[str] | None = None) -> Non
     source = checkpoint / PORTABLE
     saved = torch.load(source / "dense.pt", weights_only=False)
     experts = _ExpertFiles(source)
+    rows = _ExpertFiles(source, VOCAB_FILES)
     splits = split_parameters(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if only is None or name in only:
-                state = _saved_state(name, param, splits.get(name), saved["dense"], experts, checkpoint)
+                state = _saved_state(name, param, splits.get(name), saved["dense"], experts, rows, checkpoint)
                 _set_state(engine, param, state, saved["common"]["flat_step"])
     if only is not None:
         return
@@ -183,16 +186,19 @@ def _per_group(scheduler: dict, groups: int) -> dict:
     return state
 
 
-def _saved_state(name: str, param, split: _Split | None, dense: dict, experts: "_ExpertFiles", checkpoint: Path):
-    """The saved state of the part of parameter `name` this rank holds, from wherever the checkpoint kept it."""
-    if split is not None and experts.has(name):
+def _saved_state(name: str, param, split: _Split | None, dense: dict, experts: "_ExpertFiles", rows: "_ExpertFiles",
+                 checkpoint: Path):
+    """The saved state of the part of parameter `name` this rank holds, from wherever the checkpoint kept it (the
+    vocabulary files are read only for vocabulary tables, the experts' only for experts)."""
+    if split is not None and not split.file.startswith(VOCAB_PREFIX):
         return experts.slice(name, split.first, split.count, split.total)
-    if split is not None and name in dense:   # a table kept whole (one process, --vocab-exchange dense)
-        return {k: _rows(v, split.first, split.count, split.total) for k, v in dense[name].items()}
     if name in dense:
-        return dense[name]
-    if experts.has(name):   # a table whole here that the checkpoint split by rows
-        return experts.slice(name, 0, param.shape[0], param.shape[0])
+        if split is None:
+            return dense[name]
+        return {k: _rows(v, split.first, split.count, split.total) for k, v in dense[name].items()}   # kept whole
+    if rows.has(name):   # split by rows there, held split or whole here
+        return rows.slice(name, *((split.first, split.count, split.total) if split else (0, param.shape[0],
+                                                                                             param.shape[0])))
     raise UserError(f"{checkpoint}: no saved state for parameter {name}; resume with the settings the checkpoint "
                     f"was written with")
 
@@ -204,14 +210,14 @@ def _rows(value, first: int, count: int, total: int):
 
 def load_vocabulary_rows(model: torch.nn.Module, checkpoint: Path, names: set[str]) -> None:
     """The values (not the optimizer state) of the row-split tables `names` into `model`, split or whole."""
-    experts = _ExpertFiles(checkpoint / PORTABLE)
+    rows = _ExpertFiles(checkpoint / PORTABLE, VOCAB_FILES)
     splits = split_parameters(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name in names:
                 split = splits.get(name)
                 first, count = (split.first, split.count) if split else (0, param.shape[0])
-                value = experts.slice(name, first, count, split.total if split else param.shape[0])[PARAM]
+                value = rows.slice(name, first, count, split.total if split else param.shape[0])[PARAM]
                 param.data.copy_(value.to(param.device, param.dtype))
 
 
@@ -240,10 +246,10 @@ def _set_state(engine, param, state: dict, flat_step) -> None:
 
 
 class _ExpertFiles:
-    """The experts_ep<r>.pt and vocab_rows<r>.pt files of one checkpoint, read as needed."""
+    """The experts_ep<r>.pt files (or the vocab_rows<r>.pt ones) of one checkpoint, read as needed."""
 
-    def __init__(self, source: Path):
-        self.paths = sorted(source.glob("experts_ep*.pt")) + sorted(source.glob("vocab_rows*.pt"))
+    def __init__(self, source: Path, pattern: str = "experts_ep*.pt"):
+        self.paths = sorted(source.glob(pattern))
         self._loaded: dict[Path, dict] = {}
 
     def has(self, name: str) -> bool:
