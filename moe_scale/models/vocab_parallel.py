@@ -13,7 +13,9 @@ one rank, which receives every rank's contribution to it. What moves instead of 
     sampled softmax   the same for the distinct classes of this rank's batch (its targets and the S samples);
     full softmax      this rank's hidden states go to every rank of the group (M rows); each rank computes the
                       logits of its R classes for all M tokens, and the log-partition is summed over the ranks
-                      (Megatron's vocabulary-parallel cross-entropy, with each rank's own tokens).
+                      (Megatron's vocabulary-parallel cross-entropy, with each rank's own tokens);
+    adaptive softmax  the same per tail cluster, for the tokens whose targets lie in it (each cluster's table split
+                      by its own rows; the head and the tails' down-projections stay whole).
 
 The tables' parameters are flagged as DeepSpeed expert parameters of the group `ep_size_P` over all P ranks
 (`allreduce=False`, `group_name`): DeepSpeed reduces them over that group's expert-data-parallel group (one rank:
@@ -249,6 +251,8 @@ class ShardedOutput(nn.Module):
         """Per-token NLL [N] float32 of the exact softmax over all V classes, for this rank's tokens."""
         vocab, rows = self.vocab, self.vocab.rows
         sizes = _row_counts(vocab, h_ND.shape[0], h_ND.device)
+        if not any(sizes):   # an adaptive-softmax cluster no rank's batch reached
+            return h_ND.new_zeros(0, dtype=torch.float32)
         start = sum(sizes[:rows.rank])
         h_MD = _GatherRows.apply(h_ND, vocab, sizes)
         targets_M = _GatherRows.apply(targets_N, vocab, sizes)
@@ -297,6 +301,48 @@ class ShardedFullSoftmax(FullSoftmax):
         return self.proj.log_probs(h_ND)
 
 
+class ShardedAdaptiveSoftmax(AdaptiveSoftmax):
+    """AdaptiveSoftmax with each tail cluster's output table split by rows over the ranks (one VocabRows per
+    cluster); the head, which every token needs, and the tails' down-projections stay whole. A cluster's log-softmax
+    is ShardedOutput's over the tokens of all ranks whose targets lie in it; the head's as the dense layer's."""
+
+    def __init__(self, dense: AdaptiveSoftmax, rank: int, parts: int):
+        nn.Module.__init__(self)
+        self.inner, self.cluster_shares = dense.inner, dense.cluster_shares
+        for tail in self.inner.tail:
+            up = tail[1]
+            try:
+                rows = VocabRows(up.out_features, parts, rank)
+            except ValueError:
+                raise ValueError(f"an adaptive-softmax cluster of {up.out_features} words cannot be split over "
+                                 f"{parts} ranks with rows on each (--adaptive-cutoffs)") from None
+            tail[1] = ShardedOutput(up, VocabGroup(rows))
+
+    def forward(self, h_ND: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+        inner, h_ND = self.inner, h_ND.float()
+        counted_N = targets_N != IGNORE
+        safe_N = torch.where(counted_N, targets_N, torch.zeros_like(targets_N))
+        head_N = safe_N   # the head's entry of each token: its word, or its cluster's
+        tails_N = h_ND.new_zeros(h_ND.shape[0])
+        for i, tail in enumerate(inner.tail):
+            low, high = inner.cutoffs[i], inner.cutoffs[i + 1]
+            in_N = (safe_N >= low) & (safe_N < high)
+            head_N = torch.where(in_N, inner.shortlist_size + i, head_N)
+            picked = in_N.nonzero().squeeze(1)   # every rank takes part, with or without tokens of the cluster
+            tails_N = tails_N.index_add(0, picked, tail[1].nll(tail[0](h_ND[picked]), safe_N[picked] - low))
+        head_log_probs = torch.log_softmax(inner.head(h_ND), dim=1)
+        nll_N = tails_N - head_log_probs.gather(1, head_N[:, None])[:, 0]
+        return torch.where(counted_N, nll_N, torch.zeros_like(nll_N))
+
+    def log_probs(self, h_ND: torch.Tensor) -> torch.Tensor:
+        inner, h_ND = self.inner, h_ND.float()
+        head_log_probs = torch.log_softmax(inner.head(h_ND), dim=1)
+        pieces = [head_log_probs[:, :inner.shortlist_size]]
+        for i, tail in enumerate(inner.tail):
+            pieces.append(tail[1].log_probs(tail[0](h_ND)) + head_log_probs[:, inner.shortlist_size + i, None])
+        return torch.cat(pieces, dim=1)
+
+
 class ShardedSampledSoftmax(SampledSoftmax):
     """SampledSoftmax with its rows split over the ranks: the rows of the batch's distinct classes (its targets and
     the samples) are fetched from their owners, and the loss is SampledSoftmax's term for term; exact at eval."""
@@ -323,16 +369,19 @@ class ShardedSampledSoftmax(SampledSoftmax):
 
 
 def row_split_tables(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters `shard_vocabulary` splits: the embedding's, and the full or sampled softmax's (once if tied)."""
+    """The parameters `shard_vocabulary` splits: the embedding's, the full or sampled softmax's (once if tied), the
+    adaptive softmax's tail output tables."""
     params = [model.embedding.weight]
     if isinstance(model.softmax, (SampledSoftmax, FullSoftmax)):
         params += list(model.softmax.proj.parameters())
+    elif isinstance(model.softmax, AdaptiveSoftmax):
+        params += [tail[1].weight for tail in model.softmax.inner.tail]
     return list({id(p): p for p in params}.values())
 
 
 def shard_vocabulary(model: nn.Module, rows: VocabRows) -> VocabGroup:
-    """Replaces `model.embedding` and `model.softmax` (full or sampled; the adaptive softmax stays whole) by their
-    row-split counterparts holding `rows`, with the values the dense modules were initialised with; a tied output
+    """Replaces `model.embedding` and `model.softmax` (full, sampled or adaptive) by their row-split counterparts
+    holding `rows` (the adaptive softmax's tails: their own rows of each cluster), with the values the dense modules were initialised with; a tied output
     layer keeps sharing the embedding's rows. Returns the group to connect."""
     vocab = VocabGroup(rows)
     dense_embedding, softmax = model.embedding, model.softmax
@@ -343,7 +392,9 @@ def shard_vocabulary(model: nn.Module, rows: VocabRows) -> VocabGroup:
         model.softmax = ShardedSampledSoftmax(softmax, vocab, weight)
     elif isinstance(softmax, FullSoftmax):
         model.softmax = ShardedFullSoftmax(softmax, vocab, weight)
-    elif not isinstance(softmax, AdaptiveSoftmax):
+    elif isinstance(softmax, AdaptiveSoftmax):
+        model.softmax = ShardedAdaptiveSoftmax(softmax, rows.rank, rows.parts)
+    else:
         raise TypeError(f"no row-split form of {type(softmax).__name__}")
     return vocab
 

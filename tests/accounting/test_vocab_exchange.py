@@ -45,7 +45,15 @@ def test_each_softmax_moves_by_hand():
     assert full[:4] == fetch(u, d)
     assert full[4:] == [("all_reduce", P * 8), ("all_gather", M * d * 4), ("all_gather", M * 8)] + \
         [("all_reduce", M * 4)] * 4 + [("all_reduce", M * d * 4)]
-    assert exchanges(_config(softmax="adaptive", adaptive_cutoffs="100,300"), 500, P, n, 4) == fetch(u, d)
+    adaptive = exchanges(_config(softmax="adaptive", adaptive_cutoffs="100,300"), 500, P, n, 4)
+    assert adaptive[:4] == fetch(u, d)
+    harmonic = sum(1 / v for v in range(1, 501))
+    for tail, (low, high, width) in enumerate([(100, 300, 8), (300, 500, 2)]):   # widths d/4, d/16
+        m = M * sum(1 / v for v in range(low + 1, high + 1)) / harmonic   # the tail's share of the tokens
+        moves = adaptive[4 + 8 * tail: 12 + 8 * tail]
+        assert [kind for kind, _ in moves] == [kind for kind, _ in full[4:]]
+        assert [b for _, b in moves] == pytest.approx([P * 8, m * width * 4, m * 8] + [m * 4] * 4 + [m * width * 4])
+    assert len(adaptive) == 20
     assert exchanges(_config(vocab_exchange="dense"), 500, P, n, 4) == []
     assert exchanges(sampled, 500, 1, n, 4) == []          # one expert-parallel rank: nothing is split
 

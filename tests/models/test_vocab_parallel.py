@@ -12,11 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from moe_scale.models.softmax import IGNORE, FullSoftmax, LogUniformSampler, SampledSoftmax
+from moe_scale.models.softmax import IGNORE, AdaptiveSoftmax, FullSoftmax, LogUniformSampler, SampledSoftmax
 from moe_scale.models.vocab_parallel import VocabRows
 from tests.multiproc import run_ranks
 
 V, D, N = 37, 6, 10
+CUTOFFS = [8, 20]   # the adaptive softmax: a head of 8 words, tails of 12 and 17
 
 
 class _Holder(nn.Module):
@@ -29,6 +30,8 @@ class _Holder(nn.Module):
             full.proj.weight = self.embedding.weight
         if kind == "full":
             self.softmax = full
+        elif kind == "adaptive":
+            self.softmax = AdaptiveSoftmax(D, V, CUTOFFS, div_value=2.0)
         else:
             self.softmax = SampledSoftmax(D, V, 8, LogUniformSampler(V), proj=full.proj)
 
@@ -39,8 +42,10 @@ class _Holder(nn.Module):
 
 
 def _batch():
+    """Rank 1's targets all lie in the adaptive softmax's head: it takes part in the tails' exchanges without tokens."""
     g = torch.Generator().manual_seed(1)
     ids, targets = torch.randint(0, V, (2 * N,), generator=g), torch.randint(0, V, (2 * N,), generator=g)
+    targets[N:] = torch.randint(0, CUTOFFS[0], (N,), generator=g)
     targets[3] = IGNORE
     return ids, targets
 
@@ -60,15 +65,19 @@ def _dense(kind, tied, bias):
 
 def _worker(rank, world, kind, tied, bias):
     import torch.distributed as dist
-    from moe_scale.models.vocab_parallel import ShardedEmbedding, shard_vocabulary, vocabulary_groups
+    from moe_scale.models.vocab_parallel import ShardedEmbedding, shard_vocabulary, vocabulary_groups, \
+        vocabulary_shards
 
     model = _Holder(kind, tied, bias)
     rows = VocabRows(V, world, rank)
     vocab = shard_vocabulary(model, rows)
-    assert vocabulary_groups(model) == [vocab]
-    vocab.connect(dist.group.WORLD, None)
+    groups = vocabulary_groups(model)
+    assert groups[0] is vocab and len(groups) == (1 + len(CUTOFFS) if kind == "adaptive" else 1)
+    for group in groups:
+        group.connect(dist.group.WORLD, None)
     assert isinstance(model.embedding, ShardedEmbedding)
-    assert (model.softmax.proj.weight is model.embedding.weight) == tied
+    if kind != "adaptive":
+        assert (model.softmax.proj.weight is model.embedding.weight) == tied
     ids, targets = _batch()
     mine = slice(rank * N, (rank + 1) * N)
     nll = model(ids[mine], targets[mine], sample_seed=5)
@@ -77,14 +86,20 @@ def _worker(rank, world, kind, tied, bias):
     with torch.no_grad():
         exact = model(ids[mine], targets[mine], sample_seed=5)
         log_probs = model.softmax.log_probs(torch.tanh(model.embedding(ids[mine]) * 1.5))
+        # a batch no rank of which reaches a tail: the tails' exchanges are skipped alike on every rank
+        head_only = torch.arange(N) % CUTOFFS[0]
+        dense = _Holder(kind, tied, bias).eval()
+        torch.testing.assert_close(model(ids[mine], head_only, 5), dense(ids[mine], head_only, 5))
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    flags = {name: (p.allreduce, p.group_name) for name, p in model.named_parameters()}
-    return nll.detach(), exact, log_probs, grads, (rows.first, rows.count), flags
+    split = {name: (shard.first, shard.param.shape[0]) for name, shard in vocabulary_shards(model).items()}
+    flags = {name: (p.allreduce, p.group_name) for name, p in model.named_parameters() if name in split}
+    return nll.detach(), exact, log_probs, grads, split, flags
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind,tied,bias", [("full", False, True), ("sampled", False, True),
-                                            ("sampled", True, False), ("full", True, False)])
+                                            ("sampled", True, False), ("full", True, False),
+                                            ("adaptive", False, True)])
 def test_row_split_tables_equal_the_dense_ones(kind, tied, bias):
     nll, exact, log_probs, grads = _dense(kind, tied, bias)
     results = run_ranks(_worker, world_size=2, args=(kind, tied, bias), timeout=60)
@@ -93,11 +108,16 @@ def test_row_split_tables_equal_the_dense_ones(kind, tied, bias):
     torch.testing.assert_close(torch.cat([r[1] for r in results]), exact, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.cat([r[2] for r in results]), log_probs, rtol=1e-5, atol=1e-6)
     assert got_nll[3] == 0   # an ignored target counts nothing
-    for _, _, _, shard_grads, (first, count), flags in results:
-        for name, grad in shard_grads.items():
-            torch.testing.assert_close(grad, grads[name][first:first + count], rtol=1e-5, atol=1e-6)
-            assert flags[name] == (False, "ep_size_2")
-    assert sum(r[4][1] for r in results) == V
+    split = results[0][4]
+    for name, grad in grads.items():
+        if name in split:   # each rank holds its rows' gradient, summed over every rank's tokens
+            pieces = [r[3][name] for r in results]
+            assert [r[4][name][0] for r in results] == [0, pieces[0].shape[0]]
+            torch.testing.assert_close(torch.cat(pieces), grad, rtol=1e-5, atol=1e-6)
+            assert all(r[5][name] == (False, "ep_size_2") for r in results)
+        else:   # a whole parameter (the adaptive head and down-projections): its own tokens' share on each rank
+            torch.testing.assert_close(sum(r[3][name] for r in results), grad, rtol=1e-5, atol=1e-6)
+    assert sum(shard[1] for shard in split.values()) < sum(grads[name].shape[0] for name in split)
 
 
 def test_rows_split_evenly_and_refuse_an_empty_rank():

@@ -21,6 +21,7 @@ CONFIGS = DS_CONFIGS
 SETTINGS = ["--d-model", "32", "--expert-hidden", "32", "--num-experts", "4", "--seq-len", "16", "--batch-size", "8",
             "--eval-max-batches", "2", "--eval-interval", "100", "--log-interval", "1", "--checkpoint-interval", "2",
             "--noise-rng", "global", "--dropout", "0", "--max-steps", "4"]
+ADAPTIVE = ("--softmax", "adaptive", "--adaptive-cutoffs", "50,200")   # each tail cluster's rows split too
 
 
 def _resharded_run_matches(tmp_path, cache, before: tuple[int, int], after: tuple[int, int], ds: str,
@@ -40,7 +41,9 @@ def _resharded_run_matches(tmp_path, cache, before: tuple[int, int], after: tupl
         assert abs(x["loss"] - y["loss"]) < 1e-5 and abs(x["grad_norm"] - y["grad_norm"]) < 1e-5, (x, y)
     layout = json.loads((resumed / "checkpoints" / "step00000004" / "layout.json").read_text())
     split = new_procs > 1 and "dense" not in resume_extra    # the tables are split over the processes by default
-    tables = ["embedding.weight", "softmax.proj.bias", "softmax.proj.weight"] if split else []
+    softmax = ["softmax.inner.tail.0.1.weight", "softmax.inner.tail.1.1.weight"] if ADAPTIVE[0] in extra else \
+        ["softmax.proj.bias", "softmax.proj.weight"]
+    tables = ["embedding.weight", *softmax] if split else []
     assert layout == {"world_size": new_procs, "ep_size": new_ep, "rows": "tokens", "vocab_rows": tables}
 
 
@@ -86,16 +89,18 @@ def test_aux_free_biases_and_shared_experts_move_to_another_layout(tmp_path, emb
 @pytest.mark.multiprocess
 def test_a_resume_may_keep_the_vocabulary_tables_whole_instead(tmp_path, embedded_cache):
     """The same 2 processes, the tables split by rows until step 2, then whole (--vocab-exchange dense): their rows
-    and Adam state come back whole from the portable files, and the run goes on as if it had never changed."""
-    _resharded_run_matches(tmp_path, embedded_cache, (2, 2), (2, 2), "zero2_ep",
+    and Adam state (the adaptive softmax's tails' too) come back whole from the portable files, and the run goes on
+    as if it had never changed."""
+    _resharded_run_matches(tmp_path, embedded_cache, (2, 2), (2, 2), "zero2_ep", ADAPTIVE,
                            resume_extra=("--vocab-exchange", "dense"))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("before, after", [((1, 1), (2, 2)), ((2, 2), (2, 1)), ((2, 2), (4, 4))])
-def test_other_layout_changes(tmp_path, embedded_cache, before, after):
-    _resharded_run_matches(tmp_path, embedded_cache, before, after, "zero2_ep")
+@pytest.mark.parametrize("before, after, extra", [((1, 1), (2, 2), ()), ((2, 2), (2, 1), ()),
+                                                  ((2, 2), (4, 4), ADAPTIVE)])
+def test_other_layout_changes(tmp_path, embedded_cache, before, after, extra):
+    _resharded_run_matches(tmp_path, embedded_cache, before, after, "zero2_ep", extra)
 
 
 def _save_experts(directory: Path, per_file: int, total: int) -> dict:
