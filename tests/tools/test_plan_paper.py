@@ -24,7 +24,13 @@ def test_every_paper_row_beside_its_prediction(tmp_path, load_tool, capsys):
         flops = flops_report(preset.name)["training_flops_per_token"]
         assert r["predicted_tflops_per_gpu"] == pytest.approx(flops * r["batch_tokens"] / r["gpus"] / r["step_s"]
                                                               / 1e12)
-        assert abs(r["batch_tokens"] - preset.batch_words) <= 32 * r["gpus"]     # whole sequences on every GPU
+        assert abs(r["batch_tokens"] - preset.batch_words) <= 32 * r["gpus"] * r["grad_accum"]   # whole sequences
+        # the paper's batch per step fits a K40, in as few micro-batches as it can
+        assert r["fits_k40"] and r["gib_per_gpu"] <= 11.17 * 0.95
+        if r["grad_accum"] > 1:
+            assert not tool._planned_row(preset, 4, None, r["grad_accum"] // 2)["fits_k40"]
+    assert {r["preset"]: r["grad_accum"] for r in rows if r["grad_accum"] > 1}.keys() >= {"lm1b-moe-34m",
+                                                                                      "lm1b-moe-143m"}
     assert "| news100b-moe-131072-h | 128 |" in capsys.readouterr().out
 
 
