@@ -274,12 +274,19 @@ class DispatchConfig:
                             f"{self.node_size})")
 
 
+# moe/experts/kinds.py's EXPERT_KINDS (tests/moe/experts/test_kinds.py holds the two equal), and the block's
+EXPERT_KIND_CHOICES = ("block", "relu", "swiglu", "geglu")
+
+
 @dataclass
 class ExpertsConfig:
     num_experts: int = _f(16, "experts in the MoE layer")
     hidden: int = _f(128, "hidden width of each expert FFN", key="expert_hidden", needs=Needs(   # also the LSTM's FFN
         lambda c: c.has_moe_ffn or c.model.kind == "lstm" and c.model.lstm.layout == "lstm-ffn-lstm", _MOE.flags,
         alone=True))
+    kind: str = _f("block", "the experts' FFN: relu (Shazeer et al. 2017's), swiglu (Mixtral's) or geglu "
+                            "(GELU-gated; Shazeer 2020); block: the block's (relu; swiglu for --block llama). "
+                            "moe_scale/moe/experts/kinds.py", EXPERT_KIND_CHOICES, key="expert_kind")
     recompute: bool = _f(False, "recompute the experts' hidden activations in the backward pass instead of "
                                 "storing them (Shazeer et al. App. D)", key="expert_recompute")
     shared: int = _f(0, "shared experts: always-active FFN experts whose output is added to the routed one "
@@ -652,6 +659,19 @@ class RunConfig:
         config = cls.from_dict(raw, f"--config {path}")
         config.validate()
         return config
+
+    @property
+    def expert_kind(self) -> str:
+        """The experts' kind (moe/experts/kinds.py), the block's when --expert-kind is `block`: the llama block's
+        SwiGLU (Mixtral's), else ReLU (the paper's). The shared experts are of the same kind."""
+        kind = self.moe.experts.kind
+        return self.block_expert_kind if kind == "block" else kind
+
+    @property
+    def block_expert_kind(self) -> str:
+        """The kind of the block's own dense FFN, and of its experts by default."""
+        llama = self.model.kind == "transformer" and self.model.transformer.block == "llama"
+        return "swiglu" if llama else "relu"
 
     @property
     def has_moe_ffn(self) -> bool:

@@ -10,7 +10,9 @@ from tests.paths import REPO
 
 SHAPES = (REPO / "docs" / "shapes.md").read_text()
 TABLE = {m.group(1): m.group(2) for m in re.finditer(r"^\| (\w+) \| (.+) \|$", SHAPES, re.M) if m.group(1) != "letter"}
+FIRST_LAYER = {"X": "the first layer's width (F, or 2F for a gated kind)"}
 LOCAL = {"moe_scale/models/softmax.py": {"S": "classes drawn per batch"},
+         "moe_scale/moe/experts/kinds.py": FIRST_LAYER, "moe_scale/moe/experts/ffn.py": FIRST_LAYER,
          "moe_scale/models/vocab_parallel.py": {"S": "classes drawn per batch", "R": "table rows this rank holds",
                                                 "U": "distinct ids this rank's batch needs",
                                                 "K": "ids asked for (N, or N + S)",

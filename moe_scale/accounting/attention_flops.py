@@ -31,7 +31,7 @@ def moa_params(num_experts: int, d_model: int, head_dim: int, with_router: bool 
 
 def transformer_forward_macs_per_token(config: RunConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
     """Forward MACs per token of TransformerLM by component (active experts only)."""
-    from moe_scale.accounting.flops import active_experts, moe_gating, shared_experts
+    from moe_scale.accounting.flops import active_experts, expert_macs, moe_gating, shared_experts
 
     attn, transformer = config.attention, config.model.transformer
     d, T = config.model.d_model, seq_len
@@ -45,11 +45,10 @@ def transformer_forward_macs_per_token(config: RunConfig, vocab_size: int, seq_l
             from moe_scale.attention.mae import GATE_HIDDEN
 
             attention += d * GATE_HIDDEN + GATE_HIDDEN * attn.num_heads
-    matrices = 3 if transformer.block == "llama" else 2   # SwiGLU: gate, up and down; GELU / ReLU: up and down
-    if transformer.ffn == "dense":
-        ffn = matrices * d * transformer.ffn_hidden
+    if transformer.ffn == "dense":   # the llama block's SwiGLU: gate, up and down; the default block's GELU: up, down
+        ffn = (3 if transformer.block == "llama" else 2) * d * transformer.ffn_hidden
     else:
-        ffn = moe_gating(config)[1] + active_experts(config) * matrices * d * config.moe.experts.hidden \
+        ffn = moe_gating(config)[1] + active_experts(config) * expert_macs(config, config.moe.experts.hidden) \
             + shared_experts(config)
     return {"attention": transformer.num_layers * attention, "ffn": transformer.num_layers * ffn,
             "softmax": d * vocab_size}

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_scale.config import RunConfig
+from moe_scale.moe.experts.kinds import expert_kind
 
 SOFTMAX_KINDS = ("full", "sampled")
 
@@ -115,16 +116,20 @@ def sharded_gating_params(config: RunConfig) -> int:
 
 
 def shared_experts(config: RunConfig) -> int:
-    """Parameters of one MoE layer's shared experts, also their forward MACs per token: S FFNs d -> h_s -> d (the
-    llama block's SwiGLU ones: three matrices, gate, up and down) and, with --shared-expert-gate, the gate's d (0
+    """Parameters of one MoE layer's shared experts, also their forward MACs per token: S FFNs d -> h_s -> d of the
+    experts' kind (a gated kind's: three matrices, gate, up and down) and, with --shared-expert-gate, the gate's d (0
     without shared experts)."""
     experts, d = config.moe.experts, config.model.d_model
     if not experts.shared:
         return 0
-    hidden = experts.shared_hidden or experts.hidden
-    swiglu = config.model.kind == "transformer" and config.model.transformer.block == "llama"
-    per_expert = 3 * d * hidden if swiglu else ffn_macs(d, hidden)
+    per_expert = expert_macs(config, experts.shared_hidden or experts.hidden)
     return experts.shared * per_expert + (d if experts.shared_gate else 0)
+
+
+def expert_macs(config: RunConfig, hidden: int) -> int:
+    """Forward multiply-adds of one token through one expert of the run's kind (moe/experts/kinds.py), also its
+    parameter count (no biases)."""
+    return expert_kind(config.expert_kind).forward_macs(config.model.d_model, hidden)
 
 
 def active_experts(config: RunConfig) -> int:
@@ -142,8 +147,8 @@ def lstm_lm_accounting(config: RunConfig, vocab_size: int, softmax: SoftmaxCost 
     macs = {"lstm": n_lstm * lstm_macs(d, units, proj)}
     if lstm.layout == "lstm-moe-lstm":
         gate_params, gate_macs = moe_gating(config)
-        params.update(gating=gate_params, experts=experts.num_experts * ffn_macs(d, experts.hidden))
-        macs.update(gating=gate_macs, experts=active_experts(config) * ffn_macs(d, experts.hidden))
+        params.update(gating=gate_params, experts=experts.num_experts * expert_macs(config, experts.hidden))
+        macs.update(gating=gate_macs, experts=active_experts(config) * expert_macs(config, experts.hidden))
         if experts.shared:   # dense, always active: every token runs them all
             params["shared_experts"] = macs["shared_experts"] = shared_experts(config)
     elif lstm.layout == "lstm-ffn-lstm":

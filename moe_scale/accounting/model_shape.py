@@ -35,6 +35,7 @@ import torch
 from moe_scale.accounting.flops import active_experts, moe_gating, training_flops_per_token
 from moe_scale.accounting.vocab_exchange import rows_split
 from moe_scale.config import RunConfig
+from moe_scale.moe.experts.kinds import expert_kind
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,7 @@ def _activations_per_token(config: RunConfig, logits: float) -> tuple[float, int
     d = config.model.d_model
     gate_logits = moe_gating(config)[1] / d if config.has_moe_ffn else 0
     experts = config.moe.experts
-    swiglu = config.model.kind == "transformer" and config.model.transformer.block == "llama"
-    hidden_values = 3 if swiglu else 1   # SwiGLU keeps gate, up and their product; ReLU its hidden layer
+    hidden_values = expert_kind(config.expert_kind).stored_per_hidden()   # a gated kind: gate, up, their product
     if config.has_moe_ffn and experts.shared:   # the shared experts' hidden layer and output (and the gate's scale)
         gate_logits += hidden_values * experts.shared * (experts.shared_hidden or experts.hidden) + d \
             + int(experts.shared_gate)
@@ -151,7 +151,8 @@ def _activations_per_token(config: RunConfig, logits: float) -> tuple[float, int
         else:
             width = attention.num_heads * w_e
             attend = 4 * width + attention.num_heads * T
-        ffn = (3 if swiglu else 2) * blocks.ffn_hidden if blocks.ffn == "dense" else gate_logits
+        llama = blocks.block == "llama"   # its dense FFN is SwiGLU: gate, up and their product
+        ffn = (3 if llama else 2) * blocks.ffn_hidden if blocks.ffn == "dense" else gate_logits
         per_block = 4 * d + attend + ffn + 2 * d
         return d + blocks.num_layers * per_block + 2 * d + logits, (1 + 2 * blocks.num_layers) * d
     lstm = config.model.lstm

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from moe_scale.errors import UserError
+from moe_scale.moe.experts.kinds import expert_kind
 from moe_scale.models.rms_norm import RMS_NORM_EPS
 from moe_scale.models.transformer_lm import LLAMA_INIT_STD
 
@@ -64,7 +65,8 @@ def hf_config(config, vocab_size: int, bos_id: int, eos_id: int) -> dict:
     out = {
         "architectures": [arch], "model_type": model_type, "vocab_size": vocab_size, "hidden_size": d,
         "num_hidden_layers": transformer.num_layers, "num_attention_heads": attention.num_heads,
-        "num_key_value_heads": attention.num_heads, "head_dim": attention.head_width(d), "hidden_act": "silu",
+        "num_key_value_heads": attention.num_heads, "head_dim": attention.head_width(d),
+        "hidden_act": expert_kind(config.expert_kind).hf_act if config.has_moe_ffn else "silu",
         "max_position_embeddings": config.data.seq_len, "initializer_range": LLAMA_INIT_STD,
         "rms_norm_eps": RMS_NORM_EPS, "rope_theta": theta, "rope_parameters": {"rope_type": "default",
                                                                                 "rope_theta": theta},

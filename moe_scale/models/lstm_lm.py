@@ -50,7 +50,8 @@ class LSTMMoELM(nn.Module):
         self.embedding = nn.Embedding(vocab_size, d)
         self.lstm1 = _lstm(d, lstm.hidden)
         if lstm.layout == "lstm-moe-lstm":
-            self.moe = build_moe_layer(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed)
+            self.moe = build_moe_layer(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed,
+                                       kind=config.expert_kind)
         elif lstm.layout == "lstm-ffn-lstm":
             self.ffn = ReLUStack(d, config.moe.experts.hidden, lstm.ffn_layers)
         elif lstm.layout == "4xlstm":

@@ -31,6 +31,7 @@ from moe_scale.attention.mha import MultiHeadAttention
 from moe_scale.attention.moa import MoAAttention
 from moe_scale.attention.rotary import RotaryPositions
 from moe_scale.config import RouterConfig, RunConfig
+from moe_scale.errors import UserError
 from moe_scale.models.build_softmax import build_softmax
 from moe_scale.models.dense_ffn import GELUFFN, SwiGLUFFN
 from moe_scale.models.rms_norm import RMSNorm
@@ -77,7 +78,8 @@ class Block(nn.Module):
         if config.model.transformer.ffn == "dense":
             self.ffn = GELUFFN(d, config.model.transformer.ffn_hidden)
         else:
-            self.ffn = build_moe_layer(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed + 1)
+            self.ffn = build_moe_layer(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed + 1,
+                                       kind=config.expert_kind)
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.dropout = nn.Dropout(dropout)
 
@@ -90,7 +92,10 @@ class Block(nn.Module):
             self.ffn = SwiGLUFFN(d, transformer.ffn_hidden)
         else:
             self.ffn = build_moe_layer(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed + 1,
-                                       activation="swiglu")
+                                       kind=config.expert_kind)
+            if not self.ffn.experts.kind.gated:
+                raise UserError(f"--expert-kind {config.expert_kind}: the llama block's experts are gated as "
+                                f"Mixtral's (w2(act(w1 x) * w3 x)); pass --expert-kind swiglu or geglu")
         self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
         self.dropout = nn.Dropout(config.model.dropout)
 

@@ -27,8 +27,8 @@ ALL_TO_ALL = choices(DispatchConfig, "all_to_all")
 
 
 class MoELayer(RoutedLayer):
-    """Sparsely-gated MoE of one-hidden-layer ReLU experts (Shazeer et al. 2017), or SwiGLU experts
-    (`activation="swiglu"`, the llama block's).
+    """Sparsely-gated MoE of one-hidden-layer experts (Shazeer et al. 2017's ReLU ones by default; `activation`
+    names another kind of moe/experts/kinds.py).
 
     The router defaults to noisy top-k with k experts per token; pass any other flat `Router` (moe/router/).
     With `shared_experts` S > 0, S always-active experts of width `shared_hidden` (0: d_hidden) add their

@@ -75,6 +75,10 @@ def _check_pair(config: RunConfig, dense: RunConfig, flag: str) -> None:
         if config.moe.experts.hidden != dense.moe.experts.hidden:
             raise UserError(f"{flag}: its FFN is --expert-hidden {dense.moe.experts.hidden} wide, this run asks for "
                             f"{config.moe.experts.hidden}; pass --expert-hidden {dense.moe.experts.hidden}")
+    block_kind = dense.block_expert_kind
+    if config.expert_kind != block_kind:   # the dense FFN is of the block's kind: each expert must compute it
+        raise UserError(f"{flag}: its dense FFN is {block_kind}, so experts starting from it are too; this run asks "
+                        f"for --expert-kind {config.expert_kind}: pass --expert-kind {block_kind}")
     leaves = RunConfig.leaves()
     for key in _SHARED:
         if config.get(key) != dense.get(key):
@@ -129,7 +133,7 @@ def _moe_layers_and_their_ffns(model: torch.nn.Module) -> dict[str, str]:
 
 def _expert_weights(ffn: dict[str, torch.Tensor], experts) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_in, w_out) of one expert computing the dense FFN `ffn` (its state by name)."""
-    if experts.activation == "swiglu":
+    if experts.kind.gated:
         return torch.cat([ffn["gate_proj.weight"], ffn["up_proj.weight"]]).float(), ffn["down_proj.weight"].float().t()
     return ffn["hidden.0.weight"].float(), ffn["out.weight"].float().t() / experts.output_scale
 

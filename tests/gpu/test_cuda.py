@@ -32,7 +32,7 @@ SUBPROCESS_TIMEOUT = float(os.environ.get("MOE_SCALE_GPU_TEST_TIMEOUT", "900"))
 def _layer(gate: str) -> MoELayer:
     if gate == "hierarchical":
         layer = HierarchicalMoELayer(D, H, E, K, seed=3, router=HierarchicalRouter(D, 8, E // 8, 2, 2))
-    elif gate == "swiglu":   # the llama block's experts (moe/experts/swiglu.py) behind the flat gate
+    elif gate == "swiglu":   # the llama block's experts (moe/experts/kinds.py) behind the flat gate
         layer = MoELayer(D, H, E, K, seed=3, activation="swiglu")
     else:
         layer = MoELayer(D, H, E, K, seed=3)

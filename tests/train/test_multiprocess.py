@@ -66,7 +66,8 @@ def _one_and_two_processes(tmp_path, embedded_cache, common: list[str]):
 
 
 @pytest.mark.parametrize("gate_flags", [
-    ["--gate", "hierarchical", "--num-groups", "2", "--top-k", "2", "--top-k-secondary", "2"],
+    ["--gate", "hierarchical", "--num-groups", "2", "--top-k", "2", "--top-k-secondary", "2",
+     "--expert-kind", "geglu"],   # (and GeGLU experts)
     ["--gate", "batchwise", "--batchwise-scope", "global",
      "--softmax", "adaptive", "--adaptive-cutoffs", "50,200"],   # (and the adaptive softmax's tails split by rows)
     ["--gate", "softmax_topk", "--vocab-exchange", "dense"],   # (and the vocabulary tables whole on every rank)

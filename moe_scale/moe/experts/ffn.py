@@ -1,8 +1,9 @@
-"""Experts: one-hidden-layer ReLU FFNs stored as stacked weights, run as one grouped computation (SwiGLU
-experts, the other activation GroupedExperts offers: moe/experts/swiglu.py).
+"""Experts: one-hidden-layer FFNs of one kind (moe/experts/kinds.py: ReLU, SwiGLU, GeGLU) stored as stacked
+weights, run as one grouped computation.
 
 Legend (docs/shapes.md): M (token, expert) pairs that arrived at this rank (sorted by local expert), R rows
-they read, D model width, F expert hidden width, L local experts, I input width, O output width (of a product).
+they read, D model width, F expert hidden width, X the first layer's width (F, or 2F for a gated kind), L local
+experts, I input width, O output width (of a product).
 
 `tokens_per_expert` says how many of the M rows belong to each local expert, in order: a device tensor (with the
 same counts as a host list beside it where the caller read them anyway), or a list.
@@ -21,15 +22,13 @@ launches does not depend on the number of experts.
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
 
-from moe_scale.moe.cpu_backend import kernels as cpu_kernels
-from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gate_gradient, gated_rows, pair_coefficients,
-                                                per_expert_outer, row_dot, rows_times_expert)
-from moe_scale.moe.experts.swiglu import swiglu_expert_ffn
+from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gated_rows, pair_coefficients, per_expert_outer,
+                                                rows_times_expert)
+from moe_scale.moe.experts.kinds import ExpertKind, expert_kind
 
 
 class _GroupedMatmul(torch.autograd.Function):
@@ -101,155 +100,108 @@ def _storage_users(t: torch.Tensor) -> int:
 
 
 class _ExpertFFN(torch.autograd.Function):
-    """Pair m (of expert e, reading row r = row_of_pair[m] of `rows`, with gate g_m):
+    """Pair m (of expert e, reading row r = row_of_pair[m] of `rows`, with gate g_m), for any expert kind
+    (moe/experts/kinds.py; ReLU here):
         y_m = relu(rows[r] @ w_in[e].T) @ w_out[e] * scale * g_m
     returned per pair ([M, D]) without `row_of_pair`, or summed per row ([R, D]) with it.
 
     Gating and summing inside the function keeps memory near a dense FFN's: the pairs' input rows are gathered
     and their outputs scattered here, so neither is saved. Nor is y: with G_m = dL/d(output row of pair m),
     dL/dg_m = scale * <G_m, hidden_m @ w_out[e]> = scale * <G_m @ w_out[e].T, hidden_m>, and G_m @ w_out[e].T
-    is a product the backward computes anyway. Saved: the rows, the hidden layer (none with recompute),
-    indices and gates.
+    is a product the backward computes anyway. Saved: the rows, the first layer's output (none with recompute),
+    indices and gates. The kind computes the first layer and the activation's backward; the products of the second
+    layer's forward, of w_in's gradient and of the rows' are the same for every kind.
     """
 
     @staticmethod
-    def forward(ctx, rows_RD, w_in_LFD, w_out_LFD, counts: Counts, row_of_pair_M, gate_M, scale: float,
-                recompute: bool, kernel: str | None, grad_buffers: GradientBuffers | None):
+    def forward(ctx, rows_RD, w_in_LXD, w_out_LFD, counts: Counts, row_of_pair_M, gate_M, scale: float,
+                recompute: bool, kernel: str | None, grad_buffers: GradientBuffers | None, kind: ExpertKind):
         layout = GroupLayout(counts, rows_RD, kernel)
-        hidden_MF = rows_times_expert(rows_RD, w_in_LFD.transpose(1, 2), layout, row_of_pair_M, relu=True)
-        y_MD = rows_times_expert(hidden_MF, w_out_LFD, layout)
+        first_MX = kind.first_layer(rows_RD, w_in_LXD, layout, row_of_pair_M)
+        y_MD = rows_times_expert(kind.hidden(first_MX), w_out_LFD, layout)
         coef_M = pair_coefficients(gate_M, scale, y_MD)
-        ctx.save_for_backward(rows_RD, w_in_LFD, w_out_LFD, row_of_pair_M, coef_M,
-                              None if recompute else hidden_MF)
-        ctx.layout, ctx.scale, ctx.gate_dtype = layout, scale, None if gate_M is None else gate_M.dtype
+        ctx.save_for_backward(rows_RD, w_in_LXD, w_out_LFD, row_of_pair_M, coef_M, None if recompute else first_MX)
+        ctx.layout, ctx.scale, ctx.gate_dtype, ctx.kind = layout, scale, None if gate_M is None else gate_M.dtype, kind
         # Only the native kernel writes into a given buffer; it runs where fresh pages cost the most.
         ctx.grad_buffers = grad_buffers if layout.kernel == "native" else None
         return gated_rows(y_MD, coef_M, row_of_pair_M, rows_RD.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows_RD, w_in, w_out, row_of_pair_M, coef_M, hidden_MF = ctx.saved_tensors
-        layout, scale = ctx.layout, ctx.scale
+        rows_RD, w_in, w_out, row_of_pair_M, coef_M, first_MX = ctx.saved_tensors
+        layout, kind = ctx.layout, ctx.kind
         need_rows, need_w_in, need_w_out = ctx.needs_input_grad[:3]
-        need_gate = ctx.needs_input_grad[5]
-        if hidden_MF is None:   # recompute: the hidden layer was not kept
-            hidden_MF = rows_times_expert(rows_RD, w_in.transpose(1, 2), layout, row_of_pair_M, relu=True)
-        coef_M = coef_M.to(grad_out.dtype)
-        grad_gate = grad_rows = grad_w_in = grad_w_out = None
-        grad_hidden_MF, dot_M, grad_y_MD = _hidden_gradient(grad_out, row_of_pair_M, w_out, hidden_MF, coef_M,
-                                                            layout, need_gate, keep_grad_y=need_w_out)
-        if need_gate:   # dL/dg_m = scale * <G_m @ w_out[e].T, hidden_m> (see the class docstring)
-            grad_gate = gate_gradient(dot_M, scale, ctx.gate_dtype)
-        del dot_M
-        if need_w_out:   # a gathered copy is ours to scale in place; the incoming gradient is not
-            grad_y_MD = _per_pair(grad_out, row_of_pair_M) if grad_y_MD is None else grad_y_MD
-            grad_y_MD = grad_y_MD.mul_(coef_M[:, None]) if row_of_pair_M is not None else grad_y_MD * coef_M[:, None]
-            grad_w_out = per_expert_outer(hidden_MF, grad_y_MD, layout, _buffer(ctx, "w_out", w_out))
-            del grad_y_MD
-        del hidden_MF
+        if first_MX is None:   # recompute: the first layer's output was not kept
+            first_MX = kind.first_layer(rows_RD, w_in, layout, row_of_pair_M)
+        grad_rows = grad_w_in = None
+        grad_first_MX, grad_gate, grad_w_out = kind.hidden_backward(
+            grad_out, row_of_pair_M, w_out, first_MX, coef_M.to(grad_out.dtype), layout, ctx.scale, ctx.gate_dtype,
+            ctx.needs_input_grad[5], need_w_out, _buffer(ctx, "w_out", w_out) if need_w_out else None)
+        del first_MX
         if need_w_in:   # the pairs' input rows are read through row_of_pair, not gathered and kept
-            grad_w_in = per_expert_outer(grad_hidden_MF, rows_RD, layout, _buffer(ctx, "w_in", w_in), row_of_pair_M)
+            grad_w_in = per_expert_outer(grad_first_MX, rows_RD, layout, _buffer(ctx, "w_in", w_in), row_of_pair_M)
         if need_rows:
-            grad_x_MD = rows_times_expert(grad_hidden_MF, w_in, layout)
-            del grad_hidden_MF
+            grad_x_MD = rows_times_expert(grad_first_MX, w_in, layout)
+            del grad_first_MX
             grad_rows = grad_x_MD if row_of_pair_M is None else \
                 grad_x_MD.new_zeros(rows_RD.shape).index_add_(0, row_of_pair_M, grad_x_MD)
-        return grad_rows, grad_w_in, grad_w_out, None, None, grad_gate, None, None, None, None
-
-
-def _hidden_gradient(grad_out, row_of_pair_M, w_out_LFD, hidden_MF, coef_M, layout: GroupLayout, need_dot: bool,
-                     keep_grad_y: bool):
-    """(gradient of the hidden layer's input: (G_m @ w_out[e].T) * coef_m where hidden > 0, else 0; the dot
-    products <G_m @ w_out[e].T, hidden_m> if `need_dot`; the gathered G if `keep_grad_y` and one was gathered),
-    with G_m the output gradient of pair m. The native kernel gathers G, multiplies and applies the ReLU's backward
-    in one pass; otherwise torch's ops."""
-    if layout.kernel == "native":
-        return *cpu_kernels.rows_times_wt(grad_out, w_out_LFD, layout.offsets_L1, row_of_pair_M,
-                                          relu_grad=(hidden_MF, coef_M)), None
-    grad_y_MD = _per_pair(grad_out, row_of_pair_M)
-    grad_hidden_MF = rows_times_expert(grad_y_MD, w_out_LFD.transpose(1, 2), layout)   # per unit of coef
-    dot_M = row_dot(grad_hidden_MF, hidden_MF) if need_dot else None
-    # ReLU: hidden > 0 exactly where its input was. threshold_backward in place: no [M, F] mask temporary.
-    torch.ops.aten.threshold_backward.grad_input(grad_hidden_MF.mul_(coef_M[:, None]), hidden_MF, 0,
-                                                 grad_input=grad_hidden_MF)
-    return grad_hidden_MF, dot_M, grad_y_MD if keep_grad_y and row_of_pair_M is not None else None
-
-
-def _per_pair(t_RD: torch.Tensor, row_of_pair_M: torch.Tensor | None) -> torch.Tensor:
-    """t[row_of_pair[m]] for each pair m ([M, D], a copy), or t itself when its rows are the pairs."""
-    return t_RD.contiguous() if row_of_pair_M is None else t_RD.index_select(0, row_of_pair_M)
+        return grad_rows, grad_w_in, grad_w_out, None, None, grad_gate, None, None, None, None, None
 
 
 def _buffer(ctx, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     return None if ctx.grad_buffers is None else ctx.grad_buffers.take(name, weight)
 
 
-def expert_ffn(rows_RD, w_in_LFD, w_out_LFD, tokens_per_expert: Counts, row_of_pair_M=None, gate_M=None,
+def expert_ffn(rows_RD, w_in_LXD, w_out_LFD, tokens_per_expert: Counts, row_of_pair_M=None, gate_M=None,
                scale: float = 1.0, recompute: bool = False, kernel: str | None = None,
-               grad_buffers: GradientBuffers | None = None) -> torch.Tensor:
+               grad_buffers: GradientBuffers | None = None, kind: str | ExpertKind = "relu") -> torch.Tensor:
     """See _ExpertFFN. `kernel` forces one kernel (tests); by default GroupLayout picks per product.
     `grad_buffers`: where the weight gradients may be written (see GradientBuffers)."""
-    return _ExpertFFN.apply(rows_RD, w_in_LFD, w_out_LFD, tokens_per_expert, row_of_pair_M, gate_M, scale,
-                            recompute, kernel, grad_buffers)
-
-
-ACTIVATIONS = ("relu", "swiglu")
-SWIGLU_INIT_STD = 0.02   # transformers' initializer_range, with which it initialises Mixtral's experts
+    return _ExpertFFN.apply(rows_RD, w_in_LXD, w_out_LFD, tokens_per_expert, row_of_pair_M, gate_M, scale,
+                            recompute, kernel, grad_buffers, expert_kind(kind))
 
 
 class GroupedExperts(nn.Module):
-    """L local experts, each D -> F (ReLU) -> D with no biases (t2t's `ffn_expert_fn`), or with
-    `activation="swiglu"` Mixtral's D -> F (silu(x W1ᵀ) * x W3ᵀ) -> D (moe/experts/swiglu.py: w_in then holds
-    W1 and W3 stacked, [L, 2F, D]; no output scale; every matrix N(0, 0.02²) from the same per-expert generator).
+    """L local experts of one kind (moe/experts/kinds.py: `activation` names it; ReLU by default, t2t's
+    `ffn_expert_fn`: D -> F -> D with no biases, output scaled by sqrt(D/F)), stacked: w_in [L, X, D] (X = F, or 2F
+    for a gated kind's gate and up rows), w_out [L, F, D].
 
-    The output is scaled by sqrt(D/F) (t2t's autoscale) so expert outputs keep unit scale whatever F is.
-    Weights are Glorot-uniform per expert matrix, as t2t's default initializer, drawn from a generator
-    seeded by (seed, global expert id): an expert starts the same whichever rank holds it, so runs with
-    different --ep-size start from the same model, and the global RNG is left untouched. The generator is on
-    the device the weights are made on (a GPU's draws other numbers than the CPU's for the same seed).
+    Each expert's weights are drawn by its kind from a generator seeded by (seed, global expert id): an expert
+    starts the same whichever rank holds it, so runs with different --ep-size start from the same model, and the
+    global RNG is left untouched. The generator is on the device the weights are made on (a GPU's draws other
+    numbers than the CPU's for the same seed).
 
-    w_in is stored [L, F, D], as nn.Linear stores (out, in): the forward's x @ w_in[e].T and the backward's
-    g @ w_in[e] then both take MKL's faster operand layouts for these shapes. It is drawn as [D, F] and
-    transposed, so the initial model is unchanged.
+    w_in is stored as nn.Linear stores (out, in): the forward's x @ w_in[e].T and the backward's g @ w_in[e] then
+    both take MKL's faster operand layouts for these shapes.
     """
 
     def __init__(self, num_local_experts: int, d_model: int, d_hidden: int, first_global_expert: int = 0,
-                 seed: int = 0, recompute: bool = False, reuse_grad_buffers: bool = True, activation: str = "relu"):
+                 seed: int = 0, recompute: bool = False, reuse_grad_buffers: bool = True,
+                 activation: str | ExpertKind = "relu"):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        self.recompute, self.activation = recompute, activation
+        self.kind = expert_kind(activation)
+        self.recompute = recompute
         self.grad_buffers = GradientBuffers() if reuse_grad_buffers else None
         self.num_local_experts, self.d_model, self.d_hidden = num_local_experts, d_model, d_hidden
         self.first_global_expert, self.seed = first_global_expert, seed
-        first_layer = 2 * d_hidden if activation == "swiglu" else d_hidden   # SwiGLU: gate and up rows
-        self.w_in = nn.Parameter(torch.empty(num_local_experts, first_layer, d_model))   # nn.Linear's (out, in)
+        self.w_in = nn.Parameter(torch.empty(num_local_experts, self.kind.first_width(d_hidden), d_model))
         self.w_out = nn.Parameter(torch.empty(num_local_experts, d_hidden, d_model))
-        self.output_scale = math.sqrt(d_model / d_hidden) if activation == "relu" else 1.0
-        self._ffn = expert_ffn if activation == "relu" else swiglu_expert_ffn
+        self.output_scale = self.kind.output_scale(d_model, d_hidden)
         self.reset_parameters()
+
+    @property
+    def activation(self) -> str:
+        return self.kind.name
 
     def reset_parameters(self) -> None:
         if self.w_in.is_meta:   # shapes only (moe-scale flops / plan): nothing to draw
             return
         device = self.w_in.device   # built on a GPU (torch.device context): drawn there, never through host memory
-        if self.activation == "swiglu":
-            with torch.no_grad():
-                for local_id in range(self.num_local_experts):
-                    generator = torch.Generator(device).manual_seed(
-                        self.seed * 1_000_003 + self.first_global_expert + local_id)
-                    self.w_in[local_id].normal_(0.0, SWIGLU_INIT_STD, generator=generator)
-                    self.w_out[local_id].normal_(0.0, SWIGLU_INIT_STD, generator=generator)
-            return
-        bound = math.sqrt(6.0 / (self.d_model + self.d_hidden))
         with torch.no_grad():
             for local_id in range(self.num_local_experts):
                 generator = torch.Generator(device).manual_seed(
                     self.seed * 1_000_003 + self.first_global_expert + local_id)
-                w_in_DF = torch.empty(self.d_model, self.d_hidden, device=device).uniform_(-bound, bound,
-                                                                                          generator=generator)
-                self.w_in[local_id].copy_(w_in_DF.t())
-                self.w_out[local_id].uniform_(-bound, bound, generator=generator)
+                self.kind.init_expert(self.w_in[local_id], self.w_out[local_id], generator)
 
     def forward(self, rows_RD: torch.Tensor, tokens_per_expert: Counts, row_of_pair_M: torch.Tensor | None = None,
                 gate_M: torch.Tensor | None = None) -> torch.Tensor:
@@ -261,5 +213,5 @@ class GroupedExperts(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
             rows_RD, w_in, w_out = rows_RD.to(dtype), w_in.to(dtype), w_out.to(dtype)
         grad_buffers = self.grad_buffers if w_in is self.w_in else None   # autocast: the casts' gradients
-        return self._ffn(rows_RD, w_in, w_out, tokens_per_expert, row_of_pair_M, gate_M, self.output_scale,
-                         self.recompute, grad_buffers=grad_buffers)
+        return expert_ffn(rows_RD, w_in, w_out, tokens_per_expert, row_of_pair_M, gate_M, self.output_scale,
+                          self.recompute, grad_buffers=grad_buffers, kind=self.kind)
