@@ -248,7 +248,7 @@ def zero_norm_without_host_reads(optimizer) -> bool:
 
     if not isinstance(optimizer, DeepSpeedZeroOptimizer) or not zero_methods_unchanged():
         return False
-    # (looked up at each call, so that moe_scale/metrics/step_syncs.py can tell the clipping phase by them)
+    # (looked up at each call, so that tools/step_syncs.py can tell the clipping phase by them)
     optimizer.get_grad_norm_direct = lambda *args, **kwargs: _grad_norm_direct(optimizer, *args, **kwargs)
     optimizer.unscale_and_clip_grads = lambda *args, **kwargs: _unscale_and_clip_grads(optimizer, *args, **kwargs)
     return True

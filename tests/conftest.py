@@ -13,6 +13,9 @@ import pytest
 from tests.paths import TOOLS
 from tests.wikitext import wikitext_sentences, wikitext_text
 
+if str(TOOLS) not in sys.path:   # the developer harnesses tests use (op_count, step_syncs) live with the tools
+    sys.path.insert(0, str(TOOLS))
+
 pytest_plugins = ["tests.parallel", "tests.timing_report"]
 
 

@@ -11,7 +11,7 @@ from moe_scale.cli import build_parser
 from moe_scale.commands.train import config_from_args as _config_from_args
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
-from moe_scale.train.ds_config import DEFAULT_DS_CONFIG, complete_ds_config, load_ds_config, validate_ds_config
+from moe_scale.layout.ds_config import DEFAULT_DS_CONFIG, complete_ds_config, load_ds_config, validate_ds_config
 from tests.paths import DS_CONFIGS
 
 SHIPPED_DS_CONFIGS = sorted(DS_CONFIGS.glob("*.json"))

@@ -94,9 +94,9 @@ def _zero_norm_worker(rank, world):
     from torch import nn
 
     from moe_scale.config import TrainConfig
-    from moe_scale.metrics.op_count import OpCounter
+    from op_count import OpCounter
     from moe_scale.moe.layer import MoELayer
-    from moe_scale.train.ds_config import complete_ds_config, load_ds_config
+    from moe_scale.layout.ds_config import complete_ds_config, load_ds_config
     from moe_scale.train.engine import TrainingEngine
 
     class Net(nn.Module):   # dense and expert parameters: two parameter groups

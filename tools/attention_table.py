@@ -96,7 +96,8 @@ def train(args, kind: str) -> Path:
 def measure(run: Path) -> dict:
     from moe_scale.config import RunConfig
     from moe_scale.data import Vocab
-    from moe_scale.models.build import build_model, forward_macs_per_token, parameter_counts
+    from moe_scale.accounting.model_flops import forward_macs_per_token
+    from moe_scale.models.build import build_model, parameter_counts
 
     config = RunConfig.load(run / "config.json")
     vocab_size = len(Vocab.load(run / "vocab"))

@@ -122,7 +122,7 @@ def predict(config, const: dict, compute: dict, efficiency: float, procs: int, e
     from moe_scale.accounting.layout import Layout
     from moe_scale.accounting.model_shape import planned_model
     from moe_scale.accounting.plan import Planner
-    from moe_scale.train.ds_config import DEFAULT_DS_CONFIG
+    from moe_scale.layout.ds_config import DEFAULT_DS_CONFIG
 
     per_node = max(1, procs // 2) if exchange == "hierarchical" else procs
     layout = Layout(procs // per_node, per_node, ep_size=procs, all_to_all=exchange)

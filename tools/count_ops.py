@@ -1,7 +1,7 @@
 """Operations and host synchronisations of one MoE layer step (forward + backward), as a GPU dispatches them.
 
 Runs on CPU with the GPU's kernel decisions (moe/kernel_policy.py: no native CPU kernels, the gate as whole
-tensors, grouped GEMMs of at most 1,023 experts per call) and counts, with moe_scale.metrics.op_count:
+tensors, grouped GEMMs of at most 1,023 experts per call) and counts, with tools/op_count.py:
 
     ops                   aten operations dispatched
     kernel_ops            those that launch work on a GPU (ops less views and other metadata-only operations)
@@ -105,7 +105,7 @@ def count_step(gate: str, local_experts: int, tokens: int, k: int, ranks: int, r
                policy=None) -> dict:
     """One forward and backward of a fresh layer, counted after one uncounted step (lazy setup), under the GPU's
     kernel decisions (or `policy`)."""
-    from moe_scale.metrics.op_count import OpCounter
+    from op_count import OpCounter
     from moe_scale.moe.kernel_policy import GPU, forced_policy
 
     torch.manual_seed(rank)

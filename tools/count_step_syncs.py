@@ -1,6 +1,6 @@
 """Host-blocking reads and kernel-launching operations of one regular training step, as a GPU dispatches them.
 
-Runs `moe-scale train` on CPU with CUDA's decisions forced on (moe_scale/metrics/step_syncs.py: the GPU's kernel
+Runs `moe-scale train` on CPU with CUDA's decisions forced on (tools/step_syncs.py: the GPU's kernel
 choices, and DeepSpeed on a simulated CUDA accelerator with streams and events, so ZeRO takes its CUDA paths) and
 counts step 5 of 6 (after DeepSpeed's lazy set-up and the loop's timing warm-up; no log, eval or checkpoint point):
 forward, backward, clipping, DeepSpeed's optimizer step and the loop's bookkeeping between log points.
@@ -19,7 +19,7 @@ One JSON line per rank:
     host_side_reads          reads of tensors that live on the host in a GPU run too (not counted), and why
     device_waits             a stream waiting for a stream or an event: the device waits, not the host (not counted)
 
-The model is small in width (--d-model, --hidden): the counts depend on neither (tests/train/test_step_syncs.py
+The model is small in width (--d-model, --hidden): the counts depend on neither (tests/tools/test_step_syncs.py
 checks it), only on the number of layers, experts, parameters and ranks. The default transformer is the GPU
 check's shape (tools/gpu_check.sh: 8 MoE layers of 64 experts, k = 2) at d = 64, h = 128.
 
@@ -97,7 +97,7 @@ def train_flags(args: argparse.Namespace, ranks: int) -> list[str]:
 def _rank(rank: int, port: int, flags: list[str], out: str, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_SIZE="2", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    from moe_scale.metrics.step_syncs import count_training
+    from step_syncs import count_training
 
     try:
         results.put((rank, count_training(flags, Path(out))))
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         flags = train_flags(args, ranks)
         with tempfile.TemporaryDirectory(prefix="count_step_syncs-") as tmp:
             if ranks == 1:
-                from moe_scale.metrics.step_syncs import count_training
+                from step_syncs import count_training
 
                 reports = [count_training(flags, Path(tmp) / "run")]
             else:

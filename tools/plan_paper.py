@@ -44,7 +44,7 @@ def _planned_row(preset, gpus_per_node: int, inter_node_gbs: float | None, grad_
     from moe_scale.accounting.model_shape import planned_model
     from moe_scale.accounting.plan import Planner
     from moe_scale.accounting.presets import preset_config
-    from moe_scale.train.ds_config import DEFAULT_DS_CONFIG
+    from moe_scale.layout.ds_config import DEFAULT_DS_CONFIG
 
     config = preset_config(preset.name)
     config.softmax.kind, config.softmax.num_sampled = preset.softmax.kind, preset.softmax.num_samples

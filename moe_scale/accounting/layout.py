@@ -2,7 +2,7 @@
 optimizer, precision, expert recompute, flat or hierarchical all-to-all), and the check that `train` accepts it.
 
 `checked_config` applies a layout to the user's config and DeepSpeed JSON and runs `train`'s own checks
-(train/layout.py: the config, the DeepSpeed JSON with the optimizer under it, --ep-size against the processes,
+(layout/checks.py: the config, the DeepSpeed JSON with the optimizer under it, --ep-size against the processes,
 the hierarchical all-to-all against the nodes, the batch against the processes): a layout that `train` would
 refuse raises its UserError here, so the planner never reports one as fitting.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
-from moe_scale.train.layout import check_layout
+from moe_scale.layout.checks import check_layout
 
 PRECISIONS = ("fp32", "bf16")
 

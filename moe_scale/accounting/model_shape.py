@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_scale.accounting.flops import active_experts, moe_gating, training_flops_per_token
+from moe_scale.accounting.model_flops import forward_macs_per_token
 from moe_scale.accounting.vocab_exchange import rows_split
 from moe_scale.config import RunConfig
 from moe_scale.moe.experts.kinds import expert_kind
@@ -91,7 +92,7 @@ class PlannedModel:
 
 def planned_model(config: RunConfig) -> PlannedModel:
     """Build `config`'s model on the meta device (one expert-parallel rank holding every expert) and count."""
-    from moe_scale.models.build import build_model, forward_macs_per_token
+    from moe_scale.models.build import build_model
     from moe_scale.models.vocab_parallel import row_split_tables
 
     vocab = config.data.vocab_size

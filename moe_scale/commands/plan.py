@@ -100,7 +100,7 @@ def planner_from_args(args: argparse.Namespace) -> tuple[Planner, Layout, bool]:
     """(the planner, the layout the flags describe on 1 node, whether --ep-size was given)."""
     from moe_scale.accounting.model_shape import planned_model
     from moe_scale.accounting.presets import get_preset
-    from moe_scale.train.ds_config import load_ds_config, zero_stage
+    from moe_scale.layout.ds_config import load_ds_config, zero_stage
 
     _check_numbers(args)
     given = {k[len(_DEST):] for k in vars(args) if k.startswith(_DEST)}

@@ -24,8 +24,8 @@ from moe_scale.attention.pruning import (ABS_GRANULARITIES, apply_pruning, head_
                                          prunable_layers)
 from moe_scale.commands.help_format import HelpFormatter
 from moe_scale.data import LMWindows, load_sentences, resolve_text_files
-from moe_scale.models.softmax import IGNORE
 from moe_scale.errors import UserError
+from moe_scale.labels import IGNORE
 from moe_scale.models.build import parameter_counts
 from moe_scale.train.data_setup import load_run_splits, min_over_ranks
 from moe_scale.inference.trained_run import open_trained_run

@@ -29,7 +29,7 @@ import torch
 
 from moe_scale.data.vocab import Vocab
 from moe_scale.errors import UserError
-from moe_scale.models.softmax import IGNORE
+from moe_scale.labels import IGNORE
 
 
 class EvalWindows:

@@ -2,7 +2,7 @@
 trust_remote_code=True)` and `AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)` load it (moe_scale must
 be installed there; transformers 5's AutoTokenizer reads config.json, whose model type is remote code, so without
 trust_remote_code=True it asks [y/N]). A --block llama run is written as transformers' own MixtralForCausalLM or
-LlamaForCausalLM instead (inference/hf_native.py: no remote code, no moe_scale needed to load it; same tokenizer
+LlamaForCausalLM instead (weights/hf_native.py: no remote code, no moe_scale needed to load it; same tokenizer
 files, config.json with the run's configuration under `run_config`).
 
     config.json                 transformers' config: model_type moe_scale, auto_map, the run's configuration
@@ -94,7 +94,7 @@ def _save_tensors(target: Path, tensors: dict) -> None:
 
 
 def _write(target: Path, config, vocab, model, run: Path, tag: str) -> None:
-    from moe_scale.inference import hf_native
+    from moe_scale.weights import hf_native
 
     provenance = {"run_config": config.to_dict(), "exported_from": {"run": str(run.resolve()), "checkpoint": tag}}
     if hf_native.is_native(config):   # transformers' own Mixtral / Llama: no remote code

@@ -40,16 +40,6 @@ def _build(config: RunConfig, vocab_size: int, ep_size: int, ep_rank: int, seed:
     return LSTMMoELM(config, vocab_size, ep_size=ep_size, ep_rank=ep_rank, seed=seed, counts=counts)
 
 
-def forward_macs_per_token(config: RunConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
-    if config.model.kind == "transformer":
-        from moe_scale.accounting.attention_flops import transformer_forward_macs_per_token
-
-        return transformer_forward_macs_per_token(config, vocab_size, seq_len)
-    from moe_scale.accounting.flops import lstm_moe_forward_macs_per_token
-
-    return lstm_moe_forward_macs_per_token(config, vocab_size)
-
-
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """{"total", "experts"}: every expert (and what is sharded with the experts, e.g. the hierarchical gate's
     secondary matrices) counted once over all expert-parallel ranks, and the vocabulary tables whole where each

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE = -100
+from moe_scale.labels import IGNORE
 
 
 class FullSoftmax(nn.Module):

@@ -9,7 +9,7 @@ MoE layer with any `--gate`. Pre-LayerNorm blocks; dropout on every sub-layer ou
 T positions, D model dim, V vocabulary. Interface as the LSTM model: `moe_layers()` and `LMOutput`.
 
 `--block llama` is Mixtral's decoder (Llama's with a dense FFN), module for module what transformers'
-MixtralForCausalLM computes, so it exports natively (inference/hf_native.py):
+MixtralForCausalLM computes, so it exports natively (weights/hf_native.py):
 
     embedding ─▶ N × [x + Att(RMSNorm(x)),  x + FFN(RMSNorm(x))] ─▶ RMSNorm ─▶ lm_head (no bias; tied or not)
 

@@ -94,7 +94,7 @@ class VocabGroup:
 
 def _read_counts(counts: torch.Tensor) -> list:
     """The one read to the host an exchange of rows needs: its split sizes (all_to_all_single and all_gather take
-    them as Python ints). metrics/step_syncs.py counts reads made here as such."""
+    them as Python ints). tools/step_syncs.py counts reads made here as such."""
     return counts.tolist()
 
 
@@ -381,8 +381,9 @@ def row_split_tables(model: nn.Module) -> list[nn.Parameter]:
 
 def shard_vocabulary(model: nn.Module, rows: VocabRows) -> VocabGroup:
     """Replaces `model.embedding` and `model.softmax` (full, sampled or adaptive) by their row-split counterparts
-    holding `rows` (the adaptive softmax's tails: their own rows of each cluster), with the values the dense modules were initialised with; a tied output
-    layer keeps sharing the embedding's rows. Returns the group to connect."""
+    holding `rows` (the adaptive softmax's tails: their own rows of each cluster), with the values the dense
+    modules were initialised with; a tied output layer keeps sharing the embedding's rows. Returns the group to
+    connect."""
     vocab = VocabGroup(rows)
     dense_embedding, softmax = model.embedding, model.softmax
     model.embedding = ShardedEmbedding(dense_embedding, vocab)

@@ -18,7 +18,7 @@ from moe_scale.deepspeed_internals import (backward_allreduce_is_plain_average, 
 from moe_scale.models.vocab_parallel import connect_vocabulary, split_parameter_groups
 from moe_scale.train.clipping import expert_aware_clip_
 from moe_scale.train.factored_optimizer import build_optimizer
-from moe_scale.train.ds_config import zero_stage
+from moe_scale.layout.ds_config import zero_stage
 
 
 def inverse_sqrt_schedule(warmup_steps: int):

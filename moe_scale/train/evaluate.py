@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.distributed.comm import collective_device
+from moe_scale.labels import IGNORE
 from moe_scale.metrics.balance import MoEMetrics
-from moe_scale.models.softmax import IGNORE
 
 COUNTED = ("every word (out-of-vocabulary ones as <UNK>) and each sentence's </S>; <S> is never predicted; "
            "perplexity per word: exp(total NLL / (words + sentences)), for subword tokenizers too")

@@ -9,7 +9,8 @@ Why not transformers' Adafactor (beta1=None, relative_step=False, scale_paramete
 App. D (beta2 follows 1 - t^-0.8 instead of a fixed beta2, updates are clipped by their RMS, no bias
 correction), and DeepSpeed takes one optimizer, so it cannot be Adam for the dense groups. Neither it nor
 this optimizer can factor under ZeRO-1/2 or DeepSpeed's bf16/fp16 optimizers: those flatten every group
-into 1-D partitions, and the matrix shape is gone; `check_optimizer_fits` refuses those configs.
+into 1-D partitions, and the matrix shape is gone; `check_optimizer_fits` (layout/checks.py) refuses those
+configs.
 
 Legend (docs/shapes.md): O a matrix's rows, I its columns (the last two dims); leading dims (experts)
 are batch dims.
@@ -20,9 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from moe_scale.errors import UserError
-from moe_scale.train.ds_config import zero_stage
 
 
 class FactoredExpertAdam(torch.optim.Optimizer):
@@ -109,18 +107,6 @@ def build_optimizer(groups: list[dict[str, Any]], train) -> torch.optim.Optimize
         return torch.optim.AdamW(groups, lr=train.lr, weight_decay=train.weight_decay, fused=True)
     groups = [{**group, "factored": bool(group.get("moe"))} for group in groups]
     return FactoredExpertAdam(groups, lr=train.lr, betas=(0.9, 0.999), weight_decay=train.weight_decay)
-
-
-def check_optimizer_fits(train, ds_config: dict, source: str) -> None:
-    """Refuses the DeepSpeed configs under which the factored optimizer would silently not factor."""
-    if train.optimizer != "factored":
-        return
-    half = [k for k in ("bf16", "fp16") if ds_config.get(k, {}).get("enabled")]
-    if zero_stage(ds_config) > 0 or half:
-        what = f"ZeRO stage {zero_stage(ds_config)}" if zero_stage(ds_config) > 0 else f"{half[0]} enabled"
-        raise UserError(f"{source} has {what}: DeepSpeed then flattens parameters into 1-D partitions and "
-                        "--optimizer factored cannot factor the expert matrices; use a stage-0 fp32 config "
-                        "(e.g. ds_configs/cpu.json) with --optimizer factored, or --optimizer adam")
 
 
 def optimizer_state_numel(optimizer: torch.optim.Optimizer, factored_only: bool | None = None) -> int:

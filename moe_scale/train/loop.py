@@ -29,9 +29,9 @@ from moe_scale.data.source import TrainingSource
 from moe_scale.data.subwords import save_run_tokenizer
 from moe_scale.train.context import TrainContext
 from moe_scale.train.data_setup import build_lm_data
-from moe_scale.train.ds_config import complete_ds_config, load_ds_config
+from moe_scale.layout.ds_config import complete_ds_config, load_ds_config
 from moe_scale.train.engine import TrainingEngine
-from moe_scale.train.layout import check_run_layout, check_world_layout
+from moe_scale.layout.checks import check_run_layout, check_world_layout
 from moe_scale.train.mae_bcd import mae_schedule
 from moe_scale.files import write_json_atomic
 from moe_scale.train.report import RunReport
@@ -48,7 +48,7 @@ def run_training(config: RunConfig) -> dict:
     t, run_dir, ep_size = config.train, config.run, config.parallel.ep_size
     ds_source = f"--ds-config {config.parallel.ds_config or '(built-in)'}"
     user_ds_config = load_ds_config(config.parallel.ds_config)
-    check_run_layout(config, user_ds_config, ds_source)   # the checks `moe-scale plan` shares (train/layout.py)
+    check_run_layout(config, user_ds_config, ds_source)   # the checks `moe-scale plan` shares (layout/checks.py)
     run = check_run_dir(run_dir.out, run_dir.resume, run_dir.overwrite, run_dir.resume_from)
     env = init_distributed()
     micro_batch = check_world_layout(config, env.world_size, lambda: ranks_per_node(config.moe.dispatch.node_size))
@@ -76,7 +76,7 @@ def run_training(config: RunConfig) -> dict:
             print(f"upcycled from {upcycled[0]} (checkpoint {upcycled[1]}): every expert a copy of its FFN"
                   + (f" with {t.upcycle_noise:g} noise" if t.upcycle_noise else "") + ", a new router", flush=True)
     if t.init_from_hf and not run_dir.resume:   # a resumed run's weights are its checkpoint's
-        from moe_scale.inference.hf_native import init_from_hf
+        from moe_scale.weights.hf_native import init_from_hf
 
         init_from_hf(model, config, data.vocab)
     mae = mae_schedule(model, config, data.train.steps_per_epoch)   # MAE's G steps, else None

@@ -19,7 +19,7 @@ from deepspeed.moe.utils import is_moe_param
 from torch import nn
 
 from moe_scale.errors import UserError
-from moe_scale.train.ds_config import zero_stage
+from moe_scale.layout.ds_config import zero_stage
 
 GIB = 2**30
 

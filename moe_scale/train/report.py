@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moe_scale.accounting.flops import tflops_per_device, training_flops_per_token
+from moe_scale.accounting.model_flops import forward_macs_per_token
 from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv, ranks_per_node
 from moe_scale.errors import UserError
@@ -21,7 +22,7 @@ from moe_scale.metrics.balance import MeanTracker, MoEMetrics
 from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.metrics.perf import (all_to_all_seconds, device_peak_tflops, efficiency, forget_exceeded_peak,
                                     peak_rss_mib)
-from moe_scale.models.build import describe_parameters, forward_macs_per_token
+from moe_scale.models.build import describe_parameters
 from moe_scale.train.context import TrainContext
 from moe_scale.train.evaluate import evaluate
 from moe_scale.train.state import TrainState

@@ -11,7 +11,8 @@ import torch
 
 from moe_scale.accounting.model_shape import ExpertLayer, planned_model
 from moe_scale.config import RunConfig
-from moe_scale.models.build import build_model, forward_macs_per_token
+from moe_scale.accounting.model_flops import forward_macs_per_token
+from moe_scale.models.build import build_model
 from moe_scale.train.engine import optimizer_groups
 from moe_scale.train.factored_optimizer import build_optimizer, optimizer_state_numel
 

@@ -15,8 +15,8 @@ from moe_scale.accounting.plan import Planner
 from moe_scale.accounting.presets import get_preset, preset_config
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
-from moe_scale.train.ds_config import DEFAULT_DS_CONFIG
-from moe_scale.train.factored_optimizer import check_optimizer_fits
+from moe_scale.layout.ds_config import DEFAULT_DS_CONFIG
+from moe_scale.layout.checks import check_optimizer_fits
 
 
 def paper_planner(name: str, vocab_exchange: str = "rows") -> Planner:

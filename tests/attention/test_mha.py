@@ -39,7 +39,7 @@ def test_an_untouched_mask_is_skipped_with_the_same_numbers():
     """Until someone takes head_mask_H the forward skips multiplying by the all-ones mask (a kernel forward and
     one backward, and the mask's cast in bf16): the same output and gradients as with the mask applied;
     reset_unsaved_buffers skips it again."""
-    from moe_scale.metrics.op_count import OpCounter
+    from op_count import OpCounter
 
     torch.manual_seed(1)
     layer = MultiHeadAttention(D, H, d)

@@ -145,7 +145,7 @@ def test_model_parameters_and_macs_match_eq18_20():
 def test_one_rank_forward_and_backward_read_nothing_from_the_device():
     """As a GPU dispatches it (gpu_decisions): the top-k gate gives every token its k rows, so one rank's dispatch
     needs no counts; forward and backward make no host-blocking read, and the output is the reference's."""
-    from moe_scale.metrics.op_count import OpCounter
+    from op_count import OpCounter
     from moe_scale.moe.kernel_policy import gpu_decisions
 
     layer = _layer().train()

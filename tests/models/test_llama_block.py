@@ -1,5 +1,5 @@
 """The llama block (`--block llama`) against transformers' own Mixtral, Qwen2-MoE and Llama: its rotary positions
-and RMSNorm equal transformers' functions; the whole model, written by inference/hf_native.py and loaded by
+and RMSNorm equal transformers' functions; the whole model, written by weights/hf_native.py and loaded by
 `AutoModelForCausalLM.from_pretrained` (no remote code), gives moe_scale's logits (float32, relative error
 ≤ 1e-4) with an MoE FFN (with gated shared experts: Qwen2-MoE) or a dense one, tied or untied embeddings; the
 import reads back exactly what the export wrote (the released layouts and transformers 5's fused one; an
@@ -18,7 +18,7 @@ import torch
 
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
-from moe_scale.inference import hf_native
+from moe_scale.weights import hf_native
 from moe_scale.models.build import build_model
 
 V = 50

@@ -19,8 +19,8 @@ BASE = {"d_model": 16, "num_experts": 8, "top_k": 2, "num_layers": 2}
 MOE_SETTINGS = [
     ("num_experts", 4, {}, lambda layer: layer.num_experts),
     ("expert_hidden", 24, {}, lambda layer: layer.experts.d_hidden),
-    ("expert_kind", "geglu", {"shared_experts": 1}, lambda layer: layer.experts.kind.name == layer.shared.kind.name == "geglu"
-     and "geglu"),
+    ("expert_kind", "geglu", {"shared_experts": 1},
+     lambda layer: layer.experts.kind.name == layer.shared.kind.name == "geglu" and "geglu"),
     ("expert_recompute", True, {}, lambda layer: layer.experts.recompute),
     ("expert_grad_reuse", False, {}, lambda layer: layer.experts.grad_buffers is not None),
     ("top_k", 3, {}, lambda layer: layer.router.k),

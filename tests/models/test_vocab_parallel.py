@@ -129,7 +129,7 @@ def test_rows_split_evenly_and_refuse_an_empty_rank():
 
 
 def test_distinct_ids_equal_torch_unique_without_reading_a_size():
-    from moe_scale.metrics.op_count import OpCounter
+    from op_count import OpCounter
     from moe_scale.models.vocab_parallel import _distinct
 
     for ids in (torch.tensor([5, 3, 5, 0, 3, 9]), torch.tensor([4]), torch.randint(0, 50, (300,))):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moe_scale.metrics.op_count import OpCounter
+from op_count import OpCounter
 from moe_scale.moe.losses import balance_loss, cv_squared
 
 

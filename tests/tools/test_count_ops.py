@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from moe_scale.metrics.op_count import OpCounter, blocks_host
+from op_count import OpCounter, blocks_host
 from moe_scale.moe.kernel_policy import KernelPolicy
 from tests.paths import TOOLS
 

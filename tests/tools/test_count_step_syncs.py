@@ -1,5 +1,5 @@
 """tools/count_step_syncs.py: a regular training step's host reads and kernel launches as JSON lines, and its flags
-(the counts themselves are held by tests/train/test_step_syncs.py)."""
+(the counts themselves are held by tests/tools/test_step_syncs.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The hierarchical all-to-all's node layout: --node-size or the launcher's ranks per node, checked before training
-(train/layout.py, which `moe-scale plan` shares)."""
+(layout/checks.py, which `moe-scale plan` shares)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from moe_scale.config import RunConfig
 from moe_scale.distributed.launch import ranks_per_node
 from moe_scale.errors import UserError
-from moe_scale.train.layout import check_world_layout
+from moe_scale.layout.checks import check_world_layout
 
 
 def _check(ep_size: int, node_size: int) -> int:

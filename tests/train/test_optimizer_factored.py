@@ -13,8 +13,8 @@ from transformers.optimization import Adafactor
 
 from moe_scale.config import TrainConfig
 from moe_scale.errors import UserError
-from moe_scale.train.factored_optimizer import (FactoredExpertAdam, build_optimizer, check_optimizer_fits,
-                                                optimizer_state_numel)
+from moe_scale.layout.checks import check_optimizer_fits
+from moe_scale.train.factored_optimizer import FactoredExpertAdam, build_optimizer, optimizer_state_numel
 from tests.paths import DS_CONFIGS
 
 BETA2, EPS, LR = 0.999, 1e-8, 0.01

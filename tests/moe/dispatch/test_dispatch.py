@@ -8,7 +8,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from moe_scale.metrics.op_count import OpCounter
+from op_count import OpCounter
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.dispatch.exchange import block_transpose_index
 from tests.multiproc import run_ranks

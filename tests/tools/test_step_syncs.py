@@ -1,4 +1,4 @@
-"""A regular training step, as a GPU runs it (moe_scale/metrics/step_syncs.py, tools/count_step_syncs.py): no host
+"""A regular training step, as a GPU runs it (tools/step_syncs.py, tools/count_step_syncs.py): no host
 read but the one count read per MoE layer an expert-parallel exchange needs, so the reads cannot creep back."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import pytest
 
-from moe_scale.metrics import step_syncs
+import step_syncs
 from tests.cli_runs import run_cli
 from tests.paths import REPO
 

@@ -1,4 +1,4 @@
-"""An LSTM counted as cuDNN launches it (moe_scale/metrics/cudnn_lstm.py): the same numbers as torch's own path,
+"""An LSTM counted as cuDNN launches it (tools/cudnn_lstm.py): the same numbers as torch's own path,
 one kernel each way whatever path this CPU takes (oneDNN's, or the per-timestep decomposition for bfloat16 without
 AVX-512 and for projections)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_scale.metrics.cudnn_lstm import one_kernel_lstm
-from moe_scale.metrics.op_count import OpCounter
+from cudnn_lstm import one_kernel_lstm
+from op_count import OpCounter
 
 
 def _run(lstm: torch.nn.LSTM, x_BTD: torch.Tensor, state=None):

@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
-from moe_scale.train.ds_config import validate_ds_config
-from moe_scale.train.factored_optimizer import check_optimizer_fits
+from moe_scale.layout.ds_config import validate_ds_config, zero_stage
 
 
 def check_run_layout(config: RunConfig, ds_config: dict, ds_source: str) -> None:
@@ -55,3 +54,15 @@ def _check_node_layout(ep_size: int, ranks_per_node: Callable[[], int]) -> None:
         raise UserError(f"--all-to-all hierarchical: {per_node} ranks per node and --ep-size {ep_size} must divide "
                         f"one another (an expert-parallel group is whole nodes, or lies inside one); "
                         f"set --node-size or --ep-size accordingly")
+
+
+def check_optimizer_fits(train, ds_config: dict, source: str) -> None:
+    """Refuses the DeepSpeed configs under which the factored optimizer would silently not factor."""
+    if train.optimizer != "factored":
+        return
+    half = [k for k in ("bf16", "fp16") if ds_config.get(k, {}).get("enabled")]
+    if zero_stage(ds_config) > 0 or half:
+        what = f"ZeRO stage {zero_stage(ds_config)}" if zero_stage(ds_config) > 0 else f"{half[0]} enabled"
+        raise UserError(f"{source} has {what}: DeepSpeed then flattens parameters into 1-D partitions and "
+                        "--optimizer factored cannot factor the expert matrices; use a stage-0 fp32 config "
+                        "(e.g. ds_configs/cpu.json) with --optimizer factored, or --optimizer adam")

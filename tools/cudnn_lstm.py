@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch
 
-from moe_scale.metrics.op_count import OpCounter
+from op_count import OpCounter
 
 
 class _OneKernelLSTM(torch.autograd.Function):

@@ -96,7 +96,7 @@ class OpCounter(TorchDispatchMode):
             self._paused = outer
 
     def count_kernel(self, name: str) -> None:
-        """One kernel launch of a device's own that this CPU runs as other operations (metrics/cudnn_lstm.py)."""
+        """One kernel launch of a device's own that this CPU runs as other operations (tools/cudnn_lstm.py)."""
         self.ops += 1
         self.kernel_ops += 1
         self.by_name[name] += 1

@@ -5,7 +5,7 @@ The step runs on CPU through `moe-scale train` itself (moe_scale.cli.main: the l
 ZeRO optimizer), with CUDA's decisions forced on:
 
     moe_scale   kernel_policy.gpu_decisions(): the GPU's kernels (no native CPU kernels, whole-tensor gates)
-    torch       an LSTM counted as cuDNN's one kernel each way (metrics/cudnn_lstm.py), not as this CPU's path
+    torch       an LSTM counted as cuDNN's one kernel each way (tools/cudnn_lstm.py), not as this CPU's path
     DeepSpeed   its accelerator replaced by `SimulatedCuda`: CPU tensors on an asynchronous device with streams and
                 events (is_synchronized_device() is False, as CUDA's), so ZeRO takes its CUDA paths (overlap_comm's
                 reduction stream and the synchronisations that guard it)
@@ -46,12 +46,13 @@ from unittest import mock
 
 import torch
 
-from moe_scale.metrics.cudnn_lstm import one_kernel_lstm
-from moe_scale.metrics.op_count import OpCounter
+import moe_scale
+from cudnn_lstm import one_kernel_lstm
+from op_count import OpCounter
 
 PHASES = ("forward", "backward", "clip", "optimizer", "loop")
 TOP_OPS = 6   # the most frequent kernel-launching operations reported per phase
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(moe_scale.__file__).resolve().parents[1]   # whose files the report names
 _TORCH = Path(torch.__file__).resolve().parent
 # Frames skipped when looking for the line that makes a read: torch's own, and the counting machinery.
 _SKIPPED = (str(_TORCH), str(Path(__file__).resolve()), str(Path(__file__).resolve().with_name("op_count.py")))
