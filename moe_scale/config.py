@@ -660,6 +660,16 @@ class RunConfig:
         config.validate()
         return config
 
+    def resolve_block_defaults(self, given: set[str]) -> None:
+        """What a block implies unless `given` sets it: the llama block with an MoE FFN routes as Mixtral (--gate
+        softmax_topk --moa-renormalize full; validate() refuses other gates for it)."""
+        if self.model.kind == "transformer" and self.model.transformer.block == "llama" \
+                and self.model.transformer.ffn == "moe":
+            if "gate" not in given:
+                self.moe.router.gate = "softmax_topk"
+            if "moa_renormalize" not in given:
+                self.moe.router.softmax_topk.renormalize = "full"
+
     @property
     def expert_kind(self) -> str:
         """The experts' kind (moe/experts/kinds.py), the block's when --expert-kind is `block`: the llama block's

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from moe_scale.cli import build_parser
-from moe_scale.commands.train import config_from_args as _config_from_args
+from moe_scale.commands.config_flags import config_from_args as _config_from_args
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 from moe_scale.layout.ds_config import DEFAULT_DS_CONFIG, complete_ds_config, load_ds_config, validate_ds_config

@@ -73,11 +73,11 @@ def parse_args(argv: list[str]):
 
 
 def config_of(flags: list[str]):
-    from moe_scale.commands.train import _add_config_flags, config_from_args
+    from moe_scale.commands.config_flags import add_config_flags, config_from_args
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--config")
-    _add_config_flags(parser)
+    add_config_flags(parser)
     return config_from_args(parser.parse_args(flags + RUN))
 
 

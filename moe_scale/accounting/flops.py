@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from moe_scale.config import RunConfig
 from moe_scale.moe.experts.kinds import expert_kind
+from moe_scale.moe.router.build import gate_class
 
 SOFTMAX_KINDS = ("full", "sampled")
 
@@ -93,26 +94,9 @@ def lstm_layer_shape(config: RunConfig) -> tuple[int, int]:
 
 
 def moe_gating(config: RunConfig) -> tuple[int, int]:
-    """(parameters, forward MACs) of the gating network, W_g and W_noise both (softmax_topk and aux_free have no
-    W_noise; aux_free's routing biases are a buffer, not trained parameters)."""
-    router, d, n = config.moe.router, config.model.d_model, config.moe.experts.num_experts
-    matrices = 1 if router.gate in ("softmax_topk", "aux_free") else 2
-    if router.gate == "hierarchical":
-        a = router.hierarchical.num_groups
-        b = n // a
-        return matrices * d * a + a * matrices * d * b, matrices * d * a + router.top_k * matrices * d * b
-    params = matrices * d * n + (n if router.gate == "batchwise" else 0)   # batchwise: one threshold per expert
-    return params, matrices * d * n
-
-
-def sharded_gating_params(config: RunConfig) -> int:
-    """Gating parameters that live with the experts, split over the expert-parallel ranks: the hierarchical
-    gate's secondary matrices (a·2·d·b); every other gate's are replicated."""
+    """(parameters, forward MACs) of the gating network, as its gate counts them (moe/router/)."""
     router = config.moe.router
-    if router.gate != "hierarchical":
-        return 0
-    matrices, d, n = 2, config.model.d_model, config.moe.experts.num_experts
-    return matrices * d * n
+    return gate_class(router).gating_counts(router, config.model.d_model, config.moe.experts.num_experts)
 
 
 def shared_experts(config: RunConfig) -> int:
@@ -133,8 +117,7 @@ def expert_macs(config: RunConfig, hidden: int) -> int:
 
 
 def active_experts(config: RunConfig) -> int:
-    router = config.moe.router
-    return router.top_k * router.hierarchical.top_k_secondary if router.gate == "hierarchical" else router.top_k
+    return gate_class(config.moe.router).active_experts(config.moe.router)
 
 
 def lstm_lm_accounting(config: RunConfig, vocab_size: int, softmax: SoftmaxCost = SoftmaxCost()) -> Accounting:

@@ -37,6 +37,7 @@ from moe_scale.accounting.model_flops import forward_macs_per_token
 from moe_scale.accounting.vocab_exchange import rows_split
 from moe_scale.config import RunConfig
 from moe_scale.moe.experts.kinds import expert_kind
+from moe_scale.moe.router.build import gate_class
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def _expert_layers(config: RunConfig) -> list[ExpertLayer]:
     layers = []
     if config.has_moe_ffn:
         router, experts = config.moe.router, config.moe.experts
-        units = router.hierarchical.num_groups if router.gate == "hierarchical" else experts.num_experts
+        units = gate_class(router).dispatch_units(router, experts.num_experts)
         n = config.model.transformer.num_layers if config.model.kind == "transformer" else 1
         layers += [ExpertLayer("moe", units, router.top_k, active_experts(config), experts.hidden)] * n
     if config.model.kind == "transformer" and config.attention.kind == "moa":

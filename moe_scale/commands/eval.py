@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from moe_scale.commands.help_format import HelpFormatter
+from moe_scale.commands.run_flags import add_run_flags
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
 
@@ -20,12 +21,10 @@ def add_parser(sub) -> None:
                                    "other text; with --expert-stats the load and importance of every MoE layer's "
                                    "experts, with --top-tokens what each expert is given.",
                        formatter_class=HelpFormatter)
-    p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
+    add_run_flags(p, "evaluate")
     p.add_argument("--split", choices=("valid", "test"), default="valid", help="the run's split to evaluate")
     p.add_argument("--data", metavar="PATH", help="evaluate on this text instead (file, dir or glob)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--checkpoint", metavar="TAG", help="evaluate this checkpoint (e.g. step00000400) instead of "
-                                                       "the newest complete one")
     p.add_argument("--expert-stats", action="store_true", help="per MoE layer: load and importance per "
                    "expert, CV and max/mean load over the evaluated text")
     p.add_argument("--top-tokens", type=int, default=0, metavar="N", help="per expert: the N positions with "
@@ -43,7 +42,9 @@ def run(args: argparse.Namespace) -> None:
 def check_expert_stats_world(config, world_size: int) -> None:
     """The hierarchical gate picks a token's experts on the rank that holds them, among rows from every rank: its
     pairs name that rank's rows, not the token's position, so its per-expert report is made in one process."""
-    if world_size > 1 and config.has_moe_ffn and config.moe.router.gate == "hierarchical":
+    from moe_scale.moe.router import gate_class
+
+    if world_size > 1 and config.has_moe_ffn and gate_class(config.moe.router).expert_stats_in_one_process:
         raise UserError(f"--expert-stats/--top-tokens with the hierarchical gate runs in one process (its experts "
                         f"pick among rows from every rank; this launch has {world_size}): start eval without a "
                         f"launcher")

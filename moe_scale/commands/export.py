@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from moe_scale.commands.help_format import HelpFormatter
+from moe_scale.commands.run_flags import add_run_flags
 
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="a trained run as a HuggingFace transformers model directory",
@@ -17,13 +18,12 @@ def add_parser(sub) -> None:
                                    "safetensors weights, a word-level tokenizer) that AutoModelForCausalLM."
                                    "from_pretrained(DIR, trust_remote_code=True) loads.",
                        formatter_class=HelpFormatter)
-    p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
+    add_run_flags(p, "export")
     p.add_argument("--format", choices=("hf",), default="hf", help="hf: transformers' from_pretrained (with "
                                                                  "trust_remote_code=True, but a --block llama run: "
                                                                  "a native MixtralForCausalLM / LlamaForCausalLM)")
     p.add_argument("--out", required=True, metavar="DIR", help="the directory to create (must not exist; missing "
                                                              "parents are created)")
-    p.add_argument("--checkpoint", metavar="TAG", help="export this checkpoint (default: the newest complete one)")
     p.set_defaults(run_command=run)
 
 

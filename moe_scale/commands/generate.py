@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from moe_scale.commands.help_format import HelpFormatter
+from moe_scale.commands.run_flags import add_run_flags
 from moe_scale.errors import UserError
 
 
@@ -24,7 +25,7 @@ def add_parser(sub) -> None:
                        description="Sample text from a trained run (LSTM or transformer) in one process: the "
                                    "prompt continued word by word (BPE piece by piece) until its sentence ends or "
                                    "--max-new-tokens; --show-experts adds the experts each word was routed to.")
-    p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
+    add_run_flags(p, "sample from")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", metavar="TEXT", help="words to continue (default: start a sentence)")
     prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 file")
@@ -39,7 +40,6 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same samples")
     p.add_argument("--show-experts", action="store_true", help="per generated word: the experts (and gates) "
                                                                "it was routed to in every expert layer")
-    p.add_argument("--checkpoint", metavar="TAG", help="use this checkpoint (default: the newest complete one)")
     p.set_defaults(run_command=run)
 
 

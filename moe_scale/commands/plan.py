@@ -18,7 +18,7 @@ from moe_scale.accounting.layout import PRECISIONS, Layout
 from moe_scale.accounting.memory import DEFAULT_DROPLESS_LOAD, DEFAULT_MARGIN
 from moe_scale.accounting.plan import MAX_NODES, Planner
 from moe_scale.commands.help_format import HelpFormatter
-from moe_scale.commands.train import _DEST, _add_config_flags, config_from_args
+from moe_scale.commands.config_flags import DEST, add_config_flags, config_from_args, given_settings
 from moe_scale.errors import UserError
 
 
@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
     cluster.add_argument("--plot", metavar="FILE", help="write memory and step time against nodes (PNG)")
     p.add_argument("--config", metavar="FILE", help="a saved config.json (or a run directory); flags given here "
                                                      "override it")
-    _add_config_flags(p, leave_out=("run",), unlisted=("resume",))   # plan makes no run directory
+    add_config_flags(p, leave_out=("run",), unlisted=("resume",))   # plan makes no run directory
     p.set_defaults(run_command=run)
 
 
@@ -103,10 +103,10 @@ def planner_from_args(args: argparse.Namespace) -> tuple[Planner, Layout, bool]:
     from moe_scale.layout.ds_config import load_ds_config, zero_stage
 
     _check_numbers(args)
-    given = {k[len(_DEST):] for k in vars(args) if k.startswith(_DEST)}
+    given = set(given_settings(args))
     if "resume" in given:
         raise UserError("plan takes no --resume; pass the run directory as --config RUN_DIR")
-    preset = get_preset(getattr(args, _DEST + "preset")) if "preset" in given else None
+    preset = get_preset(getattr(args, DEST + "preset")) if "preset" in given else None
     config = config_from_args(args)
     batch_tokens = args.batch_tokens
     if preset is not None and batch_tokens is None and preset.batch_words and "batch_size" not in given:

@@ -23,6 +23,7 @@ from moe_scale.attention.prune_schedule import prune_schedule
 from moe_scale.attention.pruning import (ABS_GRANULARITIES, apply_pruning, head_importance, heads_to_prune,
                                          prunable_layers)
 from moe_scale.commands.help_format import HelpFormatter
+from moe_scale.commands.run_flags import add_run_flags
 from moe_scale.data import LMWindows, load_sentences, resolve_text_files
 from moe_scale.errors import UserError
 from moe_scale.labels import IGNORE
@@ -42,7 +43,7 @@ def add_parser(sub) -> None:
                        description="Head importance of a transformer run (Michel et al. 2019) and global "
                                    "iterative head pruning: perplexity and forward speed-up of each pruned "
                                    "model, written to pruning.json, pruning.md and pruning.png.")
-    p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `train`")
+    add_run_flags(p, "prune")
     p.add_argument("--data", metavar="PATH", help="text for importance and perplexity per token over full "
                                                   "windows (default: the run's validation split)")
     p.add_argument("--steps", type=int, default=10, help="pruning steps (the first prunes nothing)")
@@ -51,8 +52,6 @@ def add_parser(sub) -> None:
     p.add_argument("--abs-granularity", choices=ABS_GRANULARITIES, default="token",
                    help="|A·dL/dA| per token (released code) or per sequence (paper)")
     p.add_argument("--recompute-importance", action="store_true", help="re-score the pruned model every step")
-    p.add_argument("--checkpoint", metavar="TAG", help="checkpoint to prune, e.g. step00000400 (default: the newest "
-                                                       "complete one)")
     p.add_argument("--out", metavar="DIR", help="where pruning.{json,md,png} go (default: RUN/pruning)")
     p.set_defaults(run_command=run)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from moe_scale.config import MoEConfig
 from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
 from moe_scale.moe.layer import MoELayer
-from moe_scale.moe.router import build_router
+from moe_scale.moe.router import build_router, gate_class
 
 
 def build_moe_layer(config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: int = 0,
@@ -13,7 +13,7 @@ def build_moe_layer(config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: 
     """The layer of `config` (router, dispatch and experts settings) at width `d_model`; `kind`: its experts'
     (moe/experts/kinds.py; the run's RunConfig.expert_kind, which resolves `--expert-kind block`)."""
     experts, dispatch = config.experts, config.dispatch
-    layer = HierarchicalMoELayer if config.router.gate == "hierarchical" else MoELayer
+    layer = HierarchicalMoELayer if gate_class(config.router).routes_around_the_exchange else MoELayer
     return layer(d_model, experts.hidden, experts.num_experts, config.router.top_k, ep_size=ep_size,
                  ep_rank=ep_rank, seed=seed,
                  router=build_router(config.router, d_model, experts.num_experts, ep_size, ep_rank),

@@ -20,7 +20,7 @@ from moe_scale.moe.deepspeed_adapter import ParallelGroups
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.experts import GroupedExperts
 from moe_scale.moe.routed_layer import RoutedLayer
-from moe_scale.moe.router import HierarchicalRouter, NoisyTopKRouter, Router
+from moe_scale.moe.router import NoisyTopKRouter, Router
 from moe_scale.moe.shared_experts import SharedExperts
 
 ALL_TO_ALL = choices(DispatchConfig, "all_to_all")
@@ -47,7 +47,7 @@ class MoELayer(RoutedLayer):
             raise ValueError(f"all_to_all must be one of {ALL_TO_ALL}, got {all_to_all!r}")
         router = router if router is not None else NoisyTopKRouter(
             d_model, num_experts, k, w_importance=w_importance, w_load=w_load, noisy=noisy_gating)
-        if isinstance(router, HierarchicalRouter) != self.routes_around_the_exchange:
+        if router.routes_around_the_exchange != self.routes_around_the_exchange:
             raise ValueError("the hierarchical gate routes around the exchange: build HierarchicalMoELayer with it "
                              "(and MoELayer with a flat gate)")
         self.init_routed(num_experts, ep_size, ep_rank, router)

@@ -32,6 +32,7 @@ import torch
 
 from moe_scale.errors import UserError
 from moe_scale.moe.experts.kinds import expert_kind
+from moe_scale.moe.router import gate_class
 from moe_scale.models.rms_norm import RMS_NORM_EPS
 from moe_scale.models.transformer_lm import LLAMA_INIT_STD
 
@@ -50,6 +51,9 @@ def architecture(config) -> tuple[str, str]:
     """(model_type, architecture) of a llama-block run: Mixtral with an MoE FFN, Qwen2-MoE with shared experts
     too, Llama with a dense FFN."""
     if config.model.transformer.ffn == "moe":
+        if not gate_class(config.moe.router).exports_as_mixtral(config.moe.router):
+            raise UserError(f"--gate {config.moe.router.gate}: transformers' Mixtral and Qwen2-MoE routers do not "
+                            f"compute it, so this run has no native export")
         if config.moe.experts.shared:
             return "qwen2_moe", "Qwen2MoeForCausalLM"
         return "mixtral", "MixtralForCausalLM"

@@ -141,7 +141,7 @@ def test_flops_cli_errors(tmp_path, capsys):
 
 def test_preset_then_flags_override():
     from moe_scale.cli import build_parser
-    from moe_scale.commands.train import config_from_args as _config_from_args
+    from moe_scale.commands.config_flags import config_from_args as _config_from_args
 
     args = build_parser().parse_args(["train", "--preset", "lm1b-moe-32-mini", "--num-experts", "8"])
     config = _config_from_args(args)
@@ -153,7 +153,7 @@ def test_a_paper_preset_trains_with_the_softmax_its_flops_count():
     """The paper's presets train with the importance-sampled softmax their FLOPs count (8192 samples); a flag
     beside the preset overrides it; the miniatures keep the full softmax (their vocabulary is 2,000 words)."""
     from moe_scale.cli import build_parser
-    from moe_scale.commands.train import config_from_args as _config_from_args
+    from moe_scale.commands.config_flags import config_from_args as _config_from_args
 
     def softmax(*flags):
         config = _config_from_args(build_parser().parse_args(["train", *flags]))

@@ -67,6 +67,12 @@ class AuxFreeRouter(Router):
     takes_seq_len = True
     balances_after_step = True
 
+    name, section = "aux_free", "aux_free"
+
+    @classmethod
+    def gating_counts(cls, config, d_model, num_experts):
+        return d_model * num_experts, d_model * num_experts   # W_g [D, E]; the routing biases are a buffer
+
     def __init__(self, d_model: int, num_experts: int, k: int, score: str = "sigmoid",
                  bias_update_rate: float = 0.001, seq_balance_weight: float = 0.0):
         super().__init__(d_model, num_experts, k)

@@ -77,12 +77,44 @@ class RouterOutput:
         return self.token_C, self.expert_C, self.gate_C
 
 
-class Router(nn.Module):
-    """Base of every gate: its size, its top-k, its precision, and its link to the data-parallel batch."""
+# What a gate owns besides its routing, asked of its class by the rest of moe_scale (the layer it needs, the FLOP
+# count and the planner, eval, export): tests/moe/router/test_gate_registry.py walks every gate of GATES for each,
+# and docs/moe-design.md's "Adding a gate" lists them.
+GATE_OWNS = ("name", "section", "routes_around_the_exchange", "gating_counts", "dispatch_units", "active_experts",
+             "expert_stats_in_one_process", "exports_as_mixtral")
 
+
+class Router(nn.Module):
+    """Base of every gate: its size, its top-k, its precision, and its link to the data-parallel batch; and, as
+    class attributes and class methods of each gate, what the rest of moe_scale asks of it (GATE_OWNS)."""
+
+    name = ""                            # its --gate value (router/build.py's GATES)
+    section: Optional[str] = None        # its own RouterConfig subsection (its flags); None: it has none
+    routes_around_the_exchange = False   # its second level runs beside the experts (HierarchicalMoELayer)
+    expert_stats_in_one_process = False  # eval's per-expert report needs one process (pairs name other ranks' rows)
     takes_valid_rows = False   # route() takes valid_N [N] (False: a padding row, left out of its statistics)
     takes_seq_len = False      # route() takes seq_len: its rows are sequences of that many consecutive tokens
     balances_after_step = False   # begin_step() / after_step() do something (the training loop calls them)
+
+    @classmethod
+    def gating_counts(cls, config, d_model: int, num_experts: int) -> tuple[int, int]:
+        """(parameters of all ranks, forward multiply-adds per token) of the gate, for `flops` and `plan`."""
+        raise NotImplementedError(f"{cls.__name__} does not count its parameters and MACs")
+
+    @classmethod
+    def dispatch_units(cls, config, num_experts: int) -> int:
+        """What a token's rows are sent to (and counted per: the planner's units): its experts."""
+        return num_experts
+
+    @classmethod
+    def active_experts(cls, config) -> int:
+        """Experts that compute for one token."""
+        return config.top_k
+
+    @classmethod
+    def exports_as_mixtral(cls, config) -> bool:
+        """Whether transformers' Mixtral / Qwen2-MoE router computes this gate (a native export)."""
+        return False
 
     def __init__(self, d_model: int, num_experts: int, k: int):
         super().__init__()

@@ -119,6 +119,12 @@ class BatchwiseRouter(Router):
 
     takes_valid_rows = True
 
+    name, section = "batchwise", "batchwise"
+
+    @classmethod
+    def gating_counts(cls, config, d_model, num_experts):
+        return d_model * num_experts + num_experts, d_model * num_experts   # W_g [D, E] (no noise), thresholds [E]
+
     def __init__(
         self,
         d_model: int,

@@ -10,14 +10,18 @@ from moe_scale.moe.router.hierarchical import HierarchicalRouter
 from moe_scale.moe.router.noisy_topk import NoisyTopKRouter
 from moe_scale.moe.router.softmax_topk import SoftmaxTopKRouter
 
-GATES: dict[str, type[Router]] = {"noisy_topk": NoisyTopKRouter, "hierarchical": HierarchicalRouter,
-                                  "batchwise": BatchwiseRouter, "softmax_topk": SoftmaxTopKRouter,
-                                  "aux_free": AuxFreeRouter}
+GATES: dict[str, type[Router]] = {gate.name: gate for gate in (NoisyTopKRouter, HierarchicalRouter, BatchwiseRouter,
+                                                                SoftmaxTopKRouter, AuxFreeRouter)}
+
+
+def gate_class(config: RouterConfig) -> type[Router]:
+    """The class of `config`'s gate: what the rest of moe_scale asks about the gate (base.py's GATE_OWNS)."""
+    if config.gate not in GATES:
+        raise ValueError(f"unknown gate {config.gate!r}; one of {sorted(GATES)}")
+    return GATES[config.gate]
 
 
 def build_router(config: RouterConfig, d_model: int, num_experts: int, ep_size: int = 1, ep_rank: int = 0) -> Router:
     """The gate of `config`; a gate with parameters that live beside the experts (hierarchical) builds only
     expert-parallel rank `ep_rank`'s share of them."""
-    if config.gate not in GATES:
-        raise ValueError(f"unknown gate {config.gate!r}; one of {sorted(GATES)}")
-    return GATES[config.gate].from_config(config, d_model, num_experts, ep_size, ep_rank)
+    return gate_class(config).from_config(config, d_model, num_experts, ep_size, ep_rank)

@@ -125,6 +125,26 @@ class HierarchicalRouter(Router):
     Computed in float32 at least (float64 stays float64), with autocast off.
     """
 
+    name, section = "hierarchical", "hierarchical"
+    routes_around_the_exchange = True    # the secondary gates run on the ranks of their groups' experts
+    expert_stats_in_one_process = True   # a secondary gate picks among rows from every rank
+
+    @classmethod
+    def gating_counts(cls, config, d_model, num_experts):
+        """The primary gate (W_g, W_noise [D, a]) for every token, the secondary ones ([D, b] each, a of them)
+        for each of the token's k chosen groups."""
+        a = config.hierarchical.num_groups
+        b = num_experts // a
+        return 2 * d_model * a + a * 2 * d_model * b, 2 * d_model * a + config.top_k * 2 * d_model * b
+
+    @classmethod
+    def dispatch_units(cls, config, num_experts):
+        return config.hierarchical.num_groups   # rows go to groups; the secondary gate picks inside
+
+    @classmethod
+    def active_experts(cls, config):
+        return config.top_k * config.hierarchical.top_k_secondary
+
     def __init__(
         self,
         d_model: int,

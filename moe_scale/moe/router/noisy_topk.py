@@ -57,6 +57,12 @@ class NoisyTopKRouter(Router):
     top-k would send every token to the same k experts.
     """
 
+    name = "noisy_topk"
+
+    @classmethod
+    def gating_counts(cls, config, d_model, num_experts):
+        return 2 * d_model * num_experts, 2 * d_model * num_experts   # W_g and W_noise [D, E]
+
     def __init__(
         self,
         d_model: int,

@@ -81,6 +81,16 @@ class SoftmaxTopKRouter(Router):
 
     takes_valid_rows = True
 
+    name, section = "softmax_topk", "softmax_topk"
+
+    @classmethod
+    def gating_counts(cls, config, d_model, num_experts):
+        return d_model * num_experts, d_model * num_experts   # W_g [D, E], no noise
+
+    @classmethod
+    def exports_as_mixtral(cls, config):
+        return config.softmax_topk.renormalize == "full"   # softmax, top-k, renormalised with their gradient
+
     def __init__(
         self,
         d_model: int,
