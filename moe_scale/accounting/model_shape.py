@@ -36,6 +36,7 @@ from moe_scale.accounting.flops import active_experts, moe_gating, training_flop
 from moe_scale.accounting.model_flops import forward_macs_per_token
 from moe_scale.accounting.vocab_exchange import rows_split
 from moe_scale.config import RunConfig
+from moe_scale.models.blocks import block_kind
 from moe_scale.moe.experts.kinds import expert_kind
 from moe_scale.moe.router.build import gate_class
 
@@ -153,8 +154,8 @@ def _activations_per_token(config: RunConfig, logits: float) -> tuple[float, int
         else:
             width = attention.num_heads * w_e
             attend = 4 * width + attention.num_heads * T
-        llama = blocks.block == "llama"   # its dense FFN is SwiGLU: gate, up and their product
-        ffn = (3 if llama else 2) * blocks.ffn_hidden if blocks.ffn == "dense" else gate_logits
+        # the dense FFN keeps a value per hidden unit of each matrix but the last, and their product if gated
+        ffn = block_kind(config).dense_ffn_matrices * blocks.ffn_hidden if blocks.ffn == "dense" else gate_logits
         per_block = 4 * d + attend + ffn + 2 * d
         return d + blocks.num_layers * per_block + 2 * d + logits, (1 + 2 * blocks.num_layers) * d
     lstm = config.model.lstm

@@ -27,6 +27,7 @@ import functools
 import torch
 
 from moe_scale.config import parse_cutoffs
+from moe_scale.models.blocks import block_kind
 
 COUNT_BYTES, ID_BYTES = 8, 8
 
@@ -68,7 +69,7 @@ def exchanges(config, vocab: int, world: int, tokens: float, value: int) -> list
 
     moves = fetch(expected_distinct(vocab, tokens), d)
     softmax = config.softmax
-    bias = 0 if config.model.kind == "transformer" and config.model.transformer.block == "llama" else 1
+    bias = 1 if config.model.kind != "transformer" or block_kind(config).output_bias else 0
     if softmax.kind == "sampled":
         moves += fetch(expected_distinct(vocab, tokens + softmax.num_sampled), d + bias)
     elif softmax.kind == "full":

@@ -9,7 +9,8 @@ MoE layer with any `--gate`. Pre-LayerNorm blocks; dropout on every sub-layer ou
 T positions, D model dim, V vocabulary. Interface as the LSTM model: `moe_layers()` and `LMOutput`.
 
 `--block llama` is Mixtral's decoder (Llama's with a dense FFN), module for module what transformers'
-MixtralForCausalLM computes, so it exports natively (weights/hf_native.py):
+MixtralForCausalLM computes, so it exports natively (weights/hf_native.py); each block kind is a class of
+models/blocks.py:
 
     embedding ─▶ N × [x + Att(RMSNorm(x)),  x + FFN(RMSNorm(x))] ─▶ RMSNorm ─▶ lm_head (no bias; tied or not)
 
@@ -26,23 +27,13 @@ import math
 import torch
 from torch import nn
 
-from moe_scale.attention.mae import MAEAttention
-from moe_scale.attention.mha import MultiHeadAttention
-from moe_scale.attention.moa import MoAAttention
-from moe_scale.attention.rotary import RotaryPositions
-from moe_scale.config import RouterConfig, RunConfig
-from moe_scale.errors import UserError
+from moe_scale.config import RunConfig
+from moe_scale.models.blocks import block_kind
 from moe_scale.models.build_softmax import build_softmax
-from moe_scale.models.dense_ffn import GELUFFN, SwiGLUFFN
-from moe_scale.models.rms_norm import RMSNorm
 from moe_scale.models.lstm_lm import LMOutput
-from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 from moe_scale.moe.build import build_moe_layer
+from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 from moe_scale.moe.layer import MoELayer
-from moe_scale.moe.router import build_router
-
-
-LLAMA_INIT_STD = 0.02   # transformers' initializer_range (MixtralConfig, LlamaConfig)
 
 
 def sinusoidal_positions(T: int, d: int, device=None) -> torch.Tensor:
@@ -56,47 +47,19 @@ def sinusoidal_positions(T: int, d: int, device=None) -> torch.Tensor:
 
 class Block(nn.Module):
     def __init__(self, config: RunConfig, ep_size: int, ep_rank: int, seed: int):
-        """Built from config.attention, config.model (width, dropout, config.model.transformer) and config.moe."""
+        """Built from config.attention, config.model (width, dropout, config.model.transformer) and config.moe, as
+        its kind (models/blocks.py) builds each part."""
         super().__init__()
-        attention, dropout = config.attention, config.model.dropout
-        d = config.model.d_model
-        h = attention.head_width(d)
-        self.attention_kind = attention.kind
-        if config.model.transformer.block == "llama":
-            self._llama(config, d, h, ep_size, ep_rank, seed)
-            return
-        if attention.kind == "mha":
-            self.attn = MultiHeadAttention(d, attention.num_heads, h, dropout)
-        elif attention.kind == "mae":
-            self.attn = MAEAttention(d, attention.num_heads, h, dropout)
-        else:   # MoA's router: softmax top-k over the attention experts, with the softmax_topk gate's settings
-            moa = attention.moa
-            router = build_router(RouterConfig(gate="softmax_topk", top_k=moa.top_k,
-                                               softmax_topk=config.moe.router.softmax_topk), d, moa.num_experts)
-            self.attn = MoAAttention(d, h, moa.num_experts, moa.top_k, ep_size=ep_size, ep_rank=ep_rank, seed=seed,
-                                     router=router, dropout=dropout)
-        if config.model.transformer.ffn == "dense":
-            self.ffn = GELUFFN(d, config.model.transformer.ffn_hidden)
-        else:
-            self.ffn = build_moe_layer(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed + 1,
-                                       kind=config.expert_kind)
-        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.dropout = nn.Dropout(dropout)
-
-    def _llama(self, config: RunConfig, d: int, h: int, ep_size: int, ep_rank: int, seed: int) -> None:
-        """Mixtral's decoder layer: RMSNorms, bias-free attention with rotary positions, SwiGLU FFN or experts."""
-        transformer = config.model.transformer
-        self.attn = MultiHeadAttention(d, config.attention.num_heads, h, config.model.dropout, bias=False,
-                                       rotary=RotaryPositions(h, transformer.rope_theta))
+        kind, d, transformer = block_kind(config), config.model.d_model, config.model.transformer
+        self.attention_kind = config.attention.kind
+        self.attn = kind.attention(config, ep_size, ep_rank, seed)
         if transformer.ffn == "dense":
-            self.ffn = SwiGLUFFN(d, transformer.ffn_hidden)
+            self.ffn = kind.dense_ffn(d, transformer.ffn_hidden)
         else:
             self.ffn = build_moe_layer(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed + 1,
                                        kind=config.expert_kind)
-            if not self.ffn.experts.kind.gated:
-                raise UserError(f"--expert-kind {config.expert_kind}: the llama block's experts are gated as "
-                                f"Mixtral's (w2(act(w1 x) * w3 x)); pass --expert-kind swiglu or geglu")
-        self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
+            kind.check_experts(self.ffn, config)
+        self.norm1, self.norm2 = kind.norm(d), kind.norm(d)
         self.dropout = nn.Dropout(config.model.dropout)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,29 +98,15 @@ class TransformerLM(nn.Module):
         (the rest uses the global RNG, which the caller seeds identically on every rank)."""
         super().__init__()
         self.d_model = d = config.model.d_model
-        self.llama = config.model.transformer.block == "llama"
+        self.block_kind = kind = block_kind(config)
         self.embedding = nn.Embedding(vocab_size, d)
         self.blocks = nn.ModuleList(Block(config, ep_size, ep_rank, seed + 2 * i)
                                     for i in range(config.model.transformer.num_layers))
-        self.final_norm = RMSNorm(d) if self.llama else nn.LayerNorm(d)
+        self.final_norm = kind.norm(d)
         self.dropout = nn.Dropout(config.model.dropout)
-        self.softmax = build_softmax(config.softmax, d, vocab_size, counts, bias=not self.llama)
+        self.softmax = build_softmax(config.softmax, d, vocab_size, counts, bias=kind.output_bias)
         self.position_table: torch.Tensor | None = None   # sinusoidal positions, made once (not saved)
-        if self.llama:
-            self._init_llama(config.model.transformer.tie_embeddings)
-
-    @torch.no_grad()
-    def _init_llama(self, tie: bool) -> None:
-        """transformers' initialisation of Mixtral: N(0, 0.02²) for the embedding and every Linear (the router
-        and the experts, shared ones included, keep their own); a tied output layer is the embedding matrix
-        itself."""
-        shared = {id(m) for layer in self.moe_layers() if getattr(layer, "shared", None) is not None
-                  for m in layer.shared.modules()}
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and id(module) not in shared:
-                module.weight.normal_(0.0, LLAMA_INIT_STD)
-        if tie:
-            self.softmax.proj.weight = self.embedding.weight
+        kind.init(self, config)
 
     def positions(self, T: int, like: torch.Tensor) -> torch.Tensor:
         """The sinusoidal positions of the first T positions [T, D], in like's dtype and on its device: computed
@@ -179,7 +128,7 @@ class TransformerLM(nn.Module):
     def forward(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> LMOutput:
         B, T = inputs_BT.shape
         x_BTD = self.embedding(inputs_BT)
-        if not self.llama:   # the llama block's positions are rotary, inside attention
+        if not self.block_kind.rotary:   # rotary positions are inside attention
             x_BTD = x_BTD + self.positions(T, x_BTD)
         x_BTD = self.dropout(x_BTD)
         aux = None
@@ -199,7 +148,7 @@ class TransformerLM(nn.Module):
         cache = cache or {"length": 0, "layers": [{} for _ in self.blocks]}
         start = cache["length"]
         x_BTD = self.embedding(inputs_BT)
-        if not self.llama:
+        if not self.block_kind.rotary:
             x_BTD = x_BTD + self.positions(start + T, x_BTD)[start:]
         for block, layer_cache in zip(self.blocks, cache["layers"]):
             x_BTD = block.decode(x_BTD, layer_cache)

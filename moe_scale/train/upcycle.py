@@ -25,6 +25,7 @@ import torch
 from moe_scale.config import RunConfig
 from moe_scale.deepspeed_internals import MODEL_STATES_FILE
 from moe_scale.errors import UserError
+from moe_scale.models.blocks import block_kind
 
 # Settings the copied weights' shapes (and meaning) depend on: they must be the dense run's.
 _SHARED = ("model", "d_model", "lstm_hidden", "block", "num_layers", "tie_embeddings", "rope_theta", "attention",
@@ -52,7 +53,7 @@ def _check_pair(config: RunConfig, dense: RunConfig, flag: str) -> None:
                         f"upcycle a run of the same model")
     if config.model.kind == "transformer":
         blocks, dense_blocks = config.model.transformer, dense.model.transformer
-        if blocks.block != "llama" or dense_blocks.block != "llama":
+        if not block_kind(config).upcycles or not block_kind(dense).upcycles:
             raise UserError(f"{flag}: the default transformer block's dense FFN (GELU, with biases) has no expert of "
                             f"its function (ReLU, no biases); upcycle a --block llama run (SwiGLU FFN and experts)")
         if dense_blocks.ffn != "dense" or blocks.ffn != "moe":
@@ -75,10 +76,10 @@ def _check_pair(config: RunConfig, dense: RunConfig, flag: str) -> None:
         if config.moe.experts.hidden != dense.moe.experts.hidden:
             raise UserError(f"{flag}: its FFN is --expert-hidden {dense.moe.experts.hidden} wide, this run asks for "
                             f"{config.moe.experts.hidden}; pass --expert-hidden {dense.moe.experts.hidden}")
-    block_kind = dense.block_expert_kind
-    if config.expert_kind != block_kind:   # the dense FFN is of the block's kind: each expert must compute it
-        raise UserError(f"{flag}: its dense FFN is {block_kind}, so experts starting from it are too; this run asks "
-                        f"for --expert-kind {config.expert_kind}: pass --expert-kind {block_kind}")
+    dense_kind = dense.block_expert_kind
+    if config.expert_kind != dense_kind:   # the dense FFN is of the block's kind: each expert must compute it
+        raise UserError(f"{flag}: its dense FFN is {dense_kind}, so experts starting from it are too; this run asks "
+                        f"for --expert-kind {config.expert_kind}: pass --expert-kind {dense_kind}")
     leaves = RunConfig.leaves()
     for key in _SHARED:
         if config.get(key) != dense.get(key):

@@ -34,7 +34,7 @@ from moe_scale.errors import UserError
 from moe_scale.moe.experts.kinds import expert_kind
 from moe_scale.moe.router import gate_class
 from moe_scale.models.rms_norm import RMS_NORM_EPS
-from moe_scale.models.transformer_lm import LLAMA_INIT_STD
+from moe_scale.models.blocks import LLAMA_INIT_STD, block_kind
 
 _LEGACY = "model.layers.{}.block_sparse_moe."   # Mixtral's released checkpoints (and transformers 4.x)
 _FUSED = "model.layers.{}.mlp."                 # transformers 5's own layout (and Qwen2-MoE's released one)
@@ -44,7 +44,7 @@ _RELEASED = {"mixtral": (_LEGACY, "w1", "w3", "w2"), "qwen2_moe": (_FUSED, "gate
 
 def is_native(config) -> bool:
     """Whether a run exports natively (its transformer has the llama block)."""
-    return config.model.kind == "transformer" and config.model.transformer.block == "llama"
+    return config.model.kind == "transformer" and block_kind(config).exports_natively
 
 
 def architecture(config) -> tuple[str, str]:
