@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moe_scale.moe.deepspeed_adapter import ExpertShard
-from moe_scale.moe.experts.grouped_gemm import BlockCounts
+from moe_scale.moe.expert_counts import BlockCounts, ExpertCounts
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.layer import MoELayer
 from moe_scale.moe.routed_layer import routed_balance
@@ -86,9 +86,9 @@ class HierarchicalMoELayer(MoELayer):
                                   expert_MKs.index_select(0, by_expert) + first, gate_of_pair))  # rows are its own
         # Per group the host knows its rows' Ks pairs from the exchange's one read (where there was one): enough to
         # split the experts' grouped GEMMs at group edges without reading counts_L.
-        group_rows = state.expert_counts()[1]
-        counts = counts_L if group_rows is None else \
-            (counts_L, BlockCounts(router.experts_per_group, [rows * ks for rows in group_rows]))
+        group_rows = state.expert_counts().host
+        counts = ExpertCounts(counts_L, blocks=None if group_rows is None else
+                              BlockCounts(router.experts_per_group, [rows * ks for rows in group_rows]))
         per_row_RD = self.experts(rows_RD, counts, row_of_pair, gate_of_pair)
         return self.plus_shared(x_ND, dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype)), aux_loss
 

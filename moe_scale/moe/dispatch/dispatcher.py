@@ -55,6 +55,7 @@ from moe_scale.config import DispatchConfig, choices
 from moe_scale.distributed.comm import collective_device, world_size
 from moe_scale.moe.dispatch.exchange import (CommTimer, FlatExchange, HierarchicalExchange, LocalExchange, Route,
                                              build_hierarchical_groups)
+from moe_scale.moe.expert_counts import ExpertCounts
 from moe_scale.moe.kernel_policy import count_per_bin
 
 MODES = choices(DispatchConfig, "mode")
@@ -80,9 +81,9 @@ class DispatchState:
     num_pairs: int                      # copies this rank routed
     rows_are_tokens: bool               # one rank, every token routed: row u is token u, nothing moved
 
-    def expert_counts(self) -> tuple[torch.Tensor, list[int] | None]:
-        """Arrived pairs per local expert: (on the device [L], on the host: None where nothing was read)."""
-        return self.tokens_per_expert_L, self.tokens_per_expert
+    def expert_counts(self) -> ExpertCounts:
+        """Arrived pairs per local expert: on the device [L], and on the host where the exchange read them."""
+        return ExpertCounts(self.tokens_per_expert_L, self.tokens_per_expert)
 
     def pair_rows(self) -> torch.Tensor:
         """[M]: the arrived row each arrived pair reads (pairs grouped by local expert)."""

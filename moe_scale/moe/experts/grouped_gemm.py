@@ -29,32 +29,18 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass
-from typing import Union
 
 import torch
 import torch.nn.functional as F
 
 from moe_scale.deepspeed_internals import triton_group_gemm, triton_grouped_dw, triton_grouped_gemm
 from moe_scale.moe.cpu_backend import kernels as cpu_kernels
+from moe_scale.moe.expert_counts import Counts, ExpertCounts
 from moe_scale.moe.kernel_policy import policy_for
 
 KERNELS = ("loop", "grouped", "triton", "native")
 
 
-@dataclass(frozen=True)
-class BlockCounts:
-    """Rows per block of `block` consecutive experts, on the host: where only those are known without reading the
-    device (the hierarchical gate's owner knows its groups' rows, not each expert's), they still place the
-    boundaries of calls that split at block edges."""
-
-    block: int
-    counts: list[int]
-
-
-# Rows per expert: on the device (what grouped GEMMs read), as a host list, or both (device, host per expert or
-# per block of experts).
-Counts = Union[torch.Tensor, list[int], tuple[torch.Tensor, Union[list[int], BlockCounts]]]
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # F.grouped_mm (torch >= 2.10) or, on CUDA, the private op it wraps (torch 2.8 and 2.9)
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -126,17 +112,9 @@ class GroupLayout:
             raise ValueError(f"kernel 'native' takes CPU float32 tensors and a built library; got "
                              f"{like.device.type} {like.dtype}")
         self.kernel = kernel or choose_kernel(like)
-        self._blocks: BlockCounts | None = None
-        if isinstance(counts, tuple) and isinstance(counts[1], BlockCounts):
-            (counts_L, self._blocks), self._host_counts = counts, None
-        elif isinstance(counts, tuple):
-            counts_L, self._host_counts = counts
-        elif isinstance(counts, torch.Tensor):
-            counts_L, self._host_counts = counts, None
-        else:
-            self._host_counts = list(counts)
-            counts_L = torch.tensor(self._host_counts, dtype=torch.long)
-        self.counts_L = counts_L.to(device=like.device, dtype=torch.long)
+        counts = ExpertCounts.of(counts)
+        self._blocks, self._host_counts = counts.blocks, counts.host
+        self.counts_L = counts.device_L.to(device=like.device, dtype=torch.long)
         self.num_groups = self.counts_L.shape[0]
         self.offsets = self.counts_L.cumsum(0, dtype=torch.int32)   # row ends, what grouped GEMMs take
         if self.kernel == "native":

@@ -264,13 +264,13 @@ def test_one_rank_with_every_token_routed_reads_nothing_and_gives_the_general_pa
     with OpCounter() as counter:
         rows, state = dispatcher.dispatch_rows(x, tokens, experts.reshape(-1), gates, every_token=True)
         followed = dispatcher.follow_pairs(gates, state)
-        counts_L, host = state.expert_counts()
+        counts_L, host = state.expert_counts().device_L, state.expert_counts().host
     assert counter.host_syncs == 0 and counter.kernel_ops <= 8, (counter.syncs, counter.by_name)
     assert general.tokens_per_expert is not None and host is None   # the general path read them; this one did not
     assert rows is x and general_rows is x and state.rows_are_tokens and general.rows_are_tokens
     assert torch.equal(state.arrived_row_M, general.arrived_row_M) and torch.equal(state.pair_local_experts(),
                                                                                    general.pair_local_experts())
-    assert torch.equal(counts_L, general.expert_counts()[0]) and counts_L.tolist() == general.tokens_per_expert
+    assert torch.equal(counts_L, general.expert_counts().device_L) and counts_L.tolist() == general.tokens_per_expert
     assert torch.equal(followed, dispatcher.follow_pairs(gates, general))
     assert torch.equal(state.local_row_tokens(), general.local_row_tokens()) and state.num_arrived_rows == n
     assert (state.dropped_pairs, state.num_pairs) == (general.dropped_pairs, general.num_pairs) == (0, n * k)

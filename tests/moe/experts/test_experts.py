@@ -13,7 +13,8 @@ import torch
 from moe_scale.moe.cpu_backend import kernels as cpu_kernels
 from moe_scale.moe.experts import grouped_gemm
 from moe_scale.moe.experts import GroupedExperts, expert_ffn, grouped_matmul
-from moe_scale.moe.experts.grouped_gemm import BlockCounts, GroupLayout, kernel_for, per_expert_outer, rows_times_expert
+from moe_scale.moe.expert_counts import BlockCounts, ExpertCounts
+from moe_scale.moe.experts.grouped_gemm import GroupLayout, kernel_for, per_expert_outer, rows_times_expert
 from moe_scale.moe.kernel_policy import KernelPolicy, forced_policy
 
 NATIVE_BUILT = cpu_kernels.available(torch.empty(0))
@@ -68,7 +69,7 @@ def test_grouped_native_and_loop_kernels_give_the_same_products(counts):
         blocks = BlockCounts(2, [counts[i] + counts[i + 1] for i in range(0, e, 2)])
         for max_groups in (2, 3, 4):
             with _split_calls(max_groups):
-                layout = GroupLayout((torch.tensor(counts), blocks), a)
+                layout = GroupLayout(ExpertCounts(torch.tensor(counts), blocks=blocks), a)
                 assert layout._host_counts is None or e <= max_groups   # split at block edges without a read
                 torch.testing.assert_close(rows_times_expert(a, b, layout), loop)
                 torch.testing.assert_close(per_expert_outer(a, g, layout), outer_loop)
