@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from moe_scale.errors import UserError
+from moe_scale.run_files import RunFiles
 
 FORMAT = 2   # config.json's "format": 2 is this tree; files without it are the flat layout of format 1
 
@@ -649,7 +650,7 @@ class RunConfig:
     def load(cls, path: str | Path) -> "RunConfig":
         path = Path(path)
         if path.is_dir():
-            path = path / "config.json"
+            path = RunFiles(path).config
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:

@@ -9,7 +9,7 @@ import ast
 from tests.paths import REPO
 
 FLOORS = [   # from the ground up; rooms on one floor may import each other
-    {"errors", "files", "labels", "deepspeed_internals", "host_memory", "console"},
+    {"errors", "files", "labels", "run_files", "deepspeed_internals", "host_memory", "console"},
     {"config"},
     {"distributed", "data", "layout"},
     {"moe"},
@@ -60,3 +60,19 @@ def test_no_import_climbs_back_up():
                 climbs.append(f"{path.relative_to(REPO)}:{line} {here} (floor {FLOOR[here]}) imports {module} "
                               f"(floor {FLOOR[there]})")
     assert not climbs, "\n".join(climbs)
+
+
+def test_a_run_directory_names_its_files_in_one_place():
+    """train_log.jsonl, summary.json ... appear as literals only in run_files.py (config.json and tokenizer.json are
+    transformers' names too, and vocab a tokenizer's key: those three are not checked)."""
+    from moe_scale.run_files import RunFiles
+
+    names = set(RunFiles.ALL) - {RunFiles.CONFIG, RunFiles.TOKENIZER, RunFiles.VOCAB}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "run_files.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
+    assert not found, found

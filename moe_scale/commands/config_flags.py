@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import typing
-from pathlib import Path
 
 from moe_scale.commands.help_format import with_default
 from moe_scale.config import RunConfig
 from moe_scale.distributed.accelerate_env import ds_config_from_accelerate
 from moe_scale.errors import UserError
+from moe_scale.run_files import RunFiles
 
 
 def add_config_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = (),
@@ -84,7 +84,7 @@ def _resumed_config(args: argparse.Namespace, given: dict) -> RunConfig:
         raise UserError("--resume and --overwrite contradict each other; pass one of them")
     if args.config:
         raise UserError("--resume continues the run in --out with its own config.json; drop --config")
-    saved_path = Path(out) / "config.json"
+    saved_path = RunFiles(out).config
     if not saved_path.is_file():
         raise UserError(f"--resume: {saved_path} is missing, so there is no run to resume in --out {out}; start "
                         f"without --resume")

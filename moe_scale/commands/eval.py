@@ -13,6 +13,7 @@ from moe_scale.commands.help_format import HelpFormatter
 from moe_scale.commands.run_flags import add_run_flags
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
+from moe_scale.run_files import RunFiles
 
 
 def add_parser(sub) -> None:
@@ -89,10 +90,11 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
             from moe_scale.metrics.plots import write_expert_stats_plot
 
             name = f"eval_{result['split']}_{tag}_experts.png"
+            plot = RunFiles(run).plots / name
             try:
-                result["expert_stats_plot"] = str(write_expert_stats_plot(result["expert_stats"], run / "plots" / name))
+                result["expert_stats_plot"] = str(write_expert_stats_plot(result["expert_stats"], plot))
             except OSError as e:   # a read-only run directory: the numbers still come out
-                print(f"moe-scale: warning: {run / 'plots' / name} not written ({e.strerror or e})", file=sys.stderr)
+                print(f"moe-scale: warning: {plot} not written ({e.strerror or e})", file=sys.stderr)
     return result if env.rank == 0 else None
 
 

@@ -28,6 +28,7 @@ from moe_scale.data import LMWindows, load_sentences, resolve_text_files
 from moe_scale.errors import UserError
 from moe_scale.labels import IGNORE
 from moe_scale.models.build import parameter_counts
+from moe_scale.run_files import RunFiles
 from moe_scale.train.data_setup import load_run_splits, min_over_ranks
 from moe_scale.inference.trained_run import open_trained_run
 from moe_scale.train.evaluate import evaluate
@@ -76,7 +77,7 @@ def run_prune_heads(run_dir: str, data: str | None, steps: int, fraction_per_ste
     if max_batches < 0:
         raise UserError(f"--max-batches must be 0 (all) or positive (got {max_batches})")
     prune_schedule(1, fraction_per_step, steps)   # flag errors before any loading
-    out_dir = Path(out) if out else run / "pruning"
+    out_dir = Path(out) if out else RunFiles(run).pruning
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir} is a file; choose a directory")
     trained = open_trained_run(run, checkpoint, "prune-heads", check=lambda config, _: _require_prunable(run, config))

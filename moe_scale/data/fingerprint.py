@@ -14,8 +14,9 @@ from pathlib import Path
 from moe_scale.config import DataConfig
 from moe_scale.data.text import resolve_text_files, split_files
 from moe_scale.errors import UserError
+from moe_scale.run_files import RunFiles
 
-DATA_FILES = "data_files.json"
+DATA_FILES = RunFiles.DATA_FILES
 _EDGE = 1 << 16
 
 

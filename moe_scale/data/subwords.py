@@ -20,8 +20,9 @@ from typing import Iterable
 from moe_scale.data.vocab import Vocab
 from moe_scale.errors import UserError
 from moe_scale.files import write_text_atomic
+from moe_scale.run_files import RunFiles
 
-TOKENIZER_FILE = "tokenizer.json"   # in the run directory, for subword runs (word runs keep `vocab`)
+TOKENIZER_FILE = RunFiles.TOKENIZER   # in the run directory, for subword runs (word runs keep `vocab`)
 _BYTES = 256
 MIN_TOKENS_PER_WORD = 0.5   # fewer: the tokenizer drops text it has no token for
 # Characters outside most tokenizers' alphabets: each must come out as tokens (bytes, pieces or the unknown token).
@@ -209,7 +210,7 @@ def load_run_tokenizer(run: Path) -> "Vocab | SubwordTokenizer":
     run = Path(run)
     if (run / TOKENIZER_FILE).is_file():
         return SubwordTokenizer.load(run / TOKENIZER_FILE)
-    return Vocab.load(run / "vocab")
+    return Vocab.load(RunFiles(run).vocab)
 
 
 def save_run_tokenizer(tokenizer: "Vocab | SubwordTokenizer", run: Path) -> None:
@@ -217,4 +218,4 @@ def save_run_tokenizer(tokenizer: "Vocab | SubwordTokenizer", run: Path) -> None
     if isinstance(tokenizer, SubwordTokenizer):
         tokenizer.save(run / TOKENIZER_FILE)
     else:
-        tokenizer.save(run / "vocab")
+        tokenizer.save(RunFiles(run).vocab)

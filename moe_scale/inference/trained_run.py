@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 
 from moe_scale.config import RunConfig
 from moe_scale.errors import UserError
+from moe_scale.run_files import RunFiles
 
 if TYPE_CHECKING:
     from torch import nn
@@ -39,10 +40,10 @@ def open_trained_run(run: Path | str, checkpoint: str | None, command: str, *, e
     from moe_scale.train.checkpoint import choose_checkpoint
 
     run = Path(run)
-    if not (run / "config.json").exists() or not (run / "checkpoints").is_dir():
+    if not RunFiles(run).config.exists() or not RunFiles(run).checkpoints.is_dir():
         raise UserError(f"--run {run}: no trained run there (config.json and a complete checkpoint are needed); "
                         f"pass the --out directory of a finished `moe-scale train`")
-    config = RunConfig.load(run / "config.json")
+    config = RunConfig.load(RunFiles(run).config)
     tag, _ = choose_checkpoint(run, checkpoint, "--checkpoint", config)
     tokenizer = load_run_tokenizer(run)
     if check is not None:

@@ -12,9 +12,10 @@ from pathlib import Path
 from torch.utils.tensorboard import SummaryWriter
 
 from moe_scale.files import write_text_atomic
+from moe_scale.run_files import RunFiles
 from tqdm import tqdm
 
-EXPERT_LOAD_LOG = "expert_load.jsonl"
+EXPERT_LOAD_LOG = RunFiles.EXPERT_LOAD
 
 
 class RunLogger:
@@ -26,8 +27,8 @@ class RunLogger:
         self.resumed_records: list[dict] = []
         if not enabled:
             return
-        self.tb = SummaryWriter(str(run / "tb"), purge_step=start_step + 1 if start_step else None)
-        log, loads = run / "train_log.jsonl", run / EXPERT_LOAD_LOG
+        self.tb = SummaryWriter(str(RunFiles(run).tb), purge_step=start_step + 1 if start_step else None)
+        log, loads = RunFiles(run).train_log, RunFiles(run).expert_load
         if start_step and log.exists():
             self.resumed_records = _records_up_to(log, start_step)
             write_text_atomic(log, "".join(json.dumps(r) + "\n" for r in self.resumed_records))

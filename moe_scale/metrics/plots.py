@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_scale.metrics.logging import EXPERT_LOAD_LOG
+from moe_scale.run_files import RunFiles
 
 MAX_ROWS = 128      # heatmap rows (experts or groups of experts)
 MAX_BARS = 64       # per-expert bars; more experts: sorted curves
@@ -43,7 +44,7 @@ def _valid_ppl(run: Path) -> list[tuple[int, float]]:
     """(step, validation perplexity) from the run's TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
+    events = EventAccumulator(str(RunFiles(run).tb), size_guidance={"scalars": 0})
     events.Reload()
     if "valid/ppl" not in events.Tags().get("scalars", []):
         return []
@@ -55,10 +56,10 @@ def write_run_plots(run: Path, tokens_per_word: float = 1.0) -> list[Path]:
     expert_load.jsonl; returns the files written. `tokens_per_word`: the training text's (1 for a word
     vocabulary), which turns the per-token training loss into the per-word perplexity validation reports."""
     plt = _pyplot()
-    out_dir = run / "plots"
+    out_dir = RunFiles(run).plots
     out_dir.mkdir(exist_ok=True)
     written = []
-    steps = _read_jsonl(run / "train_log.jsonl")
+    steps = _read_jsonl(RunFiles(run).train_log)
     if steps:
         written.append(_curves(plt, steps, _valid_ppl(run), tokens_per_word, out_dir / "curves.png"))
     loads = _read_jsonl(run / EXPERT_LOAD_LOG)

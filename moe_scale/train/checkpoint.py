@@ -31,6 +31,7 @@ from moe_scale.distributed.comm import collective_device
 from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
 from moe_scale.models.vocab_parallel import names_of, vocabulary_shards
+from moe_scale.run_files import RunFiles
 from moe_scale.train.reshard import has_portable, load_portable, load_vocabulary_rows, save_portable
 from moe_scale.train.state import TrainState
 
@@ -48,7 +49,7 @@ def save_checkpoint(engine, run: Path, state: TrainState, rank: int, *, rows: st
     then deletes all but the newest `keep` checkpoints (0: none). A write that fails (a full disk, a read-only
     directory) on any rank stops every rank with one line, the partial directory removed; a run killed before the
     rename leaves the previous complete checkpoint as it was."""
-    directory = run / "checkpoints"
+    directory = RunFiles(run).checkpoints
     tag = f"step{state.step:08d}"
     partial = directory / f".partial-{tag}"
     if rank == 0 and partial.exists():   # a save killed earlier
@@ -63,8 +64,8 @@ def save_checkpoint(engine, run: Path, state: TrainState, rank: int, *, rows: st
             _save_stream_state(partial / f"data_stream_rank{rank}.pt", state.data_position)
 
     def finish() -> None:   # rank 0, once every rank's files are there
-        if (run / "config.json").is_file():   # what the weights were trained as, checked on every load
-            shutil.copyfile(run / "config.json", partial / "config.json")
+        if RunFiles(run).config.is_file():   # what the weights were trained as, checked on every load
+            shutil.copyfile(RunFiles(run).config, partial / RunFiles.CONFIG)
         layout = {"world_size": dist.get_world_size() if dist.is_initialized() else 1, **_model_layout(engine.module)}
         if rows is not None:
             layout["rows"] = rows
@@ -73,7 +74,7 @@ def save_checkpoint(engine, run: Path, state: TrainState, rank: int, *, rows: st
         if (directory / tag).exists():
             shutil.rmtree(directory / tag)
         partial.replace(directory / tag)
-        write_json_atomic(directory / "complete", {"tag": tag, "step": state.step, "manifest": f"{tag}/{MANIFEST}"})
+        write_json_atomic(directory / RunFiles.COMPLETE, {"tag": tag, "step": state.step, "manifest": f"{tag}/{MANIFEST}"})
 
     _stop_if_any_failed(_attempt(write_rank_files, run, tag), run, partial, tag, rank)
     _stop_if_any_failed(_attempt(finish, run, tag) if rank == 0 else None, run, partial, tag, rank)
@@ -108,7 +109,7 @@ def _stop_if_any_failed(failure: UserError | None, run: Path, partial: Path, tag
         return
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
-    raise failure or UserError(f"writing checkpoint {tag} to {run / 'checkpoints'} failed on another process; "
+    raise failure or UserError(f"writing checkpoint {tag} to {RunFiles(run).checkpoints} failed on another process; "
                                f"{_after_failure(run)}")
 
 
@@ -124,7 +125,7 @@ _NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 def _write_failed(e: Exception, run: Path, tag: str) -> UserError | None:
     """The one line for a checkpoint the file system would not take (a full disk or quota, a read-only or
     unwritable directory; from Python or from torch's writer), with advice that works; None for any other error."""
-    where = run / "checkpoints"
+    where = RunFiles(run).checkpoints
     if isinstance(e, OSError):
         code, reason = e.errno, e.strerror or str(e)
     elif any(marker in str(err) for err in (e, e.__context__) for marker in _TORCH_WRITER_ERRORS):
@@ -205,7 +206,7 @@ def _crc32(path: Path) -> int:
 def latest_complete_tag(run: Path) -> str | None:
     """The tag the marker names, or None (no complete checkpoint, or an unreadable marker)."""
     try:
-        return json.loads((run / "checkpoints" / "complete").read_text())["tag"]
+        return json.loads(RunFiles(run).complete.read_text())["tag"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -231,7 +232,7 @@ def problem_with(checkpoint: Path) -> str | None:
 
 def usable_checkpoints(run: Path) -> list[str]:
     """Tags of the checkpoints whose files are all there and whole, newest first."""
-    directory = run / "checkpoints"
+    directory = RunFiles(run).checkpoints
     tags = sorted((p.name for p in directory.glob("step*") if p.is_dir()), reverse=True)
     return [tag for tag in tags if problem_with(directory / tag) is None]
 
@@ -242,9 +243,9 @@ def choose_checkpoint(run: Path, tag: str | None, flag: str, config=None, resume
     manifest, against `config` (the model it will be loaded into) and, for a resume with `resume_world`
     processes, against the layout that wrote it. Anything wrong is one line naming the file and the checkpoints
     that can be used instead."""
-    directory = run / "checkpoints"
+    directory = RunFiles(run).checkpoints
     if tag is None:
-        marker = directory / "complete"
+        marker = directory / RunFiles.COMPLETE
         try:
             tag = json.loads(marker.read_text())["tag"]
         except FileNotFoundError:
@@ -268,7 +269,7 @@ def choose_checkpoint(run: Path, tag: str | None, flag: str, config=None, resume
 def _check_same_model(run: Path, tag: str, config) -> None:
     from moe_scale.config import RunConfig
 
-    saved = run / "checkpoints" / tag / "config.json"
+    saved = RunFiles(run).checkpoint(tag) / RunFiles.CONFIG
     if not saved.is_file():   # written before checkpoints kept their config
         return
     trained = RunConfig.load(saved)
@@ -282,7 +283,7 @@ def _check_same_model(run: Path, tag: str, config) -> None:
 def _check_layout(run: Path, tag: str, world_size: int, ep_size: int, vocab_split: bool, streamed: bool) -> None:
     """A resume with another number of processes, --ep-size or --vocab-exchange needs the checkpoint's portable
     state."""
-    checkpoint = run / "checkpoints" / tag
+    checkpoint = RunFiles(run).checkpoint(tag)
     saved = saved_layout(checkpoint)
     if _same_layout(saved, world_size, ep_size, vocab_split):
         return
@@ -334,18 +335,18 @@ def load_weights(engine, run: Path, tag: str, module_only: bool = False) -> dict
     """DeepSpeed's load of checkpoint `tag` (weights only where `module_only`), and the rows of the vocabulary
     tables the checkpoint kept split (whole or split here, as the model holds them); returns its client state. A
     checkpoint that does not fit the model (a file edited by hand) is one line, not a traceback."""
-    saved = saved_layout(run / "checkpoints" / tag)
+    saved = saved_layout(RunFiles(run).checkpoint(tag))
     vocab_rows = set(saved["vocab_rows"]) if saved else set()
     try:
-        _, client_state = engine.load_checkpoint(str(run / "checkpoints"), tag=tag, load_module_only=module_only,
+        _, client_state = engine.load_checkpoint(str(RunFiles(run).checkpoints), tag=tag, load_module_only=module_only,
                                                  load_optimizer_states=not module_only,
                                                  load_lr_scheduler_states=not module_only,
                                                  load_module_strict=not vocab_rows)
         if vocab_rows:   # DeepSpeed's files lack them (train/reshard.py), so its load could not be strict
-            _check_keys(engine.module, run / "checkpoints" / tag, vocab_rows)
-            load_vocabulary_rows(engine.module, run / "checkpoints" / tag, vocab_rows)
+            _check_keys(engine.module, RunFiles(run).checkpoint(tag), vocab_rows)
+            load_vocabulary_rows(engine.module, RunFiles(run).checkpoint(tag), vocab_rows)
     except (RuntimeError, KeyError, ValueError, OSError) as e:
-        if _secondary_gates_replicated(run / "checkpoints" / tag):
+        if _secondary_gates_replicated(RunFiles(run).checkpoint(tag)):
             raise UserError(f"checkpoint {tag} was written before the hierarchical gate's secondary matrices were "
                             f"stored with their experts (moe_scale before 2026-11-26): eval and generate read it "
                             f"with 1 process; training cannot resume from it, start a new run") from None
@@ -387,7 +388,7 @@ def _instead(run: Path, flag: str, skip: str | None = None) -> str:
 def load_checkpoint(engine, run: Path, tag: str, state: TrainState, source: TrainingSource) -> None:
     """Restore checkpoint `tag` (one checkpoint_to_resume verified) into the engine, `state` (the run's step 0,
     its schedule set) and the training data `source`."""
-    directory = run / "checkpoints"
+    directory = RunFiles(run).checkpoints
     saved = saved_layout(directory / tag)
     world = dist.get_world_size() if dist.is_initialized() else 1
     split = vocabulary_shards(engine.module)

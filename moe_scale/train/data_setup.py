@@ -23,6 +23,7 @@ from moe_scale.data.vocab_cache import cached_stream_vocab
 from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv
 from moe_scale.errors import UserError
+from moe_scale.run_files import RunFiles
 
 
 @dataclass
@@ -64,7 +65,7 @@ def load_run_splits(config: DataConfig):
 
 
 def _saved_tokenizer(run: Path):
-    if not any((run / name).exists() for name in ("vocab", "tokenizer.json")):
+    if not any((run / name).exists() for name in (RunFiles.VOCAB, RunFiles.TOKENIZER)):
         raise UserError(f"{run / 'vocab'} is missing; the run directory is incomplete, start a new run")
     return load_run_tokenizer(run)
 

@@ -22,6 +22,7 @@ from moe_scale.distributed.launch import DistEnv, init_distributed, ranks_per_no
 from moe_scale.errors import UserError
 from moe_scale.models.build import build_model
 from moe_scale.moe.router import GlobalTokenNoise, Router
+from moe_scale.run_files import RunFiles
 from moe_scale.train.memory_check import check_model_fits
 from moe_scale.train.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from moe_scale.data.fingerprint import DATA_FILES, check_resumed_data, fingerprint, read_record
@@ -92,8 +93,8 @@ def run_training(config: RunConfig) -> dict:
         if env.rank == 0:
             save_run_tokenizer(data.vocab, run)
             _record_data(run, data_record, saved_record, changed, state.step)
-            _as_planned(config, state).save(run / "config.json")
-            write_json_atomic(run / "ds_config.json", ds_config)
+            _as_planned(config, state).save(RunFiles(run).config)
+            write_json_atomic(RunFiles(run).ds_config, ds_config)
         dist.barrier()
         stop_requests = StopRequests()   # collective: every rank
         try:
@@ -128,7 +129,7 @@ def _check_steps_left(config: RunConfig, run: Path, state: TrainState, source: T
 def _summarised(run: Path, steps: int) -> bool:
     """Whether the run wrote its summary after its last step."""
     try:
-        summary = json.loads((run / "summary.json").read_text())
+        summary = json.loads(RunFiles(run).summary.read_text())
     except (OSError, ValueError):
         return False
     return isinstance(summary, dict) and summary.get("steps") == steps

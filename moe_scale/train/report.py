@@ -23,6 +23,7 @@ from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.metrics.perf import (all_to_all_seconds, device_peak_tflops, efficiency, forget_exceeded_peak,
                                     peak_rss_mib)
 from moe_scale.models.build import describe_parameters
+from moe_scale.run_files import RunFiles
 from moe_scale.train.context import TrainContext
 from moe_scale.train.evaluate import evaluate
 from moe_scale.train.state import TrainState
@@ -137,7 +138,7 @@ class RunReport:
         dist.all_reduce(peak_mib, op=dist.ReduceOp.MAX)
         summary["peak_rss_mib_per_process"] = float(peak_mib)
         if self.ctx.env.rank == 0:
-            write_json_atomic(self.ctx.run / "summary.json", summary)
+            write_json_atomic(RunFiles(self.ctx.run).summary, summary)
             self.logger.line(summary_table(summary))
             warning = forget_exceeded_peak(self.ctx.env.device, self.half_precision, self.ranks_on_machine,
                                            self.peak[0], summary["tflops_per_device"])

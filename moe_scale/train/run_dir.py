@@ -29,13 +29,12 @@ from pathlib import Path
 
 from moe_scale.errors import UserError
 from moe_scale.files import is_partial_write, write_json_atomic
+from moe_scale.run_files import RunFiles
 from moe_scale.train.run_lock import LOCK_NAME, RunLock, live_owner
 
-MARKER = "moe_scale_run.json"
-RUN_FILES = ("config.json", "summary.json", "checkpoints", "train_log.jsonl")   # any of these: a run is here
-OWNED = frozenset({MARKER, LOCK_NAME, "config.json", "ds_config.json", "data_files.json", "vocab", "vocab.counts",
-                   "tokenizer.json", "train_log.jsonl", "summary.json", "tb", "checkpoints", "pruning",
-                   "expert_load.jsonl", "plots"})
+MARKER = RunFiles.MARKER
+RUN_FILES = (RunFiles.CONFIG, RunFiles.SUMMARY, RunFiles.CHECKPOINTS, RunFiles.TRAIN_LOG)   # any: a run is here
+OWNED = frozenset(RunFiles.ALL)
 
 
 def _owned(name: str) -> bool:
@@ -59,8 +58,8 @@ def check_run_dir(out: str, resume: bool, overwrite: bool, resume_from: str | No
     if owner is not None:
         raise UserError(f"--out {out} is in use by a live run ({owner}); wait for it to end or choose another "
                         f"--out")
-    has_checkpoint = (run / "checkpoints" / "complete").exists() or \
-        bool(resume_from and (run / "checkpoints" / resume_from).is_dir())
+    has_checkpoint = RunFiles(run).complete.exists() or \
+        bool(resume_from and RunFiles(run).checkpoint(resume_from).is_dir())
     if resume and not has_checkpoint:
         if has_run:
             raise UserError(f"--resume: the run in {out} stopped before its first complete checkpoint, so there is "
@@ -83,7 +82,7 @@ def holds_run(run: Path) -> bool:
         return False
     if (run / MARKER).is_file():
         return True
-    return _is_our_config(run / "config.json") or any((run / name).exists() for name in RUN_FILES[1:])
+    return _is_our_config(RunFiles(run).config) or any((run / name).exists() for name in RUN_FILES[1:])
 
 
 def _is_our_config(path: Path) -> bool:

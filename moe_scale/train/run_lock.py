@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 from moe_scale.errors import UserError
+from moe_scale.run_files import RunFiles
 
-LOCK_NAME = "lock"
+LOCK_NAME = RunFiles.LOCK
 
 
 def _process_start(pid: int) -> str | None:

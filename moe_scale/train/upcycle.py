@@ -26,6 +26,7 @@ from moe_scale.config import RunConfig
 from moe_scale.deepspeed_internals import MODEL_STATES_FILE
 from moe_scale.errors import UserError
 from moe_scale.models.blocks import block_kind
+from moe_scale.run_files import RunFiles
 
 # Settings the copied weights' shapes (and meaning) depend on: they must be the dense run's.
 _SHARED = ("model", "d_model", "lstm_hidden", "block", "num_layers", "tie_embeddings", "rope_theta", "attention",
@@ -38,10 +39,10 @@ def dense_run_to_upcycle(config: RunConfig) -> tuple[Path, str]:
 
     run = Path(config.train.upcycle_from)
     flag = f"--upcycle-from {run}"
-    if not (run / "config.json").is_file() or not (run / "checkpoints").is_dir():
+    if not RunFiles(run).config.is_file() or not RunFiles(run).checkpoints.is_dir():
         raise UserError(f"{flag}: no trained run there (config.json and a complete checkpoint are needed); pass the "
                         f"--out directory of a finished dense `moe-scale train`")
-    dense = RunConfig.load(run / "config.json")
+    dense = RunConfig.load(RunFiles(run).config)
     _check_pair(config, dense, flag)
     tag, _ = choose_checkpoint(run, None, "--upcycle-from", dense)
     return run, tag
@@ -96,7 +97,7 @@ def upcycle(model: torch.nn.Module, run: Path, tag: str, noise: float, seed: int
     from moe_scale.train.checkpoint import saved_layout
     from moe_scale.train.reshard import load_vocabulary_rows
 
-    checkpoint = run / "checkpoints" / tag
+    checkpoint = RunFiles(run).checkpoint(tag)
     state = torch.load(checkpoint / MODEL_STATES_FILE, map_location="cpu", weights_only=False)["module"]
     layers = _moe_layers_and_their_ffns(model)
     ffn_keys = {name for name in state if any(name.startswith(ffn) for ffn in layers.values())}
