@@ -498,7 +498,7 @@ class ParallelConfig:
     vocab_exchange: str = _f("rows", "with --ep-size > 1: the embedding and output tables split by rows over the "
                                      "expert-parallel ranks, each batch's rows or hidden states exchanged (rows), "
                                      "or whole on every rank with their gradients all-reduced (dense: for "
-                                     "comparison); docs/scale.md", choices=("rows", "dense"))
+                                     "comparison); docs/scale-paper.md", choices=("rows", "dense"))
 
     def validate(self) -> None:
         _positive(ep_size=self.ep_size)

@@ -234,14 +234,14 @@ def test_every_gate_builds_and_routes(gate):
 
 
 def test_the_train_commands_of_the_mixtral_section_parse_as_shown():
-    """docs/training.md's "Mixtral-style block and native export" commands (its $COMMON expanded, continued
+    """docs/transformers.md's "Mixtral-style block and native export" commands (its $COMMON expanded, continued
     lines joined) are valid flags, and the measured runs differ only where the text says."""
     import shlex
 
     from tests.docs_code import code_blocks, section
     from tests.paths import REPO
 
-    text = section(REPO / "docs" / "training.md", "Mixtral-style block and native export")
+    text = section(REPO / "docs" / "transformers.md", "Mixtral-style block and native export")
     shown = []
     for block in code_blocks(text, "bash"):
         joined = block.replace("\\\n", " ")

@@ -22,7 +22,7 @@ TOKEN = re.compile("|".join(sorted(map(re.escape, TABLE), key=len, reverse=True)
 STOP = {"the", "of", "a", "an", "per", "on", "this", "that", "and", "for", "in", "one", "each", "its", "or", "as",
         "to", "by", "at", "all", "is", "are", "there", "with", "here", "over"}
 UNITS = {"ops_per_timestep_M", "params_excl_M", "total_params_B"}   # millions, billions: the papers' tables' units
-MODULES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "moe_scale").rglob("*.py"))
+MODULES = sorted(p.relative_to(REPO).as_posix() for root in ("moe_scale", "tools") for p in (REPO / root).rglob("*.py"))
 
 
 def shape_letters(name: str) -> list[str] | None:

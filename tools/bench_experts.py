@@ -1,17 +1,17 @@
 #!/usr/bin/env python
 """Forward+backward time of the expert computation: grouped experts vs the naive sliced loop vs a dense FFN.
 
-Legend: N tokens, K top-k (the expert layer sees R = N*K rows, already sorted by expert), D model dim,
-H expert hidden dim, E experts. Rows per expert are drawn from a uniform multinomial with a fixed seed.
+Legend (docs/shapes.md): N tokens, K experts per token, R rows that arrive (N·K, sorted by expert), D model width,
+F expert hidden width, E experts. Rows per expert are drawn from a uniform multinomial with a fixed seed.
 
 Implementations, all timed in the same run, interleaved repeat by repeat so machine noise hits them alike:
   grouped      moe_scale's GroupedExperts (custom grouped-matmul autograd function), once per --kernels entry:
                auto (GroupLayout's choice), native (moe/cpu_backend/cpu_kernels.c), grouped (torch's grouped GEMM),
                triton (DeepSpeed's Triton grouped GEMM, CUDA), loop.
   sliced_loop  the naive reference: a Python loop of relu(x[a:b] @ w_in[e].T) @ w_out[e] over nn.Parameter
-               stacks. Autograd builds a full-size [E, D, H] gradient per expert slice: O(E^2). Skipped
+               stacks. Autograd builds a full-size [E, D, F] gradient per expert slice: O(E^2). Skipped
                above --max-naive-experts (a JSON line with "skipped" says so).
-  dense        one D -> H -> D ReLU MLP over all R rows: the same active FLOPs as the experts.
+  dense        one D -> F -> D ReLU MLP over all R rows: the same active FLOPs as the experts.
 
 One JSON line per (experts, impl, kernel) on stdout (and in --out). Grouped and sliced_loop outputs and
 gradients (input, w_in, w_out) are compared on the warm-up step; the max abs diff is reported on both lines.
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=positive_int, default=2048, help="tokens N (default 2048)")
     p.add_argument("--k", type=positive_int, default=2, help="top-k: the experts see N*k rows (default 2)")
     p.add_argument("--d", type=positive_int, default=256, help="model dim D (default 256)")
-    p.add_argument("--h", type=positive_int, default=512, help="expert hidden dim H (default 512)")
+    p.add_argument("--h", type=positive_int, default=512, help="expert hidden width F (default 512)")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed steps after 1 warm-up (default 5)")
     p.add_argument("--max-naive-experts", type=non_negative_int, default=256,
                    help="skip sliced_loop when E is above this (O(E^2); default 256, 0 = never run it)")
@@ -95,12 +95,12 @@ def rows_per_expert(num_rows: int, num_experts: int, seed: int) -> list[int]:
     return torch.bincount(draws, minlength=num_experts).tolist()
 
 
-def sliced_loop_forward(x_RD, w_in_EHD, w_out_EHD, counts_E, scale):
+def sliced_loop_forward(x_RD, w_in_EFD, w_out_EFD, counts_E, scale):
     """The O(E^2) trap: w[e] on a Parameter stack inside a Python loop."""
     outs, start = [], 0
     for e, count in enumerate(counts_E):
         if count:
-            outs.append(torch.relu(x_RD[start:start + count] @ w_in_EHD[e].t()) @ w_out_EHD[e])
+            outs.append(torch.relu(x_RD[start:start + count] @ w_in_EFD[e].t()) @ w_out_EFD[e])
             start += count
     return torch.cat(outs) * scale
 

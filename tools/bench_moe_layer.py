@@ -2,7 +2,8 @@
 """Forward+backward time and working memory of moe_scale's MoE layer vs DeepSpeed's MoE layer, a dense FFN
 and this machine's roofline, all measured in one run.
 
-Legend: N tokens, D model dim, H expert hidden dim, E experts, K top-k.
+Legend (docs/shapes.md): N tokens, D model width, F expert hidden width, E experts, K experts per token, C
+(token, expert) pairs routed.
 
 Implementations (one JSON line each per (E, K), on stdout and in --out):
   dropless            moe_scale MoELayer: noisy top-k gate (W_g and W_noise, both CV^2 losses), every copy kept;
@@ -12,8 +13,8 @@ Implementations (one JSON line each per (E, K), on stdout and in --out):
   deepspeed_capacity  deepspeed.moe.layer.MoE, capacity_factor=--capacity-factor, drop_tokens=True
   naive_loop          the issue's reference point, a naive sort-and-loop layer: moe_scale's router, then the
                       pairs sorted by expert and a Python loop over E nn.Sequential FFNs on their tokens' rows
-  dense               one D -> H' -> D ReLU FFN with the same active FLOPs as `dropless`:
-                      H' = K*H + 2*E (2*D*E multiply-adds per token for the two gating matrices)
+  dense               one D -> F' -> D ReLU FFN with the same active FLOPs as `dropless`:
+                      F' = K*F + 2*E (2*D*E multiply-adds per token for the two gating matrices)
 
 Roofline (per implementation, from peaks measured in this run, before every configuration; the best seen is
 used): max(FLOPs / matmul peak, bytes / memory bandwidth) with FLOPs = 3 x 2 x forward multiply-adds of the
@@ -105,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--impls", type=_impl_list, default=list(IMPLS), help=f"subset of {','.join(IMPLS)}")
     p.add_argument("--tokens", type=positive_int, default=2048, help="tokens N per step (per rank; default 2048)")
     p.add_argument("--d", type=positive_int, default=256, help="model dim D (default 256)")
-    p.add_argument("--h", type=positive_int, default=512, help="expert hidden dim H (default 512)")
+    p.add_argument("--h", type=positive_int, default=512, help="expert hidden width F (default 512)")
     p.add_argument("--capacity-factor", type=positive_float, default=1.0, help="capacity modes (default 1.0)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed steps at least (default 3)")
     p.add_argument("--min-time", type=non_negative_float, default=1.0,
@@ -281,7 +282,7 @@ def experts_used(layer: nn.Module) -> int | None:
         return _modules_with_gradient(layer.moe.deepspeed_moe.experts.deepspeed_experts)
     if isinstance(layer, _NaiveLoopLayer):
         return _modules_with_gradient(layer.experts)
-    reached_E = torch.zeros(layer.experts.w_in.shape[0], dtype=torch.bool,   # ours: stacked [E, H, D] weights
+    reached_E = torch.zeros(layer.experts.w_in.shape[0], dtype=torch.bool,   # ours: stacked [E, F, D] weights
                             device=layer.experts.w_in.device)
     for weight in (layer.experts.w_in, layer.experts.w_out):
         if weight.grad is not None:

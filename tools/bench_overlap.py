@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Would the MoE layer's backward gain from running the router's products beside the experts' backward?
 
-Legend: N tokens, D model dim, H expert hidden dim, E experts, K top-k, T threads.
+Legend (docs/shapes.md): N tokens, D model width, F expert hidden width, E experts, K experts per token, M
+(token, expert) pairs that arrive; T threads.
 
 In the backward, once the gate gradient is known, the router's four [N, D, E] products (compute-bound) and the
 experts' backward (bound by streaming their weights and writing their gradients) need nothing from each

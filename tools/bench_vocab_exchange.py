@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Bytes exchanged and step time with the vocabulary tables whole on every rank (--vocab-exchange dense: their
 gradients all-reduced) against split by rows (rows: each batch's rows and hidden states exchanged), on P gloo
-processes, with an lm1b-like vocabulary, in one run (models/vocab_parallel.py; docs/scale.md#vocabulary).
+processes, with an lm1b-like vocabulary, in one run (models/vocab_parallel.py;
+docs/scale-paper.md#the-vocabulary-tables).
 
     python tools/bench_vocab_exchange.py --out bench_vocab.json                 # 2 and 4 processes, 200,000 words
     python tools/bench_vocab_exchange.py --procs 2 --types 20000 --words 200000 --max-steps 12

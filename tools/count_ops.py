@@ -20,7 +20,7 @@ One JSON line per combination on stdout (and appended to --out). The layer is sm
 Targets (the GPU path): the same count for every number of experts up to 1,023 and every number of tokens,
 at most 400 operations per step, at most one host-blocking read in the forward and none in the backward.
 Beyond 1,023 local experts each further 1,023 adds one call per product (see `grouped_gemm_calls`). Cases
-whose gate tensors would not fit this machine's memory are reported as skipped. Results: docs/gpu.md.
+whose gate tensors would not fit this machine's memory are reported as skipped. Results: docs/gpu-checks.md.
 """
 
 from __future__ import annotations

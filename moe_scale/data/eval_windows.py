@@ -11,7 +11,7 @@ targets, so no target is dropped: the last window is padded, and padded or `<S>`
 Whatever the tokenizer, perplexity is per word: exp(sum of NLL / (words + sentences)), each target token
 weighted by the whitespace words that begin at it (`word_starts`; every token for the word vocabulary, the
 first piece of each word for a subword tokenizer, 1 for each </S>), so subword and word runs count in one
-unit (their numbers compare on the same text at an OOV rate near 0: docs/training.md#which-perplexities-compare).
+unit (their numbers compare on the same text at an OOV rate near 0: docs/data.md#which-perplexities-compare).
 
 Global batch b holds windows b*R .. b*R+R-1 (R rows); rank r takes rows r*B .. r*B+B-1 (B = R / ranks),
 and every rank runs the same number of batches (all-to-all needs that); empty rows are all IGNORE. So the

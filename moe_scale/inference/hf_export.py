@@ -176,7 +176,7 @@ print(tokenizer.decode(model.generate(ids, do_sample=False, max_new_tokens={new_
 
 Inference only, one device, float32; needs `moe_scale` installed (the remote code builds its model). The logits
 are log-probabilities of the next token{positions}. `generate` re-reads the whole prefix each step (no cache is
-handed to transformers). {text} Per-word perplexity as `moe-scale eval` computes it: moe_scale's docs/training.md,
+handed to transformers). {text} Per-word perplexity as `moe-scale eval` computes it: moe_scale's docs/using-a-run.md,
 "Exporting to HuggingFace transformers".
 """
 
@@ -203,5 +203,5 @@ print(tokenizer.decode(model.generate(ids, do_sample=False, max_new_tokens={new_
 Its logits are moe_scale's (float32), and greedy `generate` picks the words `moe-scale generate --greedy` picks.
 {text} `config.json` keeps the moe_scale run configuration under `run_config`; `moe-scale train --block llama
 --init-from-hf DIR` continues training from this directory. Per-word perplexity as `moe-scale eval` computes it:
-moe_scale's docs/training.md, "Exporting to HuggingFace transformers".
+moe_scale's docs/using-a-run.md, "Exporting to HuggingFace transformers".
 """

@@ -74,7 +74,8 @@ def save_checkpoint(engine, run: Path, state: TrainState, rank: int, *, rows: st
         if (directory / tag).exists():
             shutil.rmtree(directory / tag)
         partial.replace(directory / tag)
-        write_json_atomic(directory / RunFiles.COMPLETE, {"tag": tag, "step": state.step, "manifest": f"{tag}/{MANIFEST}"})
+        write_json_atomic(directory / RunFiles.COMPLETE,
+                          {"tag": tag, "step": state.step, "manifest": f"{tag}/{MANIFEST}"})
 
     _stop_if_any_failed(_attempt(write_rank_files, run, tag), run, partial, tag, rank)
     _stop_if_any_failed(_attempt(finish, run, tag) if rank == 0 else None, run, partial, tag, rank)

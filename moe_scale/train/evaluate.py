@@ -23,7 +23,7 @@ COUNTED = ("every word (out-of-vocabulary ones as <UNK>) and each sentence's </S
 
 def oov_rate(counts: dict) -> float:
     """The share of the text's words that became <UNK>: they cost the model little, so a word run's perplexity
-    compares with another's only at about the same rate (docs/training.md#which-perplexities-compare)."""
+    compares with another's only at about the same rate (docs/data.md#which-perplexities-compare)."""
     return counts["oov_words"] / counts["words"] if counts["words"] else 0.0
 
 

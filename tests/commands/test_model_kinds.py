@@ -7,7 +7,7 @@ Each cell works, checked against an independent computation, or is refused in on
 it does not apply (prune-heads: transformer runs with --attention mha or mae). eval equals the training run's
 own validation pass; generate --greedy equals re-running the whole sequence in this process each step; the
 export loads in transformers with moe_scale's buffers and logits, and the documented per-word perplexity code
-(docs/training.md) reproduces eval's; prune-heads' unpruned perplexity equals the model's own on its windows.
+(docs/using-a-run.md) reproduces eval's; prune-heads' unpruned perplexity equals the model's own on its windows.
 Each kind is trained once (TINY, 2 steps, a small WikiText-2 corpus) when a test first needs it."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ KINDS = {
 }
 NATIVE = {kind for kind, flags in KINDS.items() if "llama" in flags}   # exported as transformers' own classes
 PRUNABLE = {kind for kind, flags in KINDS.items() if "transformer" in flags and "moa" not in flags}
-DOCS = REPO / "docs" / "training.md"
+DOCS = REPO / "docs" / "using-a-run.md"
 EXPORT_SECTION = "Exporting to HuggingFace transformers"
 
 
@@ -188,7 +188,7 @@ def test_generate(kind, trained, opened, corpus, embedded_cache):
 
 def _documented_perplexity_code() -> str:
     blocks = [b for b in code_blocks(section(DOCS, EXPORT_SECTION), "python") if "perplexity per word" in b]
-    assert len(blocks) == 1, "docs/training.md's export section shows the per-word perplexity code once"
+    assert len(blocks) == 1, "docs/using-a-run.md's export section shows the per-word perplexity code once"
     return blocks[0]
 
 

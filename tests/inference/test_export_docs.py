@@ -1,4 +1,4 @@
-"""docs/training.md's export section runs as written (issue 41): its command from a directory without exported/,
+"""docs/using-a-run.md's export section runs as written (issue 41): its command from a directory without exported/,
 its Python as shown (no interactive prompt under transformers 5), and the per-word perplexity its code prints is
 `moe-scale eval --data`'s on the same text. The commands and code are read from the markdown, so this test
 follows the docs. README.md's export commands, if it shows any, are among the section's."""
@@ -12,7 +12,7 @@ from tests.docs_code import code_blocks, commands, run_python, section
 from tests.paths import REPO
 from tests.wikitext import wikitext_sentences
 
-DOCS = REPO / "docs" / "training.md"
+DOCS = REPO / "docs" / "using-a-run.md"
 EXPORT_SECTION = "Exporting to HuggingFace transformers"
 
 
