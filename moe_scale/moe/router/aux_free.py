@@ -14,7 +14,6 @@ DeepSeek-V3's sequence-wise balance loss, α Σ_i f_i P_i per sequence (eq. 17-2
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import Tensor, nn
@@ -82,7 +81,7 @@ class AuxFreeRouter(Router):
             raise ValueError("bias_update_rate and seq_balance_weight must not be negative")
         self.score, self.bias_update_rate, self.seq_balance_weight = score, bias_update_rate, seq_balance_weight
         self.w_gate = nn.Parameter(torch.empty(d_model, num_experts))
-        nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
+        self.small_init_(self.w_gate, d_model)
         self.register_buffer("score_bias", torch.zeros(num_experts))
         self._pending_load_E: Tensor | None = None   # the step's load so far (training forwards), on the device
 

@@ -14,6 +14,7 @@ calls its `begin_step` before a step's micro-batches and `after_step` once the o
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -142,6 +143,12 @@ class Router(nn.Module):
 
     def after_step(self) -> None:
         """The optimizer step is done (a gate that balances between steps updates itself here, on the device)."""
+
+    @staticmethod
+    def small_init_(w: Tensor, d_model: int) -> Tensor:
+        """The gates' start where they do not start at zero: N(0, (0.01 / sqrt(D))²), so every logit starts near 0
+        whatever the width (routing near uniform, gradients alive)."""
+        return nn.init.normal_(w, std=1e-2 / math.sqrt(d_model))
 
     @staticmethod
     def logits(x_ND: Tensor, w_DE: Tensor) -> Tensor:

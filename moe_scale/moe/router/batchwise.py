@@ -146,7 +146,7 @@ class BatchwiseRouter(Router):
         self.threshold_reduction, self.scope = threshold_reduction, scope
         self.detach_scores, self.init_thresholds_from_batch = detach_scores, init_thresholds_from_batch
         self.w_gate = nn.Parameter(torch.empty(d_model, num_experts))
-        nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
+        self.small_init_(self.w_gate, d_model)
         self.thresholds = nn.Parameter(torch.full((num_experts,), 1.0 / num_experts))
         self.register_buffer("thresholds_initialized", torch.zeros((), dtype=torch.bool))
 

@@ -20,7 +20,6 @@ gate costs N*(A + Kp*G)*D multiply-adds and N*(A + Kp*G) floats per matrix, neve
 rank (every group local) and returns the usual RouterOutput.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -182,8 +181,8 @@ class HierarchicalRouter(Router):
         local = slice(self.first_group, self.first_group + self.num_local_groups)
         secondary = torch.zeros(a, d_model, b)
         if not noisy:   # drawn whole, so every expert-parallel size starts from the same gates
-            nn.init.normal_(self.w_gate_primary, std=1e-2 / math.sqrt(d_model))
-            nn.init.normal_(secondary, std=1e-2 / math.sqrt(d_model))
+            self.small_init_(self.w_gate_primary, d_model)
+            self.small_init_(secondary, d_model)
         self.w_gate_secondary = nn.Parameter(secondary[local].clone())
         self.w_noise_secondary = nn.Parameter(torch.zeros(self.num_local_groups, d_model, b))
 

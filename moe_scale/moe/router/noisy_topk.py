@@ -80,7 +80,7 @@ class NoisyTopKRouter(Router):
         self.w_gate = nn.Parameter(torch.zeros(d_model, num_experts))
         self.w_noise = nn.Parameter(torch.zeros(d_model, num_experts))
         if not noisy:
-            nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
+            self.small_init_(self.w_gate, d_model)
 
     @classmethod
     def from_config(cls, config: RouterConfig, d_model: int, num_experts: int, ep_size: int = 1,

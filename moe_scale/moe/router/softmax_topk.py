@@ -5,7 +5,6 @@ Legend (docs/shapes.md): N tokens, D model dim, E experts, K top-k, C (token, ex
 The data-parallel sum of its statistics (``batch.sum``) is injected by the layer (moe/router/base.py).
 """
 
-import math
 
 import torch
 from torch import Tensor, nn
@@ -105,7 +104,7 @@ class SoftmaxTopKRouter(Router):
             raise ValueError(f"renormalize must be one of {RENORMALIZE_MODES}, got {renormalize!r}")
         self.aux_weight, self.z_weight, self.renormalize = aux_weight, z_weight, renormalize
         self.w_gate = nn.Parameter(torch.empty(d_model, num_experts))
-        nn.init.normal_(self.w_gate, std=1e-2 / math.sqrt(d_model))
+        self.small_init_(self.w_gate, d_model)
 
     @classmethod
     def from_config(cls, config: RouterConfig, d_model: int, num_experts: int, ep_size: int = 1,
