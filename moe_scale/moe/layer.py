@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from moe_scale.config import DispatchConfig, choices
+from moe_scale.config import DispatchConfig, MoEConfig, choices
 from moe_scale.distributed.comm import BatchCollectives
 from moe_scale.distributed.launch import ranks_per_node
 from moe_scale.moe.deepspeed_adapter import ParallelGroups
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.experts import GroupedExperts
 from moe_scale.moe.routed_layer import RoutedLayer
-from moe_scale.moe.router import NoisyTopKRouter, Router
+from moe_scale.moe.router import NoisyTopKRouter, Router, build_router
 from moe_scale.moe.shared_experts import SharedExperts
 
 ALL_TO_ALL = choices(DispatchConfig, "all_to_all")
@@ -62,6 +62,20 @@ class MoELayer(RoutedLayer):
         # dense, on every rank (not in expert_shards); None: no shared experts, the state dict as before
         self.shared = SharedExperts(d_model, shared_hidden or d_hidden, shared_experts, shared_gate, seed=seed,
                                     first_id=num_experts, activation=activation) if shared_experts else None
+
+    @classmethod
+    def from_config(cls, config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
+                    kind: str = "relu") -> "MoELayer":
+        """The layer of `config` (its router, dispatch and experts sections) at width `d_model`, holding
+        expert-parallel rank `ep_rank`'s experts of `kind` (moe/experts/kinds.py)."""
+        experts, dispatch = config.experts, config.dispatch
+        return cls(d_model, experts.hidden, experts.num_experts, config.router.top_k, ep_size=ep_size,
+                   ep_rank=ep_rank, seed=seed,
+                   router=build_router(config.router, d_model, experts.num_experts, ep_size, ep_rank),
+                   recompute=experts.recompute, dispatch_mode=dispatch.mode,
+                   capacity_factor=dispatch.capacity_factor, all_to_all=dispatch.all_to_all,
+                   node_size=dispatch.node_size, reuse_grad_buffers=experts.grad_reuse, shared_experts=experts.shared,
+                   shared_hidden=experts.shared_hidden, shared_gate=experts.shared_gate, activation=kind)
 
     def dispatch_units(self) -> tuple[int, int]:
         """(what the dispatcher sends tokens to, how many of them live here): the experts."""
