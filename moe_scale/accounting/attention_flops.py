@@ -15,7 +15,6 @@ per token, like the LayerNorms).
 from __future__ import annotations
 
 from moe_scale.config import RunConfig
-from moe_scale.models.blocks import block_kind
 
 
 def moa_macs(T: int, d_model: int, head_dim: int, k: int) -> int:
@@ -47,6 +46,8 @@ def transformer_forward_macs_per_token(config: RunConfig, vocab_size: int, seq_l
 
             attention += d * GATE_HIDDEN + GATE_HIDDEN * attn.num_heads
     if transformer.ffn == "dense":   # the llama block's SwiGLU: gate, up and down; the default block's GELU: up, down
+        from moe_scale.models.blocks import block_kind
+
         ffn = block_kind(config).dense_ffn_matrices * d * transformer.ffn_hidden
     else:
         ffn = moe_gating(config)[1] + active_experts(config) * expert_macs(config, config.moe.experts.hidden) \

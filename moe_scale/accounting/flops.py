@@ -21,8 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_scale.config import RunConfig
-from moe_scale.moe.experts.kinds import expert_kind
-from moe_scale.moe.router.build import gate_class
 
 SOFTMAX_KINDS = ("full", "sampled")
 
@@ -95,6 +93,8 @@ def lstm_layer_shape(config: RunConfig) -> tuple[int, int]:
 
 def moe_gating(config: RunConfig) -> tuple[int, int]:
     """(parameters, forward MACs) of the gating network, as its gate counts them (moe/router/)."""
+    from moe_scale.moe.router.build import gate_class   # (torch: not at `moe-scale flops`' start)
+
     router = config.moe.router
     return gate_class(router).gating_counts(router, config.model.d_model, config.moe.experts.num_experts)
 
@@ -113,10 +113,14 @@ def shared_experts(config: RunConfig) -> int:
 def expert_macs(config: RunConfig, hidden: int) -> int:
     """Forward multiply-adds of one token through one expert of the run's kind (moe/experts/kinds.py), also its
     parameter count (no biases)."""
+    from moe_scale.moe.experts.kinds import expert_kind
+
     return expert_kind(config.expert_kind).forward_macs(config.model.d_model, hidden)
 
 
 def active_experts(config: RunConfig) -> int:
+    from moe_scale.moe.router.build import gate_class
+
     return gate_class(config.moe.router).active_experts(config.moe.router)
 
 

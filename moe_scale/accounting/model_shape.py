@@ -36,9 +36,6 @@ from moe_scale.accounting.flops import active_experts, moe_gating, training_flop
 from moe_scale.accounting.model_flops import forward_macs_per_token
 from moe_scale.accounting.vocab_exchange import rows_split
 from moe_scale.config import RunConfig
-from moe_scale.models.blocks import block_kind
-from moe_scale.moe.experts.kinds import expert_kind
-from moe_scale.moe.router.build import gate_class
 
 
 @dataclass(frozen=True)
@@ -123,6 +120,8 @@ def factored_state_numel(shape: torch.Size) -> int:
 
 
 def _expert_layers(config: RunConfig) -> list[ExpertLayer]:
+    from moe_scale.moe.router.build import gate_class   # the model's modules: when a model is planned, not at import
+
     layers = []
     if config.has_moe_ffn:
         router, experts = config.moe.router, config.moe.experts
@@ -138,6 +137,9 @@ def _expert_layers(config: RunConfig) -> list[ExpertLayer]:
 
 def _activations_per_token(config: RunConfig, logits: float) -> tuple[float, int]:
     """(values, 1-byte masks) stored per token outside the experts (module docstring)."""
+    from moe_scale.models.blocks import block_kind
+    from moe_scale.moe.experts.kinds import expert_kind
+
     d = config.model.d_model
     gate_logits = moe_gating(config)[1] / d if config.has_moe_ffn else 0
     experts = config.moe.experts

@@ -27,7 +27,6 @@ import functools
 import torch
 
 from moe_scale.config import parse_cutoffs
-from moe_scale.models.blocks import block_kind
 
 COUNT_BYTES, ID_BYTES = 8, 8
 
@@ -69,6 +68,8 @@ def exchanges(config, vocab: int, world: int, tokens: float, value: int) -> list
 
     moves = fetch(expected_distinct(vocab, tokens), d)
     softmax = config.softmax
+    from moe_scale.models.blocks import block_kind
+
     bias = 1 if config.model.kind != "transformer" or block_kind(config).output_bias else 0
     if softmax.kind == "sampled":
         moves += fetch(expected_distinct(vocab, tokens + softmax.num_sampled), d + bias)

@@ -96,7 +96,8 @@ class MAEAttention(nn.Module):
             return h / (h - 1) * (1 - dropped_BTH)
         return h / (h - 1) * (1 - gates_BTH)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """(output [B, T, D], None: the gate is trained by block coordinate descent, not by a loss term)."""
         if self.sampling():
             with torch.no_grad():
                 gates_BTH = self.gate(x_BTD)
@@ -104,7 +105,7 @@ class MAEAttention(nn.Module):
             gates_BTH = self.gate(x_BTD)
         self.last_gates_BTH = gates_BTH.detach()
         weights_BTH = self.head_weights(gates_BTH)[..., self.mha.head_ids]   # pruned heads keep their own c_j
-        return self.mha(x_BTD, head_weights_BTH=weights_BTH)
+        return self.mha.attend(x_BTD, head_weights_BTH=weights_BTH), None
 
     def decode(self, x_BTD: torch.Tensor, cache: dict) -> torch.Tensor:
         """Generation: the mixture for the new positions; the gate's window reads the last `window` - 1 inputs

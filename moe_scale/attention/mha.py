@@ -64,7 +64,12 @@ class MultiHeadAttention(nn.Module):
         self.mask_H.fill_(1.0)
         self.mask_touched = False
 
-    def forward(self, x_BTD: torch.Tensor, head_weights_BTH: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, head_weights_BTH: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, None]:
+        """(output [B, T, D], None: no balancing loss), as every attention of a block returns (y, aux)."""
+        return self.attend(x_BTD, head_weights_BTH), None
+
+    def attend(self, x_BTD: torch.Tensor, head_weights_BTH: torch.Tensor | None = None) -> torch.Tensor:
         if self.num_heads == 0:   # every head pruned: only the output bias is left
             return self._no_heads(x_BTD)
         q_BHTd, k_BHTd, v_BHTd = self._queries_keys_values(x_BTD)

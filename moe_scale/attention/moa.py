@@ -102,7 +102,7 @@ class MoAAttention(RoutedLayer):
         y_MD = self._experts(tokens_MD, position_M, kv_ZTd, T, state.expert_counts())
         return self.dispatcher.combine(y_MD, gate_C, state).to(x_BTD.dtype).view(B, T, D), route.aux_loss
 
-    def decode(self, x_BTD: torch.Tensor, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, x_BTD: torch.Tensor, cache: dict) -> torch.Tensor:
         """Generation in one process: the new positions' expert queries attend over the shared K/V of their
         sequence, cached for the earlier positions in cache["kv"] ([B, Tc, 2d], extended here); as forward()."""
         if self.ep_size != 1:
@@ -125,7 +125,7 @@ class MoAAttention(RoutedLayer):
             attn_mask=visible_CTc[:, None, None, :], scale=1.0)[:, 0]
         y_CD = torch.bmm(o_C1d, self.experts.w_o[expert_C].to(o_C1d.dtype))[:, 0]
         y_ND = x_ND.new_zeros(B * T, D).index_add_(0, token_C, y_CD * gate_C[:, None].to(y_CD.dtype))
-        return y_ND.view(B, T, D), route.aux_loss
+        return y_ND.view(B, T, D)
 
     def _experts(self, tokens_MD, position_M, kv_ZTd, T: int, tokens_per_expert) -> torch.Tensor:
         """Each arrived row's expert query attends over its own sequence's shared K/V (causally).

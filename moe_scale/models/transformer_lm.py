@@ -63,10 +63,9 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.model.dropout)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        aux = None   # the balancing losses of the block's routed layers (summed without a zero to start from)
-        attended = self.attn(self.norm1(x_BTD))
-        if isinstance(attended, tuple):   # MoA returns its router loss
-            attended, aux = attended
+        # every attention returns (y, its balancing loss or None); the block's routed losses are summed without a
+        # zero to start from
+        attended, aux = self.attn(self.norm1(x_BTD))
         x_BTD = x_BTD + self.dropout(attended)
         B, T, D = x_BTD.shape
         normed = self.norm2(x_BTD)
@@ -81,8 +80,7 @@ class Block(nn.Module):
 
     def decode(self, x_BTD: torch.Tensor, cache: dict) -> torch.Tensor:
         """Generation (eval mode): forward() for new positions, the attention reading its cache."""
-        attended = self.attn.decode(self.norm1(x_BTD), cache)
-        x_BTD = x_BTD + (attended[0] if isinstance(attended, tuple) else attended)
+        x_BTD = x_BTD + self.attn.decode(self.norm1(x_BTD), cache)
         B, T, D = x_BTD.shape
         normed = self.norm2(x_BTD)
         if isinstance(self.ffn, MoELayer):

@@ -32,7 +32,7 @@ def test_uniform_gate_equals_mha():
     layer = _layer().eval()
     _set_gate_logits(layer, [0.0] * H)
     x = torch.randn(B, T, D)
-    torch.testing.assert_close(layer(x), layer.mha(x))
+    torch.testing.assert_close(layer(x)[0], layer.mha(x)[0])
     g = layer.last_gates_BTH
     entropy = -(g * g.log()).sum(-1)
     torch.testing.assert_close(entropy, torch.full_like(entropy, math.log(H)))
@@ -52,9 +52,9 @@ def test_f_step_is_scaled_mha_with_one_head_masked(expert):
     _set_gate_logits(layer, bias)
     layer.mode = "sample"
     x = torch.randn(B, T, D)
-    f_step = layer(x)
+    f_step = layer(x)[0]
     layer.mha.head_mask_H[expert] = 0.0
-    masked = layer.mha(x)
+    masked = layer.mha(x)[0]
     out_bias = layer.mha.out_proj.bias
     torch.testing.assert_close(f_step - out_bias, H / (H - 1) * (masked - out_bias), rtol=1e-5, atol=1e-6)
 
@@ -69,7 +69,7 @@ def test_sampling_draws_experts_by_the_gate_and_eval_uses_the_mixture():
     torch.testing.assert_close(dropped, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.01, rtol=0)
     layer.eval()    # evaluation: deterministic mixture even in "sample" mode
     x = torch.randn(B, T, D)
-    torch.testing.assert_close(layer(x), layer(x))
+    torch.testing.assert_close(layer(x)[0], layer(x)[0])
 
 
 def test_causal_window_mean():

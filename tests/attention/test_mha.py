@@ -17,7 +17,8 @@ def test_matches_per_head_loop_with_mask_and_weights():
     x = torch.randn(B, T, D)
     weights_BTH = torch.rand(B, T, H)
     layer.head_mask_H[1] = 0.0
-    out = layer(x, head_weights_BTH=weights_BTH)
+    out, aux = layer(x, head_weights_BTH=weights_BTH)
+    assert aux is None
     q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
     ctx = torch.zeros(B, T, H * d)
     for h in range(H):
@@ -32,7 +33,7 @@ def test_all_heads_pruned_leaves_the_output_bias():
     layer = MultiHeadAttention(D, H, d)
     layer.prune_heads({0, 1, 2})
     x = torch.randn(B, T, D)
-    torch.testing.assert_close(layer(x), layer.out_proj.bias.expand(B, T, D))
+    torch.testing.assert_close(layer(x)[0], layer.out_proj.bias.expand(B, T, D))
 
 
 def test_an_untouched_mask_is_skipped_with_the_same_numbers():
@@ -45,11 +46,11 @@ def test_an_untouched_mask_is_skipped_with_the_same_numbers():
     layer = MultiHeadAttention(D, H, d)
     x = torch.randn(B, T, D, requires_grad=True)
     with OpCounter() as skipped:
-        out = layer(x)
+        out = layer(x)[0]
     grads = torch.autograd.grad(out.square().sum(), (x, layer.q_proj.weight))
     assert layer.head_mask_H.sum() == H and layer.mask_touched   # taken: applied from now on
     with OpCounter() as applied:
-        out_masked = layer(x)
+        out_masked = layer(x)[0]
     grads_masked = torch.autograd.grad(out_masked.square().sum(), (x, layer.q_proj.weight))
     assert applied.kernel_ops == skipped.kernel_ops + 1   # the multiplication (bf16: the mask's cast too)
     torch.testing.assert_close(out, out_masked, rtol=0, atol=0)
