@@ -23,6 +23,9 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from moe_scale.errors import UserError
 
 TESTED_VERSIONS = ">=0.19.8,<0.20"   # as pyproject.toml
 
@@ -148,6 +151,83 @@ def fragment(param: torch.nn.Parameter) -> Fragment | None:
 def partition_group(param: torch.nn.Parameter):
     """The data-parallel group a partitioned parameter's fragments are spread over."""
     return param._dp_group
+
+
+
+# ---------------------------------------------------------------- a parameter's whole optimizer state
+
+PARAM = "param"   # the fp32 value, beside the optimizer state's keys
+
+
+def _flat_partition(engine, group_index: int) -> torch.Tensor:
+    """This rank's flat fp32 partition of a parameter group (ZeRO 1/2, bf16): the base optimizer's key."""
+    flat = flat_partition(engine, group_index)
+    if flat is None:
+        raise UserError(f"{type(engine.optimizer).__name__}: moe_scale cannot read this DeepSpeed optimizer's "
+                        f"partitions to write a portable checkpoint")
+    return flat
+
+
+def _partitioned_tensors(engine, param) -> list[tuple[str, torch.Tensor]]:
+    """(key, flat tensor) of the fp32 master and each optimizer state of the partition `param` lives in (keys
+    in the same order on every rank: the optimizer's, sorted)."""
+    base = base_optimizer(engine)
+    ranks_state = [base.state.get(_flat_partition(engine, i), {}) for i in range(len(base.param_groups))]
+    keys = sorted({k for state in ranks_state for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0})
+    part = fragment(param)
+    if part is None:
+        return [(PARAM, None)] + [(k, None) for k in keys]
+    flat = _flat_partition(engine, part.group_index)
+    state = base.state.get(flat, {})
+    return [(PARAM, flat)] + [(k, state.get(k)) for k in keys]
+
+
+def full_optimizer_state(engine, param) -> dict[str, torch.Tensor]:
+    """{PARAM: fp32 value, key: optimizer state} of one parameter, whole on every rank of its group."""
+    if is_partitioned(param):   # ZeRO 1/2 or bf16 (no fragment where this rank holds none of it)
+        state = {}
+        part = fragment(param)
+        for key, flat in _partitioned_tensors(engine, param):
+            full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+            if flat is not None:
+                full.narrow(0, part.param_start, part.numel).copy_(flat.narrow(0, part.partition_start, part.numel))
+            dist.all_reduce(full, group=partition_group(param))   # each entry is held by exactly one rank
+            state[key] = full.view(param.shape).cpu()
+        return state
+    own = base_optimizer(engine).state.get(param, {})
+    state = {PARAM: param.detach().float().cpu()}
+    state.update({k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in own.items()})
+    return state
+
+
+def any_flat_state(engine) -> dict:
+    for state in base_optimizer(engine).state.values():
+        if state:
+            return state
+    return {}
+
+
+def set_optimizer_state(engine, param, state: dict, flat_step) -> None:
+    """Sets one parameter's fp32 value and optimizer state from `state` (full_optimizer_state's form): this rank's
+    fragment of them under ZeRO 1/2 or bf16, else the parameter's own."""
+    value = state[PARAM]
+    param.data.copy_(value.to(param.device, param.dtype))
+    if is_partitioned(param):   # ZeRO 1/2 or bf16: this rank's fragment, if any
+        part = fragment(param)
+        if part is None:
+            return
+        flat = _flat_partition(engine, part.group_index)
+        flat_state = base_optimizer(engine).state[flat]
+        for key, full in state.items():
+            target = flat if key == PARAM else flat_state.setdefault(key, torch.zeros_like(flat))
+            target.data.narrow(0, part.partition_start, part.numel).copy_(
+                full.flatten().narrow(0, part.param_start, part.numel))
+        if flat_step is not None:
+            flat_state["step"] = flat_step.clone() if torch.is_tensor(flat_step) else flat_step
+        return
+    own = {k: v.to(param.device).clone() if torch.is_tensor(v) else v for k, v in state.items() if k != PARAM}
+    if own:
+        base_optimizer(engine).state[param] = own
 
 
 # ---------------------------------------------------------------- files

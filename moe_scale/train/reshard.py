@@ -26,14 +26,13 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 
-from moe_scale.deepspeed_internals import (base_optimizer, flat_partition, fragment, is_partitioned, partition_group,
-                                           set_step_counters, step_counters)
+from moe_scale.deepspeed_internals import (PARAM, any_flat_state, base_optimizer, full_optimizer_state,
+                                           set_optimizer_state, set_step_counters, step_counters)
 from moe_scale.errors import UserError
 from moe_scale.models.vocab_parallel import split_parameter_groups, vocabulary_shards
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 
 PORTABLE = "portable"
-PARAM = "param"   # the fp32 value, beside the optimizer state's keys
 VOCAB_PREFIX = "vocab_rows"   # vocab_rows<r>.pt: rank r's rows of the vocabulary tables
 VOCAB_FILES = VOCAB_PREFIX + "*.pt"
 
@@ -66,54 +65,6 @@ def split_parameters(model: torch.nn.Module) -> dict[str, _Split]:
     return found
 
 
-def _flat_partition(engine, group_index: int) -> torch.Tensor:
-    """This rank's flat fp32 partition of a parameter group (ZeRO 1/2, bf16): the base optimizer's key."""
-    flat = flat_partition(engine, group_index)
-    if flat is None:
-        raise UserError(f"{type(engine.optimizer).__name__}: moe_scale cannot read this DeepSpeed optimizer's "
-                        f"partitions to write a portable checkpoint")
-    return flat
-
-
-def _partitioned_tensors(engine, param) -> list[tuple[str, torch.Tensor]]:
-    """(key, flat tensor) of the fp32 master and each optimizer state of the partition `param` lives in (keys
-    in the same order on every rank: the optimizer's, sorted)."""
-    base = base_optimizer(engine)
-    ranks_state = [base.state.get(_flat_partition(engine, i), {}) for i in range(len(base.param_groups))]
-    keys = sorted({k for state in ranks_state for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0})
-    part = fragment(param)
-    if part is None:
-        return [(PARAM, None)] + [(k, None) for k in keys]
-    flat = _flat_partition(engine, part.group_index)
-    state = base.state.get(flat, {})
-    return [(PARAM, flat)] + [(k, state.get(k)) for k in keys]
-
-
-def _full_state(engine, param) -> dict[str, torch.Tensor]:
-    """{PARAM: fp32 value, key: optimizer state} of one parameter, whole on every rank of its group."""
-    if is_partitioned(param):   # ZeRO 1/2 or bf16 (no fragment where this rank holds none of it)
-        state = {}
-        part = fragment(param)
-        for key, flat in _partitioned_tensors(engine, param):
-            full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
-            if flat is not None:
-                full.narrow(0, part.param_start, part.numel).copy_(flat.narrow(0, part.partition_start, part.numel))
-            dist.all_reduce(full, group=partition_group(param))   # each entry is held by exactly one rank
-            state[key] = full.view(param.shape).cpu()
-        return state
-    own = base_optimizer(engine).state.get(param, {})
-    state = {PARAM: param.detach().float().cpu()}
-    state.update({k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in own.items()})
-    return state
-
-
-def _any_flat_state(engine) -> dict:
-    for state in base_optimizer(engine).state.values():
-        if state:
-            return state
-    return {}
-
-
 def save_portable(engine, directory: Path, rank: int) -> None:
     """Every rank calls this (the full tensors are collectives); rank 0 writes the dense state, the first rank of
     each expert-data-parallel group its experts."""
@@ -122,7 +73,7 @@ def save_portable(engine, directory: Path, rank: int) -> None:
     expert_groups = split_parameter_groups(model) if dist.is_initialized() else {}
     dense, files = {}, {}
     for name, param in model.named_parameters():
-        state = _full_state(engine, param)
+        state = full_optimizer_state(engine, param)
         if is_moe_param(param):
             split = splits[name]
             group = expert_groups.get(split.group_name)
@@ -134,7 +85,7 @@ def save_portable(engine, directory: Path, rank: int) -> None:
     target = directory / PORTABLE
     target.mkdir(exist_ok=True)
     if rank == 0:
-        flat = _any_flat_state(engine)
+        flat = any_flat_state(engine)
         global_steps, global_samples = step_counters(engine)
         common = {"scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
                   "flat_step": flat.get("step"), "global_steps": global_steps, "global_samples": global_samples}
@@ -226,23 +177,7 @@ def _set_state(engine, param, state: dict, flat_step) -> None:
     if tuple(value.shape) != tuple(param.shape):
         raise UserError(f"saved {tuple(value.shape)} for a parameter of shape {tuple(param.shape)}; the checkpoint "
                         f"was written for another model")
-    param.data.copy_(value.to(param.device, param.dtype))
-    if is_partitioned(param):   # ZeRO 1/2 or bf16: this rank's fragment, if any
-        part = fragment(param)
-        if part is None:
-            return
-        flat = _flat_partition(engine, part.group_index)
-        flat_state = base_optimizer(engine).state[flat]
-        for key, full in state.items():
-            target = flat if key == PARAM else flat_state.setdefault(key, torch.zeros_like(flat))
-            target.data.narrow(0, part.partition_start, part.numel).copy_(
-                full.flatten().narrow(0, part.param_start, part.numel))
-        if flat_step is not None:
-            flat_state["step"] = flat_step.clone() if torch.is_tensor(flat_step) else flat_step
-        return
-    own = {k: v.to(param.device).clone() if torch.is_tensor(v) else v for k, v in state.items() if k != PARAM}
-    if own:
-        base_optimizer(engine).state[param] = own
+    set_optimizer_state(engine, param, state, flat_step)
 
 
 class _ExpertFiles:
