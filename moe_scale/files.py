@@ -62,3 +62,14 @@ def special_kind(path: Path) -> str | None:
     except OSError:
         return None
     return next((name for test, name in _SPECIAL if test(mode)), None)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this machine (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # exists, owned by someone else
+        return True
+    return True

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 from pathlib import Path
 
 from moe_scale.accounting.gpus import GPUS, get_gpu
@@ -80,8 +82,10 @@ def _nodes(text: str) -> list[int] | None:
 def _check_numbers(args: argparse.Namespace) -> None:
     checks = [(args.gpus_per_node is not None and args.gpus_per_node < 1, "--gpus-per-node",
                "at least 1"),
-              (args.inter_node_gbs is not None and not args.inter_node_gbs > 0, "--inter-node-gbs", "positive"),
-              (args.gpu_mem is not None and not args.gpu_mem > 0, "--gpu-mem", "positive (GiB, e.g. 80)"),
+              (args.inter_node_gbs is not None and not 0 < args.inter_node_gbs < math.inf, "--inter-node-gbs",
+               "a positive finite bandwidth (GB/s, e.g. 50)"),
+              (args.gpu_mem is not None and not 0 < args.gpu_mem < math.inf, "--gpu-mem",
+               "a positive finite size (GiB, e.g. 80)"),
               (not 0 <= args.margin < 1, "--margin", "in [0, 1), e.g. 0.05"),
               (args.efficiency is not None and not 0 < args.efficiency <= 1, "--efficiency", "in (0, 1]"),
               (not args.dropless_load >= 1, "--dropless-load", "at least 1 (the balanced load)"),
@@ -94,6 +98,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
         plot = Path(args.plot)
         if plot.is_dir() or not plot.parent.is_dir():
             raise UserError(f"--plot {plot}: give a file in an existing directory, e.g. plan.png")
+        if not os.access(plot.parent, os.W_OK) or plot.exists() and not os.access(plot, os.W_OK):
+            raise UserError(f"--plot {plot}: this directory or file is not writable; give a file where you may "
+                            f"write, e.g. /tmp/plan.png")
 
 
 def planner_from_args(args: argparse.Namespace) -> tuple[Planner, Layout, bool]:
@@ -150,8 +157,8 @@ def run_plan(args: argparse.Namespace) -> str:
         _plot(planner, layout, ep_fixed, nodes or sorted({r["nodes"] for r in (found or {}).get("ranked", [])})
               or _auto_nodes(smallest), Path(args.plot))
         result["plot"] = args.plot
-    if args.json:
-        return json.dumps(result)
+    if args.json:   # strict JSON: a number no finite value stands for (a layout that never fits) is null
+        return json.dumps(_finite(result), allow_nan=False)
     from moe_scale.commands.plan_report import format_plan, format_search
 
     text = format_plan(result, smallest)
@@ -162,6 +169,17 @@ def _auto_nodes(smallest: dict | None) -> list[int]:
     """Powers of two from 1 up to 4 x the smallest count that fits (at least 16)."""
     top = min(MAX_NODES, max(16, 4 * (smallest["nodes"] if smallest else MAX_NODES // 4)))
     return [2 ** i for i in range(top.bit_length()) if 2 ** i <= top]
+
+
+def _finite(value):
+    """`value` with every infinite or NaN float replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _plot(planner: Planner, layout: Layout, ep_fixed: bool, nodes: list[int], path: Path) -> None:
@@ -176,6 +194,10 @@ def _plot(planner: Planner, layout: Layout, ep_fixed: bool, nodes: list[int], pa
     if not plans:
         raise UserError(f"--plot: train accepts this layout on none of {nodes} node(s); give --nodes it accepts")
     ep = f"ep {layout.ep_size}" if ep_fixed else "the largest ep"
-    write_plot(plans, path, f"{planner.name} on {planner.gpu.name} x {layout.gpus_per_node} per node: {ep}, "
-                            f"ZeRO-{layout.zero_stage}, {layout.optimizer}, {layout.precision}, "
-                            f"{layout.all_to_all} all-to-all{', recompute' if layout.recompute else ''}")
+    title = (f"{planner.name} on {planner.gpu.name} x {layout.gpus_per_node} per node: {ep}, ZeRO-{layout.zero_stage}, "
+             f"{layout.optimizer}, {layout.precision}, {layout.all_to_all} all-to-all"
+             f"{', recompute' if layout.recompute else ''}")
+    try:
+        write_plot(plans, path, title)
+    except OSError as e:   # a read-only file system, a full disk
+        raise UserError(f"--plot {path}: not written ({e.strerror or e}); give a file where you may write") from None

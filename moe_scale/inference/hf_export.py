@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 
 from moe_scale.errors import UserError
-from moe_scale.files import new_file_mode
+from moe_scale.files import new_file_mode, process_alive
 
 REMOTE = Path(__file__).with_name("hf_remote")
 REMOTE_FILES = ("configuration_moe_scale.py", "modeling_moe_scale.py")
@@ -52,6 +52,7 @@ def export_hf(run: Path, out: Path, checkpoint: str | None) -> str:
     created: list[Path] = []
     try:
         _make_parents(out.parent, created)
+        _remove_stale_partials(out)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
         _write(partial, trained.config, trained.tokenizer, trained.model, run, trained.checkpoint)
@@ -63,6 +64,14 @@ def export_hf(run: Path, out: Path, checkpoint: str | None) -> str:
         _remove(partial, created)
         raise
     return trained.checkpoint
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """What an export of `out` killed half-way left (a `.NAME.partial-PID` whose process is gone)."""
+    for stale in out.parent.glob(f".{out.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _make_parents(directory: Path, created: list[Path]) -> None:

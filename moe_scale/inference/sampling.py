@@ -31,8 +31,12 @@ class SamplingConfig:
 
 
 def filtered_logits(log_probs_BV: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """Logits after temperature, top-k and top-p: words filtered out get -inf (the most likely word never is)."""
-    logits_BV = log_probs_BV.float() / config.temperature
+    """Logits after temperature, top-k and top-p: words filtered out get -inf (the most likely word never is). The
+    most likely word's log-probability is taken off before dividing by the temperature, so the best word's logit
+    is 0 and the others' at most 0: a tiny temperature sends them to -inf (the argmax), never to inf - inf; in
+    float64, where any positive temperature a float holds is not 0."""
+    log_probs_BV = log_probs_BV.double()
+    logits_BV = (log_probs_BV - log_probs_BV.max(dim=-1, keepdim=True).values) / config.temperature
     if 0 < config.top_k < logits_BV.shape[-1]:
         kth_B1 = logits_BV.topk(config.top_k, dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from moe_scale.errors import UserError
+from moe_scale.files import process_alive
 from moe_scale.run_files import RunFiles
 
 LOCK_NAME = RunFiles.LOCK
@@ -28,16 +29,6 @@ def _process_start(pid: int) -> str | None:
     except OSError:
         return None
     return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # exists, owned by someone else
-        return True
-    return True
 
 
 def _read(path: Path) -> dict | None:
@@ -54,7 +45,7 @@ def _is_stale(owner: dict) -> bool:
     if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
         return False
     pid = owner["pid"]
-    if not _alive(pid):
+    if not process_alive(pid):
         return True
     return owner.get("start") is not None and _process_start(pid) != owner["start"]
 

@@ -165,7 +165,11 @@ def read_directory(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise UserError(f"{where}: config.json is not readable JSON ({e})") from None
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"{where}: {index.name} is not a shard index (a JSON object with a weight_map: "
+                            f"{type(e).__name__}: {e}); save the model again with transformers") from None
     elif (directory / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -173,7 +177,15 @@ def read_directory(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
                         f"(transformers' default)")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        tensors.update(load_file(str(directory / name)))
+        path = directory / name
+        if not path.is_file():
+            raise UserError(f"{where}: {index.name} names the shard {name}, which is not there; copy the whole "
+                            f"directory, or save the model again")
+        try:
+            tensors.update(load_file(str(path)))
+        except Exception as e:   # safetensors' SafetensorError (not importable by name in every version), OSError
+            raise UserError(f"{where}: {name} is not a readable safetensors file ({e}); it may be cut short: "
+                            f"copy it again") from None
     return hf, tensors
 
 
@@ -194,7 +206,7 @@ def check_config(hf: dict, config, vocab_size: int, where: str) -> None:
              "num_local_experts": "--num-experts", "num_experts": "--num-experts", "num_experts_per_tok": "--top-k",
              "moe_intermediate_size": "--expert-hidden",
              "shared_expert_intermediate_size": "--shared-experts × --shared-expert-hidden (their product)"}
-    theirs = dict(hf)
+    theirs = {**_transformers_defaults(model_type), **hf}   # what transformers takes where config.json is silent
     theirs.setdefault("head_dim", None)
     if theirs["head_dim"] is None:
         theirs["head_dim"] = hf.get("hidden_size", 0) // max(1, hf.get("num_attention_heads", 1))
@@ -225,6 +237,21 @@ def check_config(hf: dict, config, vocab_size: int, where: str) -> None:
                         f"sets it); only checkpoints with {field} {expected[field]} import")
 
 
+# The fields whose default transformers' config class sets outright (others it derives, e.g. head_dim).
+_DEFAULTED = ("num_experts_per_tok", "num_local_experts", "num_experts", "intermediate_size", "moe_intermediate_size",
+              "shared_expert_intermediate_size", "vocab_size", "hidden_size", "num_hidden_layers",
+              "num_attention_heads")
+
+
+def _transformers_defaults(model_type: str) -> dict:
+    """transformers' own defaults of `model_type`'s config for the fields in _DEFAULTED (a top-2 Mixtral whose
+    config.json lacks num_experts_per_tok is top-2 there, whatever this run's --top-k)."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    return {field: defaults[field] for field in _DEFAULTED if defaults.get(field) is not None}
+
+
 def check_vocabulary(directory: Path, vocab, where: str) -> None:
     """The checkpoint's embedding rows must mean this run's tokens: its tokenizer.json's vocabulary must be the
     run's, id for id."""
@@ -234,7 +261,12 @@ def check_vocabulary(directory: Path, vocab, where: str) -> None:
     if not path.is_file():
         raise UserError(f"{where}: no tokenizer.json there, so its token ids cannot be checked against this run's "
                         f"vocabulary; export the model with `moe-scale export` (or save its tokenizer beside it)")
-    theirs = {i: t for t, i in Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).items()}
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:   # tokenizers raises a bare Exception on bad JSON or bytes
+        raise UserError(f"{where}: its tokenizer.json is not a tokenizer file tokenizers reads ({e}); export the "
+                        f"model again, or pass the directory of a complete checkpoint") from None
+    theirs = {i: t for t, i in tokenizer.get_vocab(with_added_tokens=True).items()}
     ours = {i: t for t, i in vocab.tokenizer.get_vocab(with_added_tokens=True).items()} \
         if hasattr(vocab, "tokenizer") else dict(enumerate(vocab.words))
     if theirs != ours:

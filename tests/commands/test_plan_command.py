@@ -18,6 +18,10 @@ MEMORY_PLANNER_BYTES = {"parameters", "gradients", "optimizer_state", "activatio
 CUSTOM = ["--num-experts", "16", "--d-model", "64", "--expert-hidden", "256", "--vocab-size", "2000"]
 
 
+def _not_json(constant: str):
+    raise AssertionError(f"--json printed {constant}, which strict JSON parsers refuse")
+
+
 def plan(tmp_path, *args: str):
     return run_cli("plan", *args, cwd=tmp_path)
 
@@ -26,7 +30,7 @@ def test_preset_json_keeps_its_keys(tmp_path):
     proc = plan(tmp_path, "--preset", "lm1b-moe-4096-h", "--nodes", "2", "--gpus-per-node", "8", "--zero", "2",
                 "--json")
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
+    result = json.loads(proc.stdout, parse_constant=_not_json)   # strict JSON: no Infinity, no NaN
     assert MEMORY_PLANNER_KEYS <= set(result) and MEMORY_PLANNER_BYTES <= set(result["bytes"])
     assert set(result["smallest_fitting"]) == {"nodes", "world", "total_bytes"}
     assert (result["nodes"], result["world"], result["ep_size"], result["zero_stage"]) == (2, 16, 16, 2)
@@ -48,7 +52,7 @@ def test_custom_model_text_search_and_plot(tmp_path):
 def test_auto_nodes_is_the_smallest_that_fits(tmp_path):
     proc = plan(tmp_path, "--preset", "news100b-moe-65536-h", "--gpu", "k40", "--optimizer", "factored", "--json")
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
+    result = json.loads(proc.stdout, parse_constant=_not_json)
     assert result["fits"] and result["world"] == result["smallest_fitting"]["world"] == 128
 
 
@@ -60,7 +64,10 @@ def test_auto_nodes_is_the_smallest_that_fits(tmp_path):
     (["--gpus-per-node", "0"], ["--gpus-per-node 0: must be at least 1"]),
     (["--margin", "1.5"], ["--margin 1.5: must be in [0, 1)"]),
     (["--efficiency", "0"], ["--efficiency 0.0: must be in (0, 1]"]),
-    (["--inter-node-gbs", "-1"], ["--inter-node-gbs -1.0: must be positive"]),
+    (["--inter-node-gbs", "-1"], ["--inter-node-gbs -1.0: must be a positive finite bandwidth"]),
+    (["--inter-node-gbs", "inf"], ["--inter-node-gbs inf: must be a positive finite bandwidth"]),
+    (["--gpu-mem", "inf"], ["--gpu-mem inf: must be a positive finite size"]),
+    (["--gpu-mem", "nan"], ["--gpu-mem nan: must be a positive finite size"]),
     (["--dropless-load", "0.5"], ["--dropless-load 0.5: must be at least 1"]),
     (["--zero", "3"], ["ZeRO stage 3 cannot shard MoE layers"]),
     (["--zero", "2", "--optimizer", "factored", "--nodes", "1"], ["--zero 2", "has ZeRO stage 2",
@@ -69,6 +76,7 @@ def test_auto_nodes_is_the_smallest_that_fits(tmp_path):
     (["--nodes", "3", "--ep-size", "16", "--num-experts", "16"], ["--ep-size 16 does not divide the 24 processes"]),
     (["--num-experts", "12", "--ep-size", "8", "--nodes", "1"], ["--num-experts 12 is not divisible by --ep-size 8"]),
     (["--plot", "missing/plan.png"], ["--plot missing/plan.png: give a file in an existing directory"]),
+    (["--plot", "/proc/plan.png"], ["--plot /proc/plan.png: not written", "give a file where you may write"]),
     (["--resume"], ["plan takes no --resume"]),
     (["--out", "runs/x"], ["unrecognized arguments: --out runs/x"]),          # plan makes no run directory
     (["--preset", "nope"], ["--preset nope: unknown preset"]),

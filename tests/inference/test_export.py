@@ -107,3 +107,22 @@ def test_a_failed_export_removes_the_parents_it_created(tmp_path, lstm_run, monk
         os.environ.clear()
         os.environ.update(environment)
     assert list((tmp_path / "exported").iterdir()) == []
+
+
+def test_an_export_removes_what_a_killed_export_of_the_same_directory_left(tmp_path, lstm_run, monkeypatch):
+    """A `.NAME.partial-PID` whose process is gone (kill -9 mid-export) is removed by the next export of NAME; a
+    live process's is left alone."""
+    from moe_scale.inference import hf_export
+
+    monkeypatch.setattr(hf_export, "_write", lambda target, *args: (target / "config.json").write_text("{}"))
+    stale, live = tmp_path / ".hf.partial-999999999", tmp_path / f".hf.partial-{os.getppid()}"
+    for partial in (stale, live):
+        partial.mkdir()
+        (partial / "config.json").write_text("{}")
+    environment = dict(os.environ)
+    try:
+        hf_export.export_hf(lstm_run, tmp_path / "hf", None)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", live.name])

@@ -35,6 +35,16 @@ def test_greedy_is_the_argmax_and_draws_follow_the_filtered_distribution():
         torch.testing.assert_close(freq, want, atol=0.01, rtol=0)   # 4 sigma at n = 40k is under 0.01
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
+def test_a_tiny_temperature_draws_the_most_likely_word(temperature):
+    """No overflow to inf - inf: the best word's logit is 0 before dividing, the others go to -inf."""
+    generator = torch.Generator().manual_seed(0)
+    log_probs = torch.cat([PROBS.log(), PROBS.flip(-1).log()])
+    for config in (SamplingConfig(temperature=temperature), SamplingConfig(temperature=temperature, top_p=0.5),
+                   SamplingConfig(temperature=temperature, top_k=2)):
+        assert next_words(log_probs, config, generator).tolist() == [1, 2]
+
+
 @pytest.mark.parametrize("config, words", [
     (SamplingConfig(temperature=0), "--temperature must be positive"),
     (SamplingConfig(temperature=-1), "--greedy"),

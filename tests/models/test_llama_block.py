@@ -260,3 +260,56 @@ def test_the_flop_accounting_counts_the_swiglu_ffns_three_matrices(ffn):
     assert counter.get_total_flops() == 2 * tokens * counted
     matrices = 3 * 32 * (24 if ffn == "moe" else 40)
     assert counted == 2 * (2 * matrices + 32 * 4 if ffn == "moe" else matrices)   # 2 layers
+
+
+def _saved(directory, config):
+    """A complete transformers directory of `config`'s model: config.json and model.safetensors."""
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    torch.manual_seed(0)
+    (directory / "config.json").write_text(json.dumps(hf_native.hf_config(config, V, 1, 2)))
+    save_file(hf_native.export_tensors(build_model(config, V), config), str(directory / "model.safetensors"))
+    return directory
+
+
+@pytest.mark.parametrize("damage, fragments", [
+    ("cut short", ["model.safetensors is not a readable safetensors file", "copy it again"]),
+    ("garbage", ["model.safetensors is not a readable safetensors file"]),
+    ("index not json", ["model.safetensors.index.json is not a shard index", "JSONDecodeError"]),
+    ("index without weight_map", ["model.safetensors.index.json is not a shard index", "KeyError"]),
+    ("index names a missing shard", ["names the shard model-00002-of-00002.safetensors, which is not there"]),
+])
+def test_damaged_weights_from_elsewhere_are_one_line(tmp_path, damage, fragments):
+    directory = _saved(tmp_path / "hf", llama_config())
+    weights = directory / "model.safetensors"
+    if damage == "cut short":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "garbage":
+        weights.write_bytes(os.urandom(4096))
+    else:
+        index = directory / "model.safetensors.index.json"
+        shards = {"index not json": "{not json", "index without weight_map": json.dumps({"metadata": {}}),
+                  "index names a missing shard": json.dumps({"weight_map": {"a": "model.safetensors",
+                                                                            "b": "model-00002-of-00002.safetensors"}})}
+        index.write_text(shards[damage])
+    with pytest.raises(UserError) as refused:
+        hf_native.read_directory(directory)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"--init-from-hf {directory}: ")
+    assert all(fragment in message for fragment in fragments), message
+
+
+def test_an_unreadable_tokenizer_is_one_line(tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes(b"\xff\xfe not utf-8 \x80")
+    with pytest.raises(UserError, match=r"--init-from-hf DIR: its tokenizer.json is not a tokenizer file"):
+        hf_native.check_vocabulary(tmp_path, None, "--init-from-hf DIR")
+
+
+def test_a_field_config_json_leaves_out_is_transformers_default_not_this_runs():
+    """A Mixtral config.json without num_experts_per_tok is top-2 in transformers: a top-1 run refuses it."""
+    hf = hf_native.hf_config(llama_config(top_k=1), V, 1, 2)
+    del hf["num_experts_per_tok"]
+    with pytest.raises(UserError, match="num_experts_per_tok is 2, this run's 1; set --top-k"):
+        hf_native.check_config(hf, llama_config(top_k=1), V, "--init-from-hf DIR")
+    hf_native.check_config(hf, llama_config(top_k=2), V, "--init-from-hf DIR")
