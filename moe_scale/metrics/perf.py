@@ -6,7 +6,8 @@ few large matmuls, on every rank at the same time (so processes sharing cores ea
 $MOE_SCALE_CACHE/peaks/ (default ~/.cache/moe_scale/peaks) under a key of what it depends on (device, dtype,
 torch version, threads, ranks on the machine). Timed again at every start, it swung with whatever else ran:
 one run's MFU read 1% to 36% on a busy machine. The source string says which peak, and when it was measured;
-a run that beats a measured peak removes it (forget_exceeded_peak), so the next start measures it again.
+a run that beats a measured peak raises it to its own rate, in the cache too (raised_peak): no MFU over 100% is printed
+or saved.
 
 All-to-all time: every exchange times its all-to-all calls (moe/dispatch/exchange.py), forward and backward; the
 time includes waiting for the slowest rank of the expert-parallel group, which is what a user pays.
@@ -181,24 +182,19 @@ def _measured_peak_key(device: torch.device, half_precision: bool, ranks_on_mach
     return peak_cache_key(device, dtype, ranks_on_machine)
 
 
-def forget_exceeded_peak(device: torch.device, half_precision: bool, ranks_on_machine: int, peak_tflops: float,
-                         achieved_tflops: float) -> str | None:
-    """A run that beat its measured peak (MFU over 100%) shows the peak was measured while the machine was busier:
-    its cache file is removed, so the next start measures it again. Returns the warning to log, or None (a table
-    peak, or one not exceeded). Call on one rank."""
+def raised_peak(device: torch.device, half_precision: bool, ranks_on_machine: int, peak_tflops: float,
+                achieved_tflops: float, store: bool = True) -> tuple[float, str] | None:
+    """A measured peak that a run beats (MFU over 100%) was measured while the machine was busier: the run's own
+    rate is the better measurement, so it becomes the peak from now on, and the cache's (`store`: the rank that
+    writes it). Returns (the new peak, where it comes from), or None: a table peak, or one not exceeded."""
     if device.type == "cuda" and table_peak_tflops(device_name(device), half_precision) is not None:
         return None
     if not achieved_tflops > peak_tflops:
         return None
-    path = peak_cache_path(_measured_peak_key(device, half_precision, ranks_on_machine))
-    try:
-        path.unlink(missing_ok=True)
-        removed = f"its cache file {path} is removed: the next run measures the peak again"
-    except OSError as e:
-        removed = f"delete {path} ({e.strerror or e}) so that the next run measures it again"
-    return (f"warning: this run's {achieved_tflops:.4g} TFLOPS per device exceeded the measured peak of "
-            f"{peak_tflops:.4g} (an MFU of {achieved_tflops / peak_tflops:.0%}): the peak was measured while the "
-            f"machine was busier; {removed}")
+    key = _measured_peak_key(device, half_precision, ranks_on_machine)
+    when = store_peak(key, achieved_tflops) if store else "now"
+    return achieved_tflops, (f"this run's own rate on {when}: it exceeded the measured {peak_tflops:.4g} TFLOPS, "
+                             f"measured while the machine was busier; cached in {peak_cache_path(key)}")
 
 
 def all_to_all_seconds(moe_layers) -> float:

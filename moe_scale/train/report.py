@@ -20,8 +20,8 @@ from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
 from moe_scale.metrics.balance import MeanTracker, MoEMetrics
 from moe_scale.metrics.logging import RunLogger, summary_table
-from moe_scale.metrics.perf import (all_to_all_seconds, device_peak_tflops, efficiency, forget_exceeded_peak,
-                                    peak_rss_mib)
+from moe_scale.metrics.perf import (all_to_all_seconds, device_peak_tflops, efficiency, peak_rss_mib,
+                                    raised_peak)
 from moe_scale.models.build import describe_parameters
 from moe_scale.run_files import RunFiles
 from moe_scale.train.context import TrainContext
@@ -140,10 +140,6 @@ class RunReport:
         if self.ctx.env.rank == 0:
             write_json_atomic(RunFiles(self.ctx.run).summary, summary)
             self.logger.line(summary_table(summary))
-            warning = forget_exceeded_peak(self.ctx.env.device, self.half_precision, self.ranks_on_machine,
-                                           self.peak[0], summary["tflops_per_device"])
-            if warning:
-                print(f"moe-scale: {warning}", file=sys.stderr, flush=True)
         self.logger.close()
         return summary
 
@@ -153,6 +149,13 @@ class RunReport:
                     "all_to_all_share": float("nan"), "step_seconds": float("nan")}
         step_seconds = timed["seconds"] / timed["steps"]
         tflops = tflops_per_device(self.flops_per_step, step_seconds, self.ctx.env.world_size)
+        raised = raised_peak(self.ctx.env.device, self.half_precision, self.ranks_on_machine, self.peak[0], tflops,
+                             store=self.ctx.env.rank == 0)
+        if raised is not None:   # never an MFU over 100%: the run's own rate is the better peak
+            self.peak = raised
+            if self.ctx.env.rank == 0:
+                print(f"moe-scale: note: the peak is now {raised[0]:.4g} TFLOPS per device, {raised[1]}",
+                      file=sys.stderr, flush=True)
         return {"tokens_per_s": state.tokens_per_step / step_seconds, "tflops_per_device": tflops,
                 "step_seconds": step_seconds,
                 **efficiency(tflops, self.peak[0], timed["all_to_all"], timed["seconds"])}

@@ -37,8 +37,17 @@ def dense_run_to_upcycle(config: RunConfig) -> tuple[Path, str]:
     """(run, checkpoint tag) of --upcycle-from, checked: a finished dense run whose shapes fit this MoE model."""
     from moe_scale.train.checkpoint import choose_checkpoint
 
+    from moe_scale.train.run_lock import live_owner
+
     run = Path(config.train.upcycle_from)
     flag = f"--upcycle-from {run}"
+    if run.resolve() == Path(config.run.out).resolve():
+        raise UserError(f"{flag}: it is this run's --out too, so writing the new run would replace the run it "
+                        f"starts from; pass another --out")
+    owner = live_owner(run)
+    if owner is not None:   # its checkpoints rotate while it trains: the chosen one could vanish as it is read
+        raise UserError(f"{flag}: the run is still training ({owner}); upcycle it when it has ended, or from a copy "
+                        f"of one of its checkpoints")
     if not RunFiles(run).config.is_file() or not RunFiles(run).checkpoints.is_dir():
         raise UserError(f"{flag}: no trained run there (config.json and a complete checkpoint are needed); pass the "
                         f"--out directory of a finished dense `moe-scale train`")

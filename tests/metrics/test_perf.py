@@ -123,20 +123,19 @@ def test_every_rank_measures_when_one_misses_the_cache(measurements):
     assert asked == [True]
 
 
-def test_a_run_that_beats_its_measured_peak_forgets_it(measurements, tmp_path):
-    """MFU over 100% means the cached peak was measured on a busier machine: the file goes, the next start measures
-    again; a peak that held, or a table peak, stays."""
+def test_a_run_that_beats_its_measured_peak_raises_it(measurements, tmp_path):
+    """MFU over 100% means the cached peak was measured on a busier machine: the run's own rate becomes the peak,
+    cached for the next start (no measurement); a peak that held, or a table peak, stays."""
     cpu = torch.device("cpu")
     peak, _ = device_peak_tflops(cpu, False)
     (path,) = (tmp_path / "peaks").iterdir()
-    assert perf.forget_exceeded_peak(cpu, False, 1, peak, 0.9 * peak) is None and path.exists()
-    assert "is removed" in perf.forget_exceeded_peak(cpu, False, 2, peak, 1.5 * peak)   # another key: not this file
-    assert path.exists()
-    warning = perf.forget_exceeded_peak(cpu, False, 1, peak, 1.5 * peak)
-    assert "exceeded the measured peak of 2 (an MFU of 150%)" in warning and str(path) in warning
-    assert not path.exists()
-    assert device_peak_tflops(cpu, False)[0] == 3.0 and len(measurements) == 2      # measured again
+    assert perf.raised_peak(cpu, False, 1, peak, 0.9 * peak) is None
+    assert perf.raised_peak(cpu, False, 1, peak, 1.5 * peak, store=False)[0] == 1.5 * peak
+    assert device_peak_tflops(cpu, False)[0] == peak                                 # not stored: unchanged
+    raised, source = perf.raised_peak(cpu, False, 1, peak, 1.5 * peak)
+    assert raised == 1.5 * peak and "exceeded the measured 2 TFLOPS" in source and str(path) in source
+    assert device_peak_tflops(cpu, False)[0] == 1.5 * peak and len(measurements) == 1   # the cache's, not measured
     gpu = torch.device("cuda", 0)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(perf, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
-        assert perf.forget_exceeded_peak(gpu, True, 1, 989.4, 2000.0) is None       # the table's peak stays
+        assert perf.raised_peak(gpu, True, 1, 989.4, 2000.0) is None                 # the table's peak stays
