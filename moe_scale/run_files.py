@@ -6,6 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def _entry(name: str, parent: str | None = None) -> property:
+    """The path of entry `name` of the run directory (inside its entry `parent`, if given)."""
+    return property(lambda self: self.root / name if parent is None else self.root / parent / name)
+
+
 class RunFiles:
     MARKER = "moe_scale_run.json"
     LOCK = "lock"
@@ -26,63 +31,13 @@ class RunFiles:
     ALL = (MARKER, LOCK, CONFIG, DS_CONFIG, DATA_FILES, VOCAB, VOCAB_COUNTS, TOKENIZER, TRAIN_LOG, SUMMARY, TB,
            CHECKPOINTS, PRUNING, EXPERT_LOAD, PLOTS)
 
+    config, ds_config, data_files = _entry(CONFIG), _entry(DS_CONFIG), _entry(DATA_FILES)
+    vocab, tokenizer, train_log, summary = _entry(VOCAB), _entry(TOKENIZER), _entry(TRAIN_LOG), _entry(SUMMARY)
+    tb, checkpoints, complete = _entry(TB), _entry(CHECKPOINTS), _entry(COMPLETE, CHECKPOINTS)
+    pruning, expert_load, plots = _entry(PRUNING), _entry(EXPERT_LOAD), _entry(PLOTS)
+
     def __init__(self, root: str | Path):
         self.root = Path(root)
 
-    def __truediv__(self, name: str) -> Path:
-        return self.root / name
-
-    @property
-    def config(self) -> Path:
-        return self.root / self.CONFIG
-
-    @property
-    def ds_config(self) -> Path:
-        return self.root / self.DS_CONFIG
-
-    @property
-    def data_files(self) -> Path:
-        return self.root / self.DATA_FILES
-
-    @property
-    def vocab(self) -> Path:
-        return self.root / self.VOCAB
-
-    @property
-    def tokenizer(self) -> Path:
-        return self.root / self.TOKENIZER
-
-    @property
-    def train_log(self) -> Path:
-        return self.root / self.TRAIN_LOG
-
-    @property
-    def summary(self) -> Path:
-        return self.root / self.SUMMARY
-
-    @property
-    def tb(self) -> Path:
-        return self.root / self.TB
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / self.CHECKPOINTS
-
-    @property
-    def complete(self) -> Path:
-        return self.checkpoints / self.COMPLETE
-
     def checkpoint(self, tag: str) -> Path:
         return self.checkpoints / tag
-
-    @property
-    def pruning(self) -> Path:
-        return self.root / self.PRUNING
-
-    @property
-    def expert_load(self) -> Path:
-        return self.root / self.EXPERT_LOAD
-
-    @property
-    def plots(self) -> Path:
-        return self.root / self.PLOTS
