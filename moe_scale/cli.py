@@ -7,7 +7,9 @@
     moe-scale export --run DIR --format hf --out DIR
     moe-scale prune-heads --run DIR [--data PATH] [--steps 10]
 
-Errors a user can cause print one line `moe-scale: error: ...` and exit with status 2.
+Errors a user can cause print one line `moe-scale: error: ...` and exit with status 2. SIGINT (Ctrl-C) and SIGTERM
+end a command with one line and status 130 / 143, nothing half-written (moe_scale/interrupts.py; training first
+finishes its step and writes a checkpoint, then exits 0: train/preemption.py).
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moe_scale.commands import eval as eval_command
-from moe_scale.commands import export, flops, generate, plan, prune_heads, train
-from moe_scale.console import drop_library_notices
-from moe_scale.distributed.launch import select_accelerator, shutdown_distributed
-from moe_scale.distributed.threads import apply_thread_share
 from moe_scale.errors import UserError
-from moe_scale.host_memory import apply_process_settings
+from moe_scale.interrupts import Interrupted, interrupted_line, signals_end_the_command
 
-COMMANDS = (train, eval_command, generate, export, flops, plan, prune_heads)
+
+def commands() -> tuple:
+    """The subcommands' modules, imported once the command's signal handlers are in place (torch and the rest
+    take seconds to import: a Ctrl-C then is one line too)."""
+    from moe_scale.commands import eval as eval_command
+    from moe_scale.commands import export, flops, generate, plan, prune_heads, train
+
+    return train, eval_command, generate, export, flops, plan, prune_heads
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,24 +39,38 @@ def build_parser() -> argparse.ArgumentParser:
     # The deepspeed launcher puts --local_rank=N before the subcommand; LOCAL_RANK is what we use.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:
+    for command in commands():
         command.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        with signals_end_the_command():
+            _run(argv)
+    except UserError as e:
+        print(f"moe-scale: error: {e}", file=sys.stderr)
+        return 2
+    except (Interrupted, KeyboardInterrupt) as e:
+        line, status = interrupted_line(e)
+        print(line, file=sys.stderr)
+        return status
+    return 0
+
+
+def _run(argv: list[str] | None) -> None:
+    from moe_scale.console import drop_library_notices
+    from moe_scale.distributed.launch import select_accelerator, shutdown_distributed
+    from moe_scale.distributed.threads import apply_thread_share
+    from moe_scale.host_memory import apply_process_settings
+
     apply_process_settings()   # process-wide memory settings: here, never on import
     args = build_parser().parse_args(argv)
     apply_thread_share()   # before the command's first torch op; logged by init_distributed
     drop_library_notices()
     select_accelerator()   # before anything imports deepspeed
-    try:
-        args.run_command(args)
-    except UserError as e:
-        print(f"moe-scale: error: {e}", file=sys.stderr)
-        return 2
+    args.run_command(args)
     shutdown_distributed()   # only after success: a rank that failed alone must not wait in a barrier
-    return 0
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ a shared cluster account, as the checkpoints DeepSpeed writes are).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 _TMP = ".tmp-"
 
@@ -29,17 +31,32 @@ def new_file_mode() -> int:
     return 0o666 & ~_umask()
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path` to write the whole file to; renamed over `path` when the block ends, removed
+    if it raises (an error, or a signal's Interrupted)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{_TMP}", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        yield Path(tmp)
         os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def save_figure_atomic(figure, path: Path, **savefig) -> Path:
+    """A matplotlib figure at `path` (the format its suffix names; PNG without one), whole or not at all."""
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format=Path(path).suffix[1:].lower() or "png", **savefig)
+    return path
 
 
 def write_json_atomic(path: Path, data) -> None:

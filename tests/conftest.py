@@ -87,7 +87,7 @@ def load_tool():
 def lm1b_shards(tmp_path) -> Path:
     """An lm1b-style corpus under tmp_path/"lm1b", one sentence per line:
     training/news.en-0000{0..3}-of-00004 (WikiText-2 valid) and heldout/news.en.heldout-00000-of-00001
-    (WikiText-2 test). Returns the root (so `split_files(str(root))` sees training/ and heldout/)."""
+    (the first eighth of WikiText-2 test: what a test evaluates whole). Returns the root (so `split_files(str(root))` sees training/ and heldout/)."""
     root = tmp_path / "lm1b"
     (root / "training").mkdir(parents=True)
     (root / "heldout").mkdir()
@@ -97,6 +97,7 @@ def lm1b_shards(tmp_path) -> Path:
         chunk = train[k * n // 4: (k + 1) * n // 4]
         (root / "training" / f"news.en-{k:05d}-of-00004").write_text("\n".join(chunk) + "\n", encoding="utf-8")
     heldout = wikitext_sentences("test")
+    heldout = heldout[:len(heldout) // 8]
     (root / "heldout" / "news.en.heldout-00000-of-00001").write_text("\n".join(heldout) + "\n", encoding="utf-8")
     return root
 

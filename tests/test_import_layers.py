@@ -9,7 +9,7 @@ import ast
 from tests.paths import REPO
 
 FLOORS = [   # from the ground up; rooms on one floor may import each other
-    {"errors", "files", "labels", "run_files", "deepspeed_internals", "host_memory", "console"},
+    {"errors", "interrupts", "files", "labels", "run_files", "deepspeed_internals", "host_memory", "console"},
     {"config"},
     {"distributed", "data", "layout"},
     {"moe"},

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moe_scale.files import save_figure_atomic
+
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "dispatch_buffers", "cuda_context",
                 "nccl_buffers", "deepspeed_buckets", "fragmentation")
 TIME_PARTS = ("compute", "waiting", "all_to_all", "vocab_exchange", "sync", "gradient_sync", "optimizer")
@@ -47,5 +49,5 @@ def write_plot(plans: list[dict], path: Path, title: str) -> None:
     rate.plot(list(x), [p["tokens_per_s"] for p in plans], "ko-", label="tokens/s")
     rate.set_ylabel("tokens/s")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure_atomic(fig, path, dpi=100)
     plt.close(fig)

@@ -32,7 +32,7 @@ from moe_scale.run_files import RunFiles
 from moe_scale.train.data_setup import load_run_splits, min_over_ranks
 from moe_scale.inference.trained_run import open_trained_run
 from moe_scale.train.evaluate import evaluate
-from moe_scale.files import write_json_atomic
+from moe_scale.files import save_figure_atomic, write_json_atomic, write_text_atomic
 
 TIMING_BATCHES = 4
 TIMING_REPEATS = 7
@@ -190,11 +190,9 @@ def _write(out_dir: Path, report: dict) -> None:
     speed_axis.set_ylabel("forward speed-up", color="tab:red")
     ppl_axis.set_title(f"head pruning: {report['run']}")
     figure.tight_layout()
-    figure.savefig(out_dir / "pruning.png.tmp", format="png")
+    save_figure_atomic(figure, out_dir / "pruning.png")
     plt.close(figure)
-    (out_dir / "pruning.png.tmp").replace(out_dir / "pruning.png")
-    (out_dir / "pruning.md.tmp").write_text("\n".join(lines) + "\n")
-    (out_dir / "pruning.md.tmp").replace(out_dir / "pruning.md")
+    write_text_atomic(out_dir / "pruning.md", "\n".join(lines) + "\n")
     write_json_atomic(out_dir / "pruning.json", report)
 
 

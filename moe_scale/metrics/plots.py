@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_scale.files import save_figure_atomic
 from moe_scale.metrics.logging import EXPERT_LOAD_LOG
 from moe_scale.run_files import RunFiles
 
@@ -106,7 +107,7 @@ def _curves(plt, steps: list[dict], valid: list[tuple[int, float]], tokens_per_w
     right.set(xlabel="step", ylabel=f"perplexity per {unit}", yscale="log", title="Perplexity per word")
     right.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure_atomic(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -138,7 +139,7 @@ def _load_heatmap(plt, load_by_interval: np.ndarray, steps: list[int], layer: st
     ax.set(xlabel="step (end of logging interval)", ylabel=ylabel,
            title=f"{layer}: tokens routed to each of {E} experts per logging interval")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure_atomic(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -170,6 +171,6 @@ def write_expert_stats_plot(report: dict, path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure_atomic(fig, path, dpi=110)
     plt.close(fig)
     return path

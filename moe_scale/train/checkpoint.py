@@ -28,6 +28,7 @@ import torch.distributed as dist
 from moe_scale.data.source import TrainingSource
 from moe_scale.deepspeed_internals import MODEL_STATES_FILE
 from moe_scale.distributed.comm import collective_device
+from moe_scale.interrupts import Interrupted
 from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
 from moe_scale.models.vocab_parallel import names_of, vocabulary_shards
@@ -77,8 +78,13 @@ def save_checkpoint(engine, run: Path, state: TrainState, rank: int, *, rows: st
         write_json_atomic(directory / RunFiles.COMPLETE,
                           {"tag": tag, "step": state.step, "manifest": f"{tag}/{MANIFEST}"})
 
-    _stop_if_any_failed(_attempt(write_rank_files, run, tag), run, partial, tag, rank)
-    _stop_if_any_failed(_attempt(finish, run, tag) if rank == 0 else None, run, partial, tag, rank)
+    try:
+        _stop_if_any_failed(_attempt(write_rank_files, run, tag), run, partial, tag, rank)
+        _stop_if_any_failed(_attempt(finish, run, tag) if rank == 0 else None, run, partial, tag, rank)
+    except (Interrupted, KeyboardInterrupt):   # a second Ctrl-C while writing: no half checkpoint stays
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     if rank == 0:
         tags = sorted(p.name for p in directory.glob("step*") if p.is_dir())
         for old in tags[:-keep] if keep else []:

@@ -163,6 +163,7 @@ def _train(ctx: TrainContext, state: TrainState) -> dict:
         if _points(ctx, state, report, stop):
             _write_plots(ctx)
             return {"stopped_by": stop, "steps": state.step}
+    ctx.stop_requests.end_listening()
     summary = report.finish(state)
     _write_plots(ctx)
     return summary

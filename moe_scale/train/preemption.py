@@ -4,7 +4,7 @@ exit 0; `--resume` then continues exactly where the run stopped.
 
 A signal can reach the ranks at different steps, so they agree first: after every step each rank adds whether it
 has been asked to stop to a sum over all ranks, on the CPU (a gloo group beside NCCL's on GPUs: a GPU step never
-waits for it). A second Ctrl-C stops at once, as Ctrl-C usually does.
+waits for it). A second Ctrl-C stops at once, as Ctrl-C usually does (moe_scale/interrupts.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import threading
 
 import torch
 import torch.distributed as dist
+
+from moe_scale.interrupts import Interrupted
 
 SIGNALS = tuple(s for s in (getattr(signal, name, None) for name in ("SIGTERM", "SIGINT", "SIGUSR1")) if s)
 
@@ -33,7 +35,7 @@ class StopRequests:
     def _handle(self, number, frame) -> None:
         if self.received is not None and number == signal.SIGINT:   # pressed again: now
             self.restore()
-            raise KeyboardInterrupt
+            raise Interrupted(number)
         self.received = signal.Signals(number).name
 
     def agreed(self) -> str | None:
@@ -43,6 +45,13 @@ class StopRequests:
         flag = torch.tensor([0 if self.received is None else SIGNALS.index(signal.Signals[self.received]) + 1])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return None if not flag.item() else signal.Signals(SIGNALS[int(flag.item()) - 1]).name
+
+    def end_listening(self) -> None:
+        """After the last step: from now on SIGINT and SIGTERM end the command at once (moe_scale/interrupts.py),
+        and one that came during the last step's points (its checkpoint is written) ends it now."""
+        self.restore()
+        if self.received in ("SIGINT", "SIGTERM"):
+            raise Interrupted(signal.Signals[self.received])
 
     def restore(self) -> None:
         for number, handler in self._previous.items():

@@ -74,9 +74,10 @@ def test_shutdown_destroys_a_multi_rank_group_and_keeps_a_single_one():
 
 def test_main_shuts_down_only_after_success(monkeypatch):
     import moe_scale.cli as cli
+    from moe_scale.distributed import launch
 
     calls = []
-    monkeypatch.setattr(cli, "shutdown_distributed", lambda: calls.append(1))
+    monkeypatch.setattr(launch, "shutdown_distributed", lambda: calls.append(1))
     assert cli.main(["flops", "--list"]) == 0 and calls == [1]
     assert cli.main(["flops", "--preset", "no-such-preset"]) == 2 and calls == [1]
 

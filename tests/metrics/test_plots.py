@@ -51,7 +51,7 @@ def test_a_subword_run_draws_training_and_validation_perplexity_both_per_word(tm
     """A BPE run's loss is per token and its validation perplexity per word: the curves turn the training loss
     into exp(loss x tokens per word) (what the log line prints), and the axis names the unit. Read back from
     the figure drawn for a run directory (train_log.jsonl, TensorBoard's valid/ppl)."""
-    from matplotlib.figure import Figure
+    from moe_scale.metrics import plots
     from torch.utils.tensorboard import SummaryWriter
 
     run = tmp_path / "run"
@@ -62,7 +62,7 @@ def test_a_subword_run_draws_training_and_validation_perplexity_both_per_word(tm
         for step, ppl in ((50, 40.0), (100, 30.0)):
             writer.add_scalar("valid/ppl", ppl, step)
     figures = {}
-    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: figures.__setitem__(path.name, fig))
+    monkeypatch.setattr(plots, "save_figure_atomic", lambda fig, path, **kw: figures.__setitem__(path.name, fig))
     write_run_plots(run, tokens_per_word=1.5)
     right = figures["curves.png"].axes[1]
     assert right.get_ylabel() == "perplexity per word (1.500 tokens per word)"
