@@ -1,23 +1,37 @@
-"""What text a run was trained on: each data file's size and a cheap fingerprint (CRC-32 of its first and last
-64 KiB), kept in the run directory, so a resume on text that changed under it (a replaced or regrown file, another
-shard set) is caught before the saved vocabulary or the data position is applied to it.
+"""What text a run was trained on: each data file's size and the CRC-32 of its whole content, kept in the run
+directory, so a resume on text that changed under it (an edit anywhere in a file, a replaced or regrown file,
+another shard set) is caught before the saved vocabulary or the data position is applied to it.
 
-    data_files.json   {"format": 1, "splits": {split: [{"path", "bytes", "crc32"}, ...]}, "accepted": [...]}
+    data_files.json   {"format": 2, "splits": {split: [{"path", "bytes", "crc32"}, ...]}, "accepted": [...]}
+
+Cost: a file is read whole once; its CRC is then cached ($MOE_SCALE_CACHE/fingerprints) under what the file system
+changes with any write to it (device, inode, size, mtime and ctime in ns; ctime cannot be set back by a user), so a
+resume or a second run on the same files costs one stat per file. The files are split over the ranks (each hashes
+every world-th file, one all-gather). docs/data.md has the measured rates. Format 1 (CRC-32 of the first and last
+64 KiB only) is still read from older runs and compared in its own terms.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import zlib
 from pathlib import Path
 
+import torch.distributed as dist
+
 from moe_scale.config import DataConfig
+from moe_scale.data.embedded import cache_root
 from moe_scale.data.text import resolve_text_files, split_files
 from moe_scale.errors import UserError
+from moe_scale.files import write_json_atomic
 from moe_scale.run_files import RunFiles
 
 DATA_FILES = RunFiles.DATA_FILES
-_EDGE = 1 << 16
+FORMAT = 2
+_EDGE = 1 << 16      # format 1's ends
+_CHUNK = 1 << 22
 
 
 def data_files(config: DataConfig) -> dict[str, list[Path]]:
@@ -29,22 +43,71 @@ def data_files(config: DataConfig) -> dict[str, list[Path]]:
     return files
 
 
+def _unreadable(path: Path, e: OSError) -> UserError:
+    return UserError(f"{path}: cannot be read ({e.strerror or e}); check its permissions and the disk")
+
+
+def whole_crc32(path: Path) -> int:
+    """CRC-32 of every byte of the file."""
+    crc, buffer = 0, bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def edges_crc32(path: Path, size: int) -> int:
+    """Format 1's fingerprint: CRC-32 of the first and last 64 KiB."""
+    with open(path, "rb") as f:
+        crc = zlib.crc32(f.read(_EDGE))
+        if size > _EDGE:
+            f.seek(max(_EDGE, size - _EDGE))
+            crc = zlib.crc32(f.read(_EDGE), crc)
+    return crc
+
+
+def _cache_entry(path: Path) -> Path:
+    return cache_root() / "fingerprints" / hashlib.sha1(str(path.resolve()).encode()).hexdigest()
+
+
 def _file_print(path: Path) -> dict:
+    """{"path", "bytes", "crc32"}: from the cache when the file's stat is the one cached, else read whole."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            crc = zlib.crc32(f.read(_EDGE))
-            if size > _EDGE:
-                f.seek(max(_EDGE, size - _EDGE))
-                crc = zlib.crc32(f.read(_EDGE), crc)
+        st = os.stat(path)
+        key = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        entry = _cache_entry(path)
+        try:
+            cached = json.loads(entry.read_text())
+            if cached.get("stat") == key:
+                return {"path": str(path), "bytes": st.st_size, "crc32": cached["crc32"]}
+        except (OSError, ValueError, AttributeError):
+            pass
+        crc = whole_crc32(path)
     except OSError as e:
-        raise UserError(f"{path}: cannot be read ({e.strerror or e}); check its permissions and the disk") from None
-    return {"path": str(path), "bytes": size, "crc32": crc}
+        raise _unreadable(path, e) from None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(entry, {"path": str(path.resolve()), "stat": key, "crc32": crc})
+    except OSError:
+        pass   # a cache that cannot be written: the next start reads the file again
+    return {"path": str(path), "bytes": st.st_size, "crc32": crc}
 
 
 def fingerprint(config: DataConfig) -> dict:
-    return {"format": 1, "splits": {split: [_file_print(Path(p)) for p in paths]
-                                    for split, paths in data_files(config).items()}}
+    """The record of the files `config` names; every rank of a started world takes part (each hashes its share)."""
+    by_split = data_files(config)
+    files = [(split, Path(p)) for split, paths in by_split.items() for p in paths]
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = {i: _file_print(path) for i, (_, path) in enumerate(files) if i % world == rank}
+    if world > 1:
+        shares = [None] * world
+        dist.all_gather_object(shares, mine)
+        mine = {i: record for share in shares for i, record in share.items()}
+    splits = {split: [] for split in by_split}
+    for i, (split, _) in enumerate(files):
+        splits[split].append(mine[i])
+    return {"format": FORMAT, "splits": splits}
 
 
 def changes(saved: dict, now: dict) -> list[str]:
@@ -82,9 +145,20 @@ def read_record(run: Path) -> dict | None:
     return record
 
 
+def _edges_now(record: dict) -> int:
+    path = Path(record["path"])
+    try:
+        return edges_crc32(path, record["bytes"])
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
 def check_resumed_data(saved: dict | None, now: dict, accept: bool) -> list[str]:
     """On --resume: the data's changes since the run recorded it (`saved`: read_record's; None, nothing to
     compare); refused in one line unless `accept`."""
+    if saved is not None and saved.get("format", 1) == 1:   # recorded by an older version: its ends only
+        now = {**now, "splits": {split: [{**f, "crc32": _edges_now(f)} for f in files]
+                                 for split, files in now["splits"].items()}}
     found = changes(saved, now) if saved is not None else []
     if found and not accept:
         shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")

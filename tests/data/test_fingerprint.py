@@ -1,16 +1,21 @@
-"""A run records the data files it trains on (size and a fingerprint of each); a resume on changed text is
-refused in one line with nothing changed, and --accept-changed-data goes on with the change in the log and in
-the record's history."""
+"""A run records the data files it trains on (size and the CRC-32 of each whole file); a resume on changed text
+is refused in one line with nothing changed, and --accept-changed-data goes on with the change in the log and in
+the record's history. An edit anywhere in a file is seen; an unchanged file is read once and then only stat'ed;
+two ranks split the reading; an older run's record (the ends of each file) still compares."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from moe_scale.config import DataConfig
-from moe_scale.data.fingerprint import DATA_FILES, changes, fingerprint
+from moe_scale.data import fingerprint as fingerprint_module
+from moe_scale.data.fingerprint import DATA_FILES, changes, check_resumed_data, edges_crc32, fingerprint
 from tests.cli_runs import TINY, assert_one_line_error, run_cli, run_train, step_log
 
 TEXT = "".join(f"w{i % 13} w{i % 7} w{i % 5} .\n" for i in range(400))
@@ -41,12 +46,74 @@ def test_changes_name_each_difference_and_a_moved_corpus_is_the_same(tmp_path):
                      f"valid file {data / 'valid.txt'} has other content (220 bytes, as before)"]
 
 
-def test_the_fingerprint_reads_both_ends_of_a_large_file(tmp_path):
+def _reads(monkeypatch) -> list[str]:
+    """The files fingerprint() reads whole from now on."""
+    reads = []
+    whole = fingerprint_module.whole_crc32
+    monkeypatch.setattr(fingerprint_module, "whole_crc32", lambda path: reads.append(Path(path).name) or whole(path))
+    return reads
+
+
+def test_a_same_size_edit_in_the_middle_of_a_file_is_seen_and_an_unchanged_file_is_not_read_again(
+        tmp_path, monkeypatch):
+    """The issue's case: 200 lines in the middle of a 190 KB corpus, same size; then the same edit with the
+    file's mtime set back (ctime still moves)."""
+    monkeypatch.setenv("MOE_SCALE_CACHE", str(tmp_path / "cache"))
+    lines = [f"line {i:05d} of the corpus , words words words words words .\n" for i in range(3_200)]
     big = tmp_path / "train.txt"
-    big.write_bytes(b"a b .\n" * 50_000)
+    big.write_text("".join(lines))
+    assert 180_000 < big.stat().st_size < 200_000
+    reads = _reads(monkeypatch)
     before = fingerprint(DataConfig(data=str(big)))
-    big.write_bytes(b"a b .\n" * 49_999 + b"a c .\n")   # the last line only
+    assert changes(before, fingerprint(DataConfig(data=str(big)))) == [] and reads == ["train.txt"]   # cached
+    middle = lines[:1400] + [line.replace("words", "WORDS") for line in lines[1400:1600]] + lines[1600:]
+    big.write_text("".join(middle))
+    assert big.stat().st_size == len("".join(lines))
+    assert changes(before, fingerprint(DataConfig(data=str(big)))) == [
+        f"train file {big} has other content ({big.stat().st_size} bytes, as before)"]
+    stat = big.stat()
+    big.write_text("".join(lines[:1500] + [lines[1500].upper()] + lines[1501:]))
+    os.utime(big, ns=(stat.st_atime_ns, stat.st_mtime_ns))   # mtime as before the edit
     assert changes(before, fingerprint(DataConfig(data=str(big))))
+    assert reads == ["train.txt"] * 3
+
+
+def test_a_record_of_an_older_version_compares_the_ends_of_each_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_SCALE_CACHE", str(tmp_path / "cache"))
+    data = _corpus(tmp_path)
+    now = fingerprint(DataConfig(data=str(data)))
+    old = {"format": 1, "splits": {split: [{**f, "crc32": edges_crc32(Path(f["path"]), f["bytes"])} for f in files]
+                                   for split, files in now["splits"].items()}}
+    assert check_resumed_data(old, now, accept=False) == []
+    (data / "valid.txt").write_text("w1 w2 w4 .\n" * 20)   # same size
+    assert check_resumed_data(old, fingerprint(DataConfig(data=str(data))), accept=True) == [
+        f"valid file {data / 'valid.txt'} has other content (220 bytes, as before)"]
+
+
+def _two_rank_fingerprint(rank: int, world_size: int, data: str, cache: str):
+    reads = []
+    whole = fingerprint_module.whole_crc32
+    previous = os.environ.get("MOE_SCALE_CACHE")
+    os.environ["MOE_SCALE_CACHE"] = f"{cache}-{rank}"
+    fingerprint_module.whole_crc32 = lambda path: reads.append(Path(path).name) or whole(path)
+    try:
+        return fingerprint(DataConfig(data=data)), reads
+    finally:
+        fingerprint_module.whole_crc32 = whole
+        os.environ.pop("MOE_SCALE_CACHE") if previous is None else os.environ.__setitem__("MOE_SCALE_CACHE", previous)
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_split_the_reading_and_record_what_one_process_records(tmp_path, monkeypatch):
+    from tests.multiproc import run_ranks
+
+    monkeypatch.setenv("MOE_SCALE_CACHE", str(tmp_path / "cache"))
+    data = _corpus(tmp_path)
+    one = fingerprint(DataConfig(data=str(data)))
+    (first, reads0), (second, reads1) = run_ranks(_two_rank_fingerprint, world_size=2,
+                                                  args=(str(data), str(tmp_path / "rank-cache")))
+    assert first == second == one
+    assert sorted(reads0 + reads1) == ["test.txt", "train.txt", "valid.txt"] and reads0 and reads1
 
 
 def _hashes(root: Path) -> dict[str, str]:
