@@ -109,7 +109,7 @@ def test_load_splits_lm1b_cuts_valid_from_train(lm1b_shards):
     n_train_file = len(load_sentences(split_files(str(lm1b_shards))["train"]))
     assert len(splits["train"]) + len(splits["valid"]) == n_train_file
     assert len(splits["valid"]) == round(n_train_file * 0.01)
-    assert len(splits["test"]) > 9000
+    assert len(splits["test"]) > 1000   # the heldout shard: an eighth of WikiText-2 test
 
 
 def test_held_out_files_without_training_files_are_refused(tmp_path):
