@@ -61,6 +61,11 @@ def _model(kind: str) -> Needs:
     return Needs(lambda c: c.model.kind == kind, f"--model {kind}")
 
 
+# The gates that give every token k experts of the flat layer (moe/router/: the batchwise gate gives a token a
+# variable number; the hierarchical one routes in two levels around the exchange).
+_TOP_K_GATES = ("noisy_topk", "softmax_topk", "aux_free")
+
+
 def _gate(*gates: str) -> Needs:
     return Needs(lambda c: c.moe.router.gate in gates, f"--gate {gates[0]}")
 
@@ -225,6 +230,12 @@ class RouterConfig:
         or c.model.kind == "transformer" and c.attention.kind == "moa", "--gate softmax_topk or --attention moa",
         alone=True))
     aux_free: AuxFreeConfig = _sub(AuxFreeConfig, _gate("aux_free"))
+    force_balanced_routing: bool = _f(
+        False, "benchmarks: the router runs and its losses count, but the tokens go to the experts round-robin "
+               "(each gets the same share), as published Megatron/NeMo MoE throughputs are measured; not for "
+               "training a model", needs=Needs(lambda c: c.has_moe_ffn and c.moe.router.gate in _TOP_K_GATES,
+                                               "an MoE layer with a gate that gives every token k experts (--gate "
+                                               + ", ".join(_TOP_K_GATES) + ")"))
 
     def validate(self, num_experts: int, ep_size: int) -> None:
         _positive(top_k=self.top_k)

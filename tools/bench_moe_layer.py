@@ -81,6 +81,7 @@ from moe_scale.distributed.launch import init_deepspeed_comm
 from moe_scale.distributed.ports import free_port
 
 IMPLS = ("dropless", "capacity", "deepspeed_dropless", "deepspeed_capacity", "naive_loop", "dense")
+BALANCEABLE = ("dropless", "capacity")   # --force-balanced-routing: moe_scale's own layers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WEIGHT_READS = 2   # the forward reads a used expert's weights, the backward reads them again
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
@@ -119,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gate-logit-std", type=non_negative_float, default=0.0,
                    help="draw the gating matrices so the logits have this std, as a trained router's spread "
                         "(default 0: zero-initialised gates, the paper's App. A; DeepSpeed keeps nn.Linear's init)")
+    p.add_argument("--force-balanced-routing", action="store_true",
+                   help="moe_scale's layers (dropless, capacity): the router runs, the tokens go to the experts "
+                        "round-robin, as published Megatron/NeMo MoE throughputs are measured")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the layers run (default cpu)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
@@ -139,6 +143,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--device cuda: no CUDA device here; run on a GPU machine or leave --device out")
         if args.ranks > 1:
             p.error("--ranks runs gloo processes on CPU; on a GPU compare layers in one process (--ranks 1)")
+    unbalanced = [impl for impl in args.impls if impl not in BALANCEABLE]
+    if args.force_balanced_routing and unbalanced:
+        p.error(f"--force-balanced-routing applies to moe_scale's layers ({', '.join(BALANCEABLE)}), not to "
+                f"{', '.join(unbalanced)}; pass --impls {','.join(BALANCEABLE)}")
     check_out_file(p, args.out)
     return args
 
@@ -234,6 +242,7 @@ def _build(impl: str, e: int, k: int, args) -> nn.Module:
     from moe_scale.moe.layer import MoELayer
 
     layer = MoELayer(d, h, e, k, seed=args.seed, dispatch_mode=impl, capacity_factor=args.capacity_factor)
+    layer.force_balanced = args.force_balanced_routing
     _spread_gate_logits(layer, args)
     return layer
 
@@ -419,7 +428,8 @@ def measure_working_memory(args) -> dict[tuple[str, int, int], dict]:
                 cmd = [sys.executable, __file__, "--memory-child", "--experts", str(e), "--k", str(k), "--impls", impl,
                        "--tokens", str(args.tokens), "--d", str(args.d), "--h", str(args.h),
                        "--capacity-factor", str(args.capacity_factor), "--seed", str(args.seed),
-                       "--gate-logit-std", str(args.gate_logit_std)]
+                       "--gate-logit-std", str(args.gate_logit_std),
+                       *(["--force-balanced-routing"] if args.force_balanced_routing else [])]
                 env = {**os.environ, _MMAP_ENV: "65536", "MASTER_PORT": str(free_port())}
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if proc.returncode:
@@ -550,8 +560,8 @@ def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth, use
     serial_s = router_s + max(compute_s - router_s, memory_s)
     t = times[impl]
     row = {"impl": impl, "experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h,
-           "gate_logit_std": args.gate_logit_std, "device": args.device, "dtype": args.dtype,
-           "time_s": sig(t), "steps": steps, "roofline_s": sig(roofline_s), "roofline_fraction": sig(roofline_s / t),
+           "gate_logit_std": args.gate_logit_std, "force_balanced_routing": args.force_balanced_routing,
+           "device": args.device, "dtype": args.dtype, "time_s": sig(t), "steps": steps, "roofline_s": sig(roofline_s), "roofline_fraction": sig(roofline_s / t),
            "bound": "compute" if compute_s >= memory_s else "memory",
            "roofline_gflop": sig(flops / 1e9), "roofline_gbytes": sig(moved_bytes / 1e9),
            "matmul_peak_gflops": round(peak_flops / 1e9, 1), "bandwidth_gbs": round(peak_bandwidth / 1e9, 2),
@@ -595,6 +605,7 @@ def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
             for mode in [m for m in args.impls if m in ("dropless", "capacity")]:
                 layer = MoELayer(args.d, args.h, e, k, ep_size=world, ep_rank=rank, seed=args.seed,
                                  dispatch_mode=mode, capacity_factor=args.capacity_factor)
+                layer.force_balanced = args.force_balanced_routing
                 torch.manual_seed(args.seed)   # the same router on every rank
                 _spread_gate_logits(layer, args)
                 layer.set_deepspeed_parallelism()
@@ -602,7 +613,9 @@ def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
                 if rank == 0:
                     queue.put({"impl": mode, "ranks": world, "ep_size": world, "experts": e, "k": k,
                                "tokens_per_rank": args.tokens, "d": args.d, "h": args.h,
-                               "gate_logit_std": args.gate_logit_std, "time_s": sig(statistics.median(times)),
+                               "gate_logit_std": args.gate_logit_std,
+                               "force_balanced_routing": args.force_balanced_routing,
+                               "time_s": sig(statistics.median(times)),
                                "steps": len(times), "all_to_all_share": round(statistics.median(shares), 3)})
                 del layer
     queue.put(None) if rank == 0 else None

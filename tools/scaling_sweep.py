@@ -56,6 +56,8 @@ def parse_args(argv: list[str]):
     parser.add_argument("--num-experts", type=positive_int, default=8, help="strong: experts")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="strong: global sequences per step")
     parser.add_argument("--deepspeed-args", default="", help="extra arguments for the deepspeed launcher")
+    parser.add_argument("--force-balanced-routing", action="store_true",
+                        help="the runs route round-robin (the router runs; as Megatron/NeMo throughputs are measured)")
     parser.add_argument("--extra", nargs="...", default=[], help="the rest goes to `moe-scale train`")
     args = parser.parse_args(argv)
     try:
@@ -93,7 +95,8 @@ def launch(args, procs: int, out: Path) -> dict:
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(procs), "--master_port",
            str(free_port()), *args.deepspeed_args.split(), "--module", "moe_scale", "train", *SMALL,
            "--num-experts", str(experts), "--batch-size", str(batch), "--ep-size", str(world),
-           "--max-steps", str(args.max_steps), "--out", str(run_dir), "--overwrite", *args.extra]
+           "--max-steps", str(args.max_steps), "--out", str(run_dir), "--overwrite",
+           *(["--force-balanced-routing"] if args.force_balanced_routing else []), *args.extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.setdefault("OMP_NUM_THREADS", "1")
     print(f"[{name}] {' '.join(cmd)}", file=sys.stderr, flush=True)
@@ -109,7 +112,9 @@ def launch(args, procs: int, out: Path) -> dict:
     return {"ranks": world, "experts": experts, "global_batch": batch, "tokens_per_step": tokens_per_step,
             "step_seconds": tokens_per_step / summary["tokens_per_s"], "tokens_per_s": summary["tokens_per_s"],
             "tflops_per_device": summary["tflops_per_device"], "mfu": summary["mfu"],
-            "all_to_all_share": summary["all_to_all_share"], "run_dir": str(run_dir),
+            "all_to_all_share": summary["all_to_all_share"],
+            "force_balanced_routing": config["moe"]["router"].get("force_balanced_routing", False),
+            "run_dir": str(run_dir),
             "tensorboard": str(run_dir / "tb")}
 
 
@@ -135,6 +140,10 @@ def markdown(mode: str, rows: list[dict], baseline: dict, out: Path) -> str:
     lines = [f"# {mode.capitalize()} scaling", "", DEFINITIONS[mode] + ".", "",
              f"Baseline: N = {baseline['ranks']} ({baseline['step_seconds'] * 1e3:.1f} ms/step, "
              f"{baseline['tflops_per_device']:.4g} TFLOPS/device).", "",
+             *([f"Routing forced balanced (--force-balanced-routing) in the runs of N = "
+                f"{', '.join(str(r['ranks']) for r in rows if r['force_balanced_routing'])}: the router ran, the "
+                f"tokens went to the experts round-robin.", ""] if any(r["force_balanced_routing"] for r in rows)
+               else []),
              "| N | experts | global batch | step (ms) | tokens/s | TFLOPS/device | MFU | all-to-all share | "
              "efficiency | TensorBoard |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

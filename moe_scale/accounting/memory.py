@@ -72,6 +72,8 @@ def model_state_bytes(model: PlannedModel, layout: Layout) -> dict[str, float]:
 def dispatch_load(model: PlannedModel, layout: Layout, dropless_load: float) -> float:
     """The most a rank receives, as a multiple of the balanced load (module docstring)."""
     dispatch = model.config.moe.dispatch
+    if model.config.has_moe_ffn and model.config.moe.router.force_balanced_routing:
+        return 1.0   # every rank receives exactly its share
     if dispatch.mode == "capacity" and model.config.has_moe_ffn:
         return min(dispatch.capacity_factor, layout.ep_size)
     return min(dropless_load, layout.ep_size)

@@ -19,7 +19,8 @@ def format_plan(r: dict, smallest: dict | None) -> str:
     lines = [f"{r['preset']} on {r['nodes']} node(s) x {r['gpus_per_node']} {r['gpu']} ({r['world']} GPUs, "
              f"{r['gpu_mem_bytes'] / GIB:.2f} GiB each), ep {r['ep_size']}, ZeRO-{r['zero_stage']}, "
              f"{r['optimizer']} expert optimizer, {r['precision']}, {r['all_to_all']} all-to-all"
-             f"{', expert recompute' if r['recompute'] else ''}",
+             f"{', expert recompute' if r['recompute'] else ''}"
+             f"{', routing forced balanced (--force-balanced-routing)' if r['force_balanced_routing'] else ''}",
              f"  {_count(r['params_total'])} parameters, {r['flops_per_token'] / 1e6:,.1f} MFLOPs per token; batch "
              f"{r['tokens_per_step']:,} tokens ({r['batch_sequences']:,} sequences), "
              f"{r['tokens_per_gpu']:,.0f} per GPU",

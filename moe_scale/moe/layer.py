@@ -69,13 +69,15 @@ class MoELayer(RoutedLayer):
         """The layer of `config` (its router, dispatch and experts sections) at width `d_model`, holding
         expert-parallel rank `ep_rank`'s experts of `kind` (moe/experts/kinds.py)."""
         experts, dispatch = config.experts, config.dispatch
-        return cls(d_model, experts.hidden, experts.num_experts, config.router.top_k, ep_size=ep_size,
+        layer = cls(d_model, experts.hidden, experts.num_experts, config.router.top_k, ep_size=ep_size,
                    ep_rank=ep_rank, seed=seed,
                    router=build_router(config.router, d_model, experts.num_experts, ep_size, ep_rank),
                    recompute=experts.recompute, dispatch_mode=dispatch.mode,
                    capacity_factor=dispatch.capacity_factor, all_to_all=dispatch.all_to_all,
                    node_size=dispatch.node_size, reuse_grad_buffers=experts.grad_reuse, shared_experts=experts.shared,
                    shared_hidden=experts.shared_hidden, shared_gate=experts.shared_gate, activation=kind)
+        layer.force_balanced = config.router.force_balanced_routing
+        return layer
 
     def dispatch_units(self) -> tuple[int, int]:
         """(what the dispatcher sends tokens to, how many of them live here): the experts."""

@@ -81,6 +81,7 @@ class RoutedLayer(ExpertParallelModule):
         self.record_routes = False   # True: forward keeps its pairs in `routes` (one process)
         self.routes: Routes | None = None
         self.real_tokens_N: torch.Tensor | None = None   # see real_tokens(); None: every row is a real token
+        self.force_balanced = False   # --force-balanced-routing: the router's pairs go to the experts round-robin
 
     def route(self, x_ND: torch.Tensor, seq_len: int | None = None) -> RouterOutput:
         """The router on x_ND (rows: sequences of `seq_len` tokens, for a gate that reads it), its statistics
@@ -91,6 +92,8 @@ class RoutedLayer(ExpertParallelModule):
         if self.router.takes_seq_len:
             extra["seq_len"] = seq_len
         route = self.router(x_ND, **extra)
+        if self.force_balanced:
+            route = route.round_robin(self.num_experts)
         self.keep_routes(route.pairs)
         weight_C = None if real_N is None else real_N.index_select(0, route.token_C)
         self.keep_stats(route.importance_E, route.load_E, route.metrics,

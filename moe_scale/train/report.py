@@ -171,6 +171,8 @@ class RunReport:
             "world_size": self.ctx.env.world_size,
             "ep_size": config.parallel.ep_size,
             **({"gate": config.moe.router.gate} if config.has_moe_ffn else {}),
+            **({"force_balanced_routing": True} if config.has_moe_ffn and config.moe.router.force_balanced_routing
+               else {}),
             "tokenizer": config.data.tokenizer if config.data.tokenizer in ("words", "bpe") else "file",
             "tokens_per_word": data.train.tokens_per_word,
             "train_ppl": train_ppl,

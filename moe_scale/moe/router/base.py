@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
 import torch
@@ -72,6 +72,14 @@ class RouterOutput:
             raise AttributeError("this gate gives tokens a variable number of experts: read token_C / expert_C / "
                                  "gate_C")
         return self.top_k
+
+    def round_robin(self, num_experts: int) -> "RouterOutput":
+        """The same routing with the experts replaced round-robin (pair c goes to expert c mod E: a token's K
+        experts are distinct, and every expert gets the same number of pairs, give or take one); gates, losses and
+        statistics are the router's (--force-balanced-routing)."""
+        self._per_token()
+        expert_C = torch.arange(self.expert_C.shape[0], device=self.expert_C.device).remainder_(num_experts)
+        return replace(self, expert_C=expert_C)
 
     def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
         """(token_C, expert_C, gate_C): what a dispatcher consumes."""
