@@ -63,7 +63,7 @@ def _model(kind: str) -> Needs:
 
 # The gates that give every token k experts of the flat layer (moe/router/: the batchwise gate gives a token a
 # variable number; the hierarchical one routes in two levels around the exchange).
-_TOP_K_GATES = ("noisy_topk", "softmax_topk", "aux_free")
+_TOP_K_GATES = ("noisy_topk", "softmax_topk", "aux_free", "node_limited")
 
 
 def _gate(*gates: str) -> Needs:
@@ -211,14 +211,35 @@ class AuxFreeConfig:
 
 
 @dataclass
+class NodeLimitedConfig:
+    expert_groups: int = _f(0, "node_limited: G groups of consecutive experts, a token's experts coming from at most "
+                               "--group-top-k of them (0: one group per expert-parallel rank, G = --ep-size; the "
+                               "nodes the experts span, --ep-size / GPUs per node: M bounds the nodes a token's rows "
+                               "cross to)")
+    group_top_k: int = _f(1, "node_limited: M, the groups a token's k experts may come from (DeepSeek-V3's "
+                             "topk_group), chosen by their score: the sum of their 2 best scores (+ routing biases)")
+    normalize: bool = _f(True, "node_limited: the k chosen scores divided by their sum (DeepSeek-V3's norm_topk_prob)")
+    routed_scaling_factor: float = _f(1.0, "node_limited: the gates multiplied by it (DeepSeek-V3: 2.5)")
+
+    def validate(self) -> None:
+        if self.expert_groups < 0 or self.group_top_k < 1:
+            raise UserError(f"--expert-groups {self.expert_groups} must be 0 (the nodes) or more, and --group-top-k "
+                            f"{self.group_top_k} at least 1")
+        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            raise UserError(f"--routed-scaling-factor {self.routed_scaling_factor:g} must be a positive number "
+                            f"(DeepSeek-V3 uses 2.5; 1 leaves the gates as they are)")
+
+
+@dataclass
 class RouterConfig:
     gate: str = _f("noisy_topk", "router: noisy top-k (Shazeer §2.1), two-level hierarchical (App. B), strictly "
                                  "balanced batchwise with learned thresholds (App. F), MoA's softmax top-k, or "
-                                 "auxiliary-loss-free balancing by per-expert routing biases (DeepSeek-V3)",
-                   ("noisy_topk", "hierarchical", "batchwise", "softmax_topk", "aux_free"))
+                                 "auxiliary-loss-free balancing by per-expert routing biases (DeepSeek-V3), or DeepSeek-V3's "
+                                 "node-limited top-k (with those biases)",
+                   ("noisy_topk", "hierarchical", "batchwise", "softmax_topk", "aux_free", "node_limited"))
     top_k: int = _f(2, "experts per token (k); k=1 gives the router no task-loss gradient")
-    w_importance: float = _f(0.1, "weight of the CV^2(importance) loss",
-                             needs=_gate("noisy_topk", "hierarchical", "batchwise"))
+    w_importance: float = _f(0.1, "weight of the CV^2(importance) loss (node_limited: 0 unless given)",
+                             needs=_gate("noisy_topk", "hierarchical", "batchwise", "node_limited"))
     w_load: float = _f(0.1, "weight of the CV^2(load) loss (smooth load estimator)",
                        needs=_gate("noisy_topk", "hierarchical"))
     noisy_gating: bool = _f(True, "trainable Gaussian noise on the gate logits during training",
@@ -229,7 +250,8 @@ class RouterConfig:
         lambda c: c.moe.router.gate == "softmax_topk" and c.has_moe_ffn
         or c.model.kind == "transformer" and c.attention.kind == "moa", "--gate softmax_topk or --attention moa",
         alone=True))
-    aux_free: AuxFreeConfig = _sub(AuxFreeConfig, _gate("aux_free"))
+    aux_free: AuxFreeConfig = _sub(AuxFreeConfig, _gate("aux_free", "node_limited"))
+    node_limited: NodeLimitedConfig = _sub(NodeLimitedConfig, _gate("node_limited"))
     force_balanced_routing: bool = _f(
         False, "benchmarks: the router runs and its losses count, but the tokens go to the experts round-robin "
                "(each gets the same share), as published Megatron/NeMo MoE throughputs are measured; not for "
@@ -242,6 +264,7 @@ class RouterConfig:
         _aux_weights(w_importance=self.w_importance, w_load=self.w_load)
         self.softmax_topk.validate()
         self.aux_free.validate()
+        self.node_limited.validate()
         if self.top_k > num_experts:
             raise UserError(f"--top-k {self.top_k} is larger than --num-experts {num_experts}; "
                             f"choose k <= number of experts")
@@ -249,6 +272,8 @@ class RouterConfig:
             raise UserError("--gate aux_free with --top-k 1 and sigmoid scores: the one chosen score divided by "
                             "itself is always 1, so the router's weights would never get a gradient (and this gate "
                             "has no balance loss); use --top-k 2 or more, or --aux-free-score softmax")
+        if self.gate == "node_limited":
+            self._validate_node_limited(num_experts, ep_size)
         if self.gate == "hierarchical":
             h = self.hierarchical
             if h.num_groups < 1 or num_experts % h.num_groups:
@@ -263,6 +288,21 @@ class RouterConfig:
             if h.num_groups % ep_size:
                 raise UserError(f"--num-groups {h.num_groups} is not divisible by --ep-size {ep_size}; each "
                                 f"group's experts must live on one expert-parallel rank")
+
+    def _validate_node_limited(self, num_experts: int, ep_size: int) -> None:
+        groups, m = self.node_limited.expert_groups or ep_size, self.node_limited.group_top_k
+        if groups and num_experts % groups:
+            raise UserError(f"--expert-groups {groups} must divide --num-experts {num_experts} (groups of "
+                            f"consecutive experts)")
+        if groups and m > groups:
+            raise UserError(f"--group-top-k {m} is more than the --expert-groups {groups}")
+        if groups and self.top_k > m * (num_experts // groups):
+            raise UserError(f"--top-k {self.top_k} experts cannot come from {m} group(s) of "
+                            f"{num_experts // groups}; raise --group-top-k or lower --top-k")
+        if self.aux_free.score == "sigmoid" and self.top_k == 1 and self.node_limited.normalize:
+            raise UserError("--gate node_limited with --top-k 1, sigmoid scores and normalised gates: the one chosen "
+                            "score divided by itself is always 1, so the router would get no gradient; use --top-k 2 "
+                            "or more, --aux-free-score softmax, or --no-normalize")
 
 
 @dataclass
@@ -672,15 +712,18 @@ class RunConfig:
         config.validate()
         return config
 
-    def resolve_block_defaults(self, given: set[str]) -> None:
-        """What a block implies unless `given` sets it: the llama block with an MoE FFN routes as Mixtral (--gate
-        softmax_topk --moa-renormalize full; validate() refuses other gates for it)."""
+    def resolve_implied_defaults(self, given: set[str]) -> None:
+        """What a block or a gate implies unless `given` sets it: the llama block with an MoE FFN routes as Mixtral
+        (--gate softmax_topk --moa-renormalize full; validate() refuses other gates for it); the node-limited gate
+        balances by its routing biases, without a CV² loss (--w-importance 0)."""
         if self.model.kind == "transformer" and self.model.transformer.block == "llama" \
                 and self.model.transformer.ffn == "moe":
             if "gate" not in given:
                 self.moe.router.gate = "softmax_topk"
             if "moa_renormalize" not in given:
                 self.moe.router.softmax_topk.renormalize = "full"
+        if self.moe.router.gate == "node_limited" and "w_importance" not in given:
+            self.moe.router.w_importance = 0.0   # DeepSeek-V3 balances by its biases; a CV² loss on request
 
     @property
     def expert_kind(self) -> str:

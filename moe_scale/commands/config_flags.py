@@ -66,7 +66,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         apply_preset(config, given.pop("preset"))
     for key, value in given.items():
         config.set(key, value)
-    config.resolve_block_defaults(set(given))
+    config.resolve_implied_defaults(set(given))
     config.parallel.ds_config = ds_config_from_accelerate(config.parallel.ds_config)
     for key in given:
         reason = config.inapplicable(key)

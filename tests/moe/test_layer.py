@@ -16,7 +16,7 @@ from torch import nn
 from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
 from moe_scale.moe.layer import MoELayer
 from moe_scale.moe.losses import cv_squared
-from moe_scale.moe.router import GlobalTokenNoise, HierarchicalRouter
+from moe_scale.moe.router import GlobalTokenNoise, HierarchicalRouter, NodeLimitedRouter
 from tests.multiproc import run_ranks
 
 D, H, E, K = 8, 16, 8, 2
@@ -174,7 +174,8 @@ def _setup(layer, mode, rank, world):
         layer.eval()
     else:                                   # training, noisy gating, the same noise per global token
         layer.train()
-        layer.router.noise_sampler = GlobalTokenNoise(seed=7, layer_index=0, rank=rank, world_size=world)
+        if hasattr(layer.router, "noise_sampler"):
+            layer.router.noise_sampler = GlobalTokenNoise(seed=7, layer_index=0, rank=rank, world_size=world)
 
 
 def _single_process_reference(mode, router=None):
@@ -251,7 +252,13 @@ def test_two_ranks_refuse_a_mismatched_expert_parallel_rank():
 def _router(gate):
     if gate == "noisy_topk":
         return None
-    router = HierarchicalRouter(D, 4, E // 4, k_primary=2, k_secondary=2).double()
+    if gate == "node_limited":   # 4 groups of 2 experts, each token's 2 experts from 2 groups; biases set
+        router = NodeLimitedRouter(D, E, 2, groups=4, group_top_k=2,
+                                   routed_scaling_factor=2.5, w_importance=0.1).double()
+        with torch.no_grad():
+            router.score_bias.copy_(torch.linspace(-0.2, 0.2, E))
+    else:
+        router = HierarchicalRouter(D, 4, E // 4, k_primary=2, k_secondary=2).double()
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in router.parameters():
@@ -275,11 +282,13 @@ def _four_rank_worker(rank, world, gate, all_to_all):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("gate,all_to_all", [("noisy_topk", "flat"), ("hierarchical", "hierarchical")])
-def test_four_expert_parallel_ranks_equal_one_process(gate, all_to_all):
-    results = run_ranks(_four_rank_worker, world_size=4, args=(gate, all_to_all), deepspeed=True, timeout=90)
+@pytest.mark.parametrize("gate,all_to_all,world", [("noisy_topk", "flat", 4), ("hierarchical", "hierarchical", 4),
+                                                   ("node_limited", "hierarchical", 4), ("node_limited", "flat", 2)])
+def test_four_expert_parallel_ranks_equal_one_process(gate, all_to_all, world):
+    """(and the node-limited gate on 2 ranks: 1 == 2 == 4 processes)"""
+    results = run_ranks(_four_rank_worker, world_size=world, args=(gate, all_to_all), deepspeed=True, timeout=90)
     single, x, y, aux = _single_process_reference("train_noisy", _router(gate))
-    n, local = x.shape[0] // 4, E // 4
+    n, local = x.shape[0] // world, E // world
     sharded = set(single.expert_shards()) - {"experts.w_in", "experts.w_out"}
     assert sharded == ({"router.w_gate_secondary", "router.w_noise_secondary"} if gate == "hierarchical" else set())
     for rank, res in enumerate(results):

@@ -9,6 +9,7 @@
     batchwise.py     App. F: strictly balanced batchwise gating with learned thresholds
     softmax_topk.py  MoA: softmax over experts, top-k, switch-style load loss and router z-loss
     aux_free.py      DeepSeek-V3: top-k of scores + per-expert biases that follow the load, no CV² loss
+    node_limited.py  DeepSeek-V3's node-limited top-k: each token's experts from its M best of G expert groups
     build.py         the router a config asks for (--gate), and GATES: every gate by name
 """
 
@@ -17,11 +18,12 @@ from moe_scale.moe.router.base import GATE_OWNS, Router, RouterOutput, gating_pr
 from moe_scale.moe.router.batchwise import BatchwiseRouter
 from moe_scale.moe.router.build import GATES, build_router, gate_class
 from moe_scale.moe.router.hierarchical import HierarchicalRouter
+from moe_scale.moe.router.node_limited import NodeLimitedRouter
 from moe_scale.moe.router.noise import GlobalTokenNoise, NoiseSampler, sample_noise
 from moe_scale.moe.router.noisy_topk import NoisyTopKRouter, prob_in_top_k
 from moe_scale.moe.router.softmax_topk import SoftmaxTopKRouter
 
 __all__ = ["AuxFreeRouter", "BatchwiseRouter", "GATES", "GATE_OWNS", "GlobalTokenNoise", "HierarchicalRouter",
-           "NoiseSampler",
+           "NodeLimitedRouter", "NoiseSampler",
            "NoisyTopKRouter", "Router", "RouterOutput", "SoftmaxTopKRouter", "build_router", "gating_precision",
            "gate_class", "prob_in_top_k", "sample_noise"]

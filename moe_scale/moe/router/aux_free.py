@@ -108,16 +108,26 @@ class AuxFreeRouter(Router):
     def scores(self, logits_NE: Tensor) -> Tensor:
         return torch.sigmoid(logits_NE) if self.score == "sigmoid" else torch.softmax(logits_NE, dim=1)
 
+    def choose(self, biased_NE: Tensor) -> Tensor:
+        """Each token's K experts from its biased scores, descending."""
+        return biased_NE.topk(self.k, dim=1).indices
+
+    def gates(self, chosen_NK: Tensor) -> Tensor:
+        """The gates of the chosen experts' unbiased scores: sigmoid's normalised over them (eq. 13)."""
+        if self.score == "sigmoid":
+            return chosen_NK / chosen_NK.sum(1, keepdim=True).clamp_min(torch.finfo(chosen_NK.dtype).tiny)
+        return chosen_NK
+
+    def balance_loss(self, importance_E: Tensor) -> Tensor | None:
+        """A loss on the batch's importance besides the sequence-wise one (None: none)."""
+        return None
+
     def route(self, x_ND: Tensor, valid_N: Tensor | None = None, seq_len: int | None = None) -> RouterOutput:
         k, e = self.k, self.num_experts
         scores_NE = self.scores(self.logits(x_ND, self.w_gate))
         biased_NE = scores_NE.detach() + self.score_bias.to(scores_NE.dtype)
-        experts_NK = biased_NE.topk(k, dim=1).indices   # descending by biased score
-        chosen_NK = scores_NE.gather(1, experts_NK)
-        if self.score == "sigmoid":   # eq. 13: normalised over the chosen experts
-            gates_NK = chosen_NK / chosen_NK.sum(1, keepdim=True).clamp_min(torch.finfo(chosen_NK.dtype).tiny)
-        else:
-            gates_NK = chosen_NK
+        experts_NK = self.choose(biased_NE)
+        gates_NK = self.gates(scores_NE.gather(1, experts_NK))
 
         flat_experts = experts_NK.reshape(-1)
         if valid_N is None:
@@ -143,6 +153,8 @@ class AuxFreeRouter(Router):
             metrics["seq_balance_loss"] = seq_loss.detach()
         else:
             aux_loss = stats.new_zeros(())
+        if (extra := self.balance_loss(importance_E)) is not None:
+            aux_loss = aux_loss + extra
         if self.training:
             self._pending_load_E = count_E if self._pending_load_E is None else self._pending_load_E + count_E
         return RouterOutput.from_top_k(gates_NK, experts_NK, aux_loss, importance_E, count_E, metrics)

@@ -7,11 +7,12 @@ from moe_scale.moe.router.aux_free import AuxFreeRouter
 from moe_scale.moe.router.base import Router
 from moe_scale.moe.router.batchwise import BatchwiseRouter
 from moe_scale.moe.router.hierarchical import HierarchicalRouter
+from moe_scale.moe.router.node_limited import NodeLimitedRouter
 from moe_scale.moe.router.noisy_topk import NoisyTopKRouter
 from moe_scale.moe.router.softmax_topk import SoftmaxTopKRouter
 
 GATES: dict[str, type[Router]] = {gate.name: gate for gate in (NoisyTopKRouter, HierarchicalRouter, BatchwiseRouter,
-                                                                SoftmaxTopKRouter, AuxFreeRouter)}
+                                                                SoftmaxTopKRouter, AuxFreeRouter, NodeLimitedRouter)}
 
 
 def gate_class(config: RouterConfig) -> type[Router]:
