@@ -234,8 +234,8 @@ class NodeLimitedConfig:
 class RouterConfig:
     gate: str = _f("noisy_topk", "router: noisy top-k (Shazeer §2.1), two-level hierarchical (App. B), strictly "
                                  "balanced batchwise with learned thresholds (App. F), MoA's softmax top-k, or "
-                                 "auxiliary-loss-free balancing by per-expert routing biases (DeepSeek-V3), or DeepSeek-V3's "
-                                 "node-limited top-k (with those biases)",
+                                 "auxiliary-loss-free balancing by per-expert routing biases (DeepSeek-V3), or "
+                                 "DeepSeek-V3's node-limited top-k (with those biases)",
                    ("noisy_topk", "hierarchical", "batchwise", "softmax_topk", "aux_free", "node_limited"))
     top_k: int = _f(2, "experts per token (k); k=1 gives the router no task-loss gradient")
     w_importance: float = _f(0.1, "weight of the CV^2(importance) loss (node_limited: 0 unless given)",

@@ -87,7 +87,8 @@ def load_tool():
 def lm1b_shards(tmp_path) -> Path:
     """An lm1b-style corpus under tmp_path/"lm1b", one sentence per line:
     training/news.en-0000{0..3}-of-00004 (WikiText-2 valid) and heldout/news.en.heldout-00000-of-00001
-    (the first eighth of WikiText-2 test: what a test evaluates whole). Returns the root (so `split_files(str(root))` sees training/ and heldout/)."""
+    (the first eighth of WikiText-2 test: what a test evaluates whole). Returns the root (so
+    `split_files(str(root))` sees training/ and heldout/)."""
     root = tmp_path / "lm1b"
     (root / "training").mkdir(parents=True)
     (root / "heldout").mkdir()

@@ -561,7 +561,8 @@ def _row(impl, e, k, args, times, steps, memory, peak_flops, peak_bandwidth, use
     t = times[impl]
     row = {"impl": impl, "experts": e, "k": k, "tokens": args.tokens, "d": args.d, "h": args.h,
            "gate_logit_std": args.gate_logit_std, "force_balanced_routing": args.force_balanced_routing,
-           "device": args.device, "dtype": args.dtype, "time_s": sig(t), "steps": steps, "roofline_s": sig(roofline_s), "roofline_fraction": sig(roofline_s / t),
+           "device": args.device, "dtype": args.dtype, "time_s": sig(t), "steps": steps,
+           "roofline_s": sig(roofline_s), "roofline_fraction": sig(roofline_s / t),
            "bound": "compute" if compute_s >= memory_s else "memory",
            "roofline_gflop": sig(flops / 1e9), "roofline_gbytes": sig(moved_bytes / 1e9),
            "matmul_peak_gflops": round(peak_flops / 1e9, 1), "bandwidth_gbs": round(peak_bandwidth / 1e9, 2),
