@@ -312,6 +312,11 @@ class DispatchConfig:
                    ("dropless", "capacity"), key="dispatch")
     capacity_factor: float = _f(1.0, "capacity dispatch: expert capacity = ceil(factor x tokens x k / experts)",
                                 needs=Needs(lambda c: c.moe.dispatch.mode == "capacity", "--dispatch capacity"))
+    rank_capacity_factor: float = _f(0.0, "dropless dispatch: each rank sends each expert-parallel rank at most "
+                                          "ceil(F x its pairs / ranks) (token, expert) pairs, dropping the lowest "
+                                          "gates beyond (counted and logged as dropped_fraction), so no rank "
+                                          "receives more than F x the balanced load (0: no budget)",
+                                     needs=Needs(lambda c: c.moe.dispatch.mode == "dropless", "--dispatch dropless"))
     all_to_all: str = _f("flat", "token exchange: one all-to-all over the expert-parallel group, or within each "
                                  "node first and then across nodes", ("flat", "hierarchical"))
     node_size: int = _f(0, "hierarchical all-to-all: ranks per node (0: the launcher's LOCAL_WORLD_SIZE)",
@@ -324,6 +329,9 @@ class DispatchConfig:
         if self.node_size < 0:
             raise UserError(f"--node-size must be 0 (from the launcher) or a positive rank count (got "
                             f"{self.node_size})")
+        if not (self.rank_capacity_factor == 0 or 1 <= self.rank_capacity_factor < math.inf):
+            raise UserError(f"--rank-capacity-factor {self.rank_capacity_factor:g} must be 0 (no budget) or a number "
+                            f"of 1 or more (the balanced load is 1; Megatron-Core's examples use 1.5 to 4)")
 
 
 # moe/experts/kinds.py's EXPERT_KINDS (tests/moe/experts/test_kinds.py holds the two equal), and the block's

@@ -76,6 +76,8 @@ def dispatch_load(model: PlannedModel, layout: Layout, dropless_load: float) -> 
         return 1.0   # every rank receives exactly its share
     if dispatch.mode == "capacity" and model.config.has_moe_ffn:
         return min(dispatch.capacity_factor, layout.ep_size)
+    if dispatch.rank_capacity_factor and model.config.has_moe_ffn:   # the budget bounds what a rank receives
+        return min(dispatch.rank_capacity_factor, layout.ep_size)
     return min(dropless_load, layout.ep_size)
 
 

@@ -32,10 +32,28 @@ def load_balance(load_E: torch.Tensor) -> tuple[float, float]:
     return float(cv_squared(load).sqrt()), float(load.max() / (load.mean() + 1e-10))
 
 
-def balance_metrics(importance_E: torch.Tensor, load_E: torch.Tensor) -> dict[str, float]:
+def balance_metrics(importance_E: torch.Tensor, load_E: torch.Tensor, ranks: int = 1) -> dict[str, float]:
+    """CVs of importance and load, and the overload factors: the most loaded expert's load over the mean, and
+    with `ranks` > 1 the most loaded expert-parallel rank's (its experts are consecutive) over the mean."""
     cv_load, max_over_mean = load_balance(load_E)
-    return {"cv_importance": float(cv_squared(importance_E.double()).sqrt()), "cv_load": cv_load,
-            "max_over_mean_load": max_over_mean}
+    out = {"cv_importance": float(cv_squared(importance_E.double()).sqrt()), "cv_load": cv_load,
+           "max_over_mean_load": max_over_mean}
+    if ranks > 1:
+        out["max_over_mean_rank_load"] = load_balance(load_E.reshape(ranks, -1).sum(1))[1]
+    return out
+
+
+def overload_text(values: dict[str, float]) -> str:
+    """The log line's balance: per MoE layer (`layer<i>_` keys), cv(load) and max/mean load per expert (and per
+    rank)."""
+    parts = []
+    for key in (k for k in values if k.endswith("max_over_mean_load") and "router" not in k):
+        prefix = key[:-len("max_over_mean_load")]
+        rank = values.get(prefix + "max_over_mean_rank_load")
+        name = prefix.rstrip("_").replace("layer", "L") + " " if prefix else ""
+        parts.append(f"{name}cv(load) {values[prefix + 'cv_load']:.3f} max/mean load {values[key]:.2f}"
+                     + (f" ({rank:.2f} per rank)" if rank is not None else ""))
+    return "  " + "  ".join(parts) if parts else ""
 
 
 class MeanTracker:
@@ -118,7 +136,8 @@ class MoEMetrics:
         out: dict[str, float] = {}
         for index, summed in enumerate(self._over_ranks()):
             if summed is not None:
-                out.update({self._prefix(index) + name: value for name, value in balance_metrics(*summed).items()})
+                out.update({self._prefix(index) + name: value
+                            for name, value in balance_metrics(*summed, self.layers[index].ep_size).items()})
             if self.load[index] is not None:   # the router's load: already over the whole batch
                 cv, max_over_mean = load_balance(self.load[index])
                 out.update({self._prefix(index) + "cv_router_load": cv,

@@ -42,7 +42,8 @@ class MoELayer(RoutedLayer):
                  seed: int = 0, router: Router | None = None, recompute: bool = False,
                  dispatch_mode: str = "dropless", capacity_factor: float = 1.0, all_to_all: str = "flat",
                  node_size: int = 0, reuse_grad_buffers: bool = True, shared_experts: int = 0,
-                 shared_hidden: int = 0, shared_gate: bool = False, activation: str = "relu"):
+                 shared_hidden: int = 0, shared_gate: bool = False, activation: str = "relu",
+                 rank_capacity_factor: float = 0.0):
         if all_to_all not in ALL_TO_ALL:
             raise ValueError(f"all_to_all must be one of {ALL_TO_ALL}, got {all_to_all!r}")
         router = router if router is not None else NoisyTopKRouter(
@@ -56,7 +57,8 @@ class MoELayer(RoutedLayer):
                                       first_global_expert=ep_rank * self.num_local_experts, seed=seed,
                                       recompute=recompute, reuse_grad_buffers=reuse_grad_buffers,
                                       activation=activation)
-        self.dispatcher = AllToAllDispatcher(*self.dispatch_units(), dispatch_mode, capacity_factor)
+        self.dispatcher = AllToAllDispatcher(*self.dispatch_units(), dispatch_mode, capacity_factor,
+                                             rank_capacity_factor)
         self.mark_expert_parameters()
         self.all_to_all, self.node_size = all_to_all, node_size
         # dense, on every rank (not in expert_shards); None: no shared experts, the state dict as before
@@ -75,7 +77,8 @@ class MoELayer(RoutedLayer):
                    recompute=experts.recompute, dispatch_mode=dispatch.mode,
                    capacity_factor=dispatch.capacity_factor, all_to_all=dispatch.all_to_all,
                    node_size=dispatch.node_size, reuse_grad_buffers=experts.grad_reuse, shared_experts=experts.shared,
-                   shared_hidden=experts.shared_hidden, shared_gate=experts.shared_gate, activation=kind)
+                   shared_hidden=experts.shared_hidden, shared_gate=experts.shared_gate, activation=kind,
+                   rank_capacity_factor=dispatch.rank_capacity_factor)
         layer.force_balanced = config.router.force_balanced_routing
         return layer
 
@@ -111,11 +114,12 @@ class MoELayer(RoutedLayer):
             route.aux_loss
 
     def real_pairs(self, pairs_C: tuple[torch.Tensor, ...], num_tokens: int) -> tuple[torch.Tensor, ...]:
-        """Capacity mode: the pairs of real tokens only, where real_tokens() marks padding (evaluation's last
-        windows), so padding neither takes an expert's capacity nor enlarges it: the real tokens keep what an
-        unpadded batch of them keeps. One host read (a mask's size), at evaluation only; otherwise the pairs."""
+        """Capacity mode (or a rank budget): the pairs of real tokens only, where real_tokens() marks padding
+        (evaluation's last windows), so padding neither takes an expert's capacity nor enlarges it: the real tokens
+        keep what an unpadded batch of them keeps. One host read (a mask's size), at evaluation only; otherwise the
+        pairs."""
         real_N = self.real_rows(num_tokens)
-        if self.dispatcher.mode != "capacity" or real_N is None:
+        if not self.dispatcher.drops or real_N is None:
             return pairs_C
         keep_C = real_N.index_select(0, pairs_C[0]).nonzero()[:, 0]
         return tuple(t.index_select(0, keep_C) for t in pairs_C)
@@ -125,5 +129,5 @@ class MoELayer(RoutedLayer):
         return routed_ND if self.shared is None else routed_ND + self.shared(x_ND).to(routed_ND.dtype)
 
     def keep_dropped_fraction(self, state) -> None:
-        if self.dispatcher.mode == "capacity":
+        if self.dispatcher.drops:
             self.stats.metrics["dropped_fraction"] = self.dispatcher.dropped_fraction(state, self.data_parallel_group)

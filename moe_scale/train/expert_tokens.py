@@ -73,8 +73,8 @@ class ExpertTokenStats:
                     words = Counter(self.vocab.words[int(self.tokens[p])] for p in pos.tolist())
                     entry["top_words"] = [[w, c] for w, c in words.most_common(self.top_n)]
                 experts.append(entry)
-            out[f"layer{index}"] = {**balance_metrics(importance_E, load_E), "tokens": int(load_E.sum()),
-                                    "experts": experts}
+            out[f"layer{index}"] = {**balance_metrics(importance_E, load_E, layer.ep_size),
+                                    "tokens": int(load_E.sum()), "experts": experts}
         return out
 
     def _context(self, position: int) -> str:
@@ -95,7 +95,9 @@ def format_expert_report(report: dict, top_n: int) -> str:
     lines = []
     for layer, stats in report.items():
         lines.append(f"{layer}: {stats['tokens']} routed token copies  cv(importance) {stats['cv_importance']:.3f}  "
-                     f"cv(load) {stats['cv_load']:.3f}  max/mean load {stats['max_over_mean_load']:.2f}")
+                     f"cv(load) {stats['cv_load']:.3f}  max/mean load {stats['max_over_mean_load']:.2f}"
+                     + (f" ({stats['max_over_mean_rank_load']:.2f} per rank)" if "max_over_mean_rank_load" in stats
+                        else ""))
         lines.append("  expert      load  importance" + ("  top tokens by gate (context [word])" if top_n else ""))
         for e in stats["experts"]:
             tops = "  |  ".join(t["context"] for t in e.get("top_by_gate", []))

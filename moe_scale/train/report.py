@@ -18,7 +18,7 @@ from moe_scale.distributed.comm import collective_device
 from moe_scale.distributed.launch import DistEnv, ranks_per_node
 from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
-from moe_scale.metrics.balance import MeanTracker, MoEMetrics
+from moe_scale.metrics.balance import MeanTracker, MoEMetrics, overload_text
 from moe_scale.metrics.logging import RunLogger, summary_table
 from moe_scale.metrics.perf import (all_to_all_seconds, device_peak_tflops, efficiency, peak_rss_mib,
                                     raised_peak)
@@ -103,7 +103,7 @@ class RunReport:
                                    "perf/tokens_per_s": perf["tokens_per_s"],
                                    "perf/tflops_per_device": perf["tflops_per_device"],
                                    "perf/mfu": perf["mfu"], "perf/all_to_all_share": perf["all_to_all_share"]})
-        balance = f"  cv(load) {last_train['cv_load']:.3f}" if "cv_load" in last_train else ""
+        balance = overload_text(last_train)
         rates = (f"{perf['tokens_per_s']:.0f} tok/s  {perf['tflops_per_device']:.4g} TFLOPS/device  "
                  f"MFU {perf['mfu']:.2%}  all-to-all {perf['all_to_all_share']:.1%}") \
             if math.isfinite(perf["tokens_per_s"]) else f"not timed (the first {TIMING_WARMUP_STEPS} steps warm up)"

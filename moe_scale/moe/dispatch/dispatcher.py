@@ -34,6 +34,11 @@ every token routed, the rows are the tokens themselves: nothing is copied at all
 A token with several experts on one rank crosses the network once: with the hierarchical gate (a group's
 experts share a rank) each token travels once per chosen group, not once per expert.
 
+A per-rank receive budget (`rank_capacity_factor` F > 0, dropless mode; Megatron-Core's
+`moe_expert_rank_capacity_factor`) drops only a skew's overflow: each rank sends each expert-parallel rank at most
+ceil(F * C / P) copies, its highest gates (ties: the lower pair index), so no rank receives more than the sum of
+those, about F x the balanced load, and the dropped copies are counted as capacity mode's are.
+
 Capacity mode follows GShard / Switch: an expert takes at most ceil(capacity_factor * C / E) copies *from
 each rank* (capacity is per sending rank, so it bounds every message), keeping the copies with the highest
 gates (ties: the lower pair index). A dropped copy contributes nothing to its token's output; a token whose
@@ -106,15 +111,22 @@ class AllToAllDispatcher:
     """All-to-all dispatch over an expert-parallel group; `exchange` is set by the layer once groups exist."""
 
     def __init__(self, num_experts: int, num_local_experts: int, mode: str = "dropless",
-                 capacity_factor: float = 1.0):
+                 capacity_factor: float = 1.0, rank_capacity_factor: float = 0.0):
         if mode not in MODES:
             raise ValueError(f"dispatch mode must be one of {MODES}, got {mode!r}")
         if not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
+        if rank_capacity_factor and (mode != "dropless" or rank_capacity_factor < 1):
+            raise ValueError(f"rank_capacity_factor is for dropless dispatch, at least 1: got {rank_capacity_factor}")
         self.num_experts, self.num_local_experts = num_experts, num_local_experts
         self.ep_size = num_experts // num_local_experts
-        self.mode, self.capacity_factor = mode, capacity_factor
+        self.mode, self.capacity_factor, self.rank_capacity_factor = mode, capacity_factor, rank_capacity_factor
         self.exchange = LocalExchange()
+
+    @property
+    def drops(self) -> bool:
+        """Whether copies may be dropped: capacity mode, or a per-rank receive budget."""
+        return self.mode == "capacity" or bool(self.rank_capacity_factor)
 
     @property
     def ep_group(self):
@@ -158,14 +170,15 @@ class AllToAllDispatcher:
         state.arrived_row_M[m]. `every_token`: the caller knows every token has a pair (top-k gates); with one rank
         and dropless dispatch the rows are then the tokens themselves, and `_local_rows` sorts the pairs without
         reading the device (the state's host counts are None)."""
-        if every_token and self.mode == "dropless" and isinstance(self.exchange, LocalExchange):
+        if every_token and not self.drops and isinstance(self.exchange, LocalExchange):
             return x_ND, self._local_rows(x_ND.shape[0], token_index_C, expert_C)
         num_tokens, num_pairs = x_ND.shape[0], expert_C.shape[0]
         P, L, device = self.ep_size, self.num_local_experts, x_ND.device
-        if self.mode == "capacity":
+        if self.drops:
             if gate_C is None:
-                raise ValueError("capacity dispatch needs the gates to decide which copies to drop")
-            order_C, dropped_C, counts_E = self._keep_highest_gates(expert_C, gate_C.detach())
+                raise ValueError("capacity dispatch (or a rank budget) needs the gates to decide which copies to drop")
+            keep = self._keep_highest_gates if self.mode == "capacity" else self._keep_within_rank_budget
+            order_C, dropped_C, counts_E = keep(expert_C, gate_C.detach())
             # Destination rank of every sorted copy; dropped copies get rank P, past every real row.
             rank_C = torch.div(expert_C.index_select(0, order_C), L, rounding_mode="floor").masked_fill(dropped_C, P)
             key_C = torch.add(token_index_C.index_select(0, order_C), rank_C, alpha=num_tokens)
@@ -178,7 +191,7 @@ class AllToAllDispatcher:
         # rank-major, then by token: the row all-to-all's order. A mark per (rank, token) and its running count
         # along each rank number them: the count at a copy's key, less one, is its row within that rank's message,
         # and the count at a rank's last token is the rank's rows. (Dropped copies mark an extra rank, never sent.)
-        ranks_marked = P + (self.mode == "capacity")
+        ranks_marked = P + self.drops
         marked_PN = torch.zeros(ranks_marked * num_tokens, dtype=torch.bool, device=device).index_fill_(0, key_C, True)
         running_PN = marked_PN.view(ranks_marked, num_tokens).cumsum(1)
         row_in_message_C = running_PN.view(-1).index_select(0, key_C) - 1
@@ -247,6 +260,25 @@ class AllToAllDispatcher:
         dropped_C = torch.arange(num_pairs, device=expert_C.device) - first_of_expert_C >= capacity
         to_end = torch.argsort(dropped_C.to(torch.uint8), stable=True)   # kept first, each in expert order
         return order_C.index_select(0, to_end), dropped_C.index_select(0, to_end), counts_E.clamp(max=capacity)
+
+    def rank_budget(self, num_pairs: int) -> int:
+        """Copies this rank may send to each expert-parallel rank."""
+        return math.ceil(self.rank_capacity_factor * num_pairs / self.ep_size)
+
+    def _keep_within_rank_budget(self, expert_C: torch.Tensor, gate_C: torch.Tensor):
+        """As _keep_highest_gates, with each destination rank's highest-gate copies kept up to rank_budget."""
+        num_pairs, L = expert_C.shape[0], self.num_local_experts
+        by_gate = torch.argsort(gate_C, descending=True, stable=True)
+        rank_by_gate = torch.div(expert_C.index_select(0, by_gate), L, rounding_mode="floor")
+        by_rank = by_gate.index_select(0, torch.argsort(rank_by_gate, stable=True))   # by rank, then by gate
+        counts_P = count_per_bin(rank_by_gate, self.ep_size)
+        first_of_rank = torch.repeat_interleave(counts_P.cumsum(0) - counts_P, counts_P, output_size=num_pairs)
+        dropped_by_rank = torch.arange(num_pairs, device=expert_C.device) - first_of_rank >= self.rank_budget(num_pairs)
+        dropped_C = torch.zeros_like(dropped_by_rank).index_copy_(0, by_rank, dropped_by_rank)   # by pair index
+        # kept copies by expert (each expert's in pair order), then the dropped ones
+        order_C = torch.argsort(expert_C.masked_fill(dropped_C, self.num_experts), stable=True)
+        kept_E = count_per_bin(expert_C.masked_fill(dropped_C, self.num_experts), self.num_experts + 1)
+        return order_C, dropped_C.index_select(0, order_C), kept_E[:self.num_experts]
 
     def follow_pairs(self, values_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """values_C[p] (one per routed pair, any dtype) delivered with pair p: [M], in the order of the arrived
