@@ -130,12 +130,19 @@ class TransformerConfig:
                               needs=_LLAMA)
     rope_theta: float = _f(10000.0, "llama block: base of the rotary positions' frequencies (Mixtral-8x7B: 1e6)",
                            needs=_LLAMA)
+    qk_norm: bool = _f(False, "llama block: RMSNorm over each head's queries and keys before the rotary positions "
+                              "(Qwen3's; an MoE FFN then exports as Qwen3MoeForCausalLM, a dense one as "
+                              "Qwen3ForCausalLM)", needs=_LLAMA)
+    rms_norm_eps: float = _f(1e-5, "llama block: epsilon of every RMSNorm (Mixtral, Llama 2: 1e-5; Qwen2/3: 1e-6)",
+                             needs=_LLAMA)
 
     def validate(self) -> None:
         _positive(num_layers=self.num_layers, ffn_hidden=self.ffn_hidden)
         if not self.rope_theta > 1:
             raise UserError(f"--rope-theta must be larger than 1 (got {self.rope_theta:g}); Llama uses 10000, "
                             f"Mixtral 1e6")
+        if not 0 < self.rms_norm_eps < 1:
+            raise UserError(f"--rms-norm-eps {self.rms_norm_eps:g} must lie between 0 and 1 (1e-5 or 1e-6)")
 
 
 @dataclass

@@ -8,12 +8,14 @@ A head's output is its context vector ctx_h = softmax(q_h k_hᵀ/√d + causal) 
 mask_h (0/1, Michel's ξ_h; applied after the softmax and attention dropout, as the BERT fork does) and by an
 optional per-token weight, then all heads go through one output projection. Its bias is added once, whatever
 heads remain (the BERT fork's `prune_linear_layer` keeps W_o's bias whole). The llama block's attention has no
-biases and rotates queries and keys by their positions (attention/rotary.py) before the scores.
+biases and rotates queries and keys by their positions (attention/rotary.py) before the scores; with --qk-norm
+(Qwen3's) each head's queries and keys are RMS-normalised first.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +26,10 @@ from moe_scale.attention.rotary import RotaryPositions
 
 class MultiHeadAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, head_dim: int, dropout: float = 0.0, bias: bool = True,
-                 rotary: RotaryPositions | None = None):
-        """`bias=False` and `rotary` (rotary positions on queries and keys): the llama block's attention."""
+                 rotary: RotaryPositions | None = None, qk_norm: Callable[[int], nn.Module] | None = None):
+        """`bias=False` and `rotary` (rotary positions on queries and keys): the llama block's attention.
+        `qk_norm(head_dim)`: the normalisation of every head's queries and keys before the positions (Qwen3's
+        `q_norm`, `k_norm`: one each, shared by the heads)."""
         super().__init__()
         self.d_model, self.head_dim, self.dropout, self.bias = d_model, head_dim, dropout, bias
         self.q_proj = nn.Linear(d_model, num_heads * head_dim, bias=bias)
@@ -33,6 +37,10 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, num_heads * head_dim, bias=bias)
         self.out_proj = nn.Linear(num_heads * head_dim, d_model, bias=bias)
         self.rotary = rotary
+        if qk_norm is not None:
+            self.q_norm, self.k_norm = qk_norm(head_dim), qk_norm(head_dim)
+        else:
+            self.q_norm = self.k_norm = None
         # Original index of every head still here: pruning and MAE's gate (which scores the original heads) use it.
         self.head_ids: list[int] = list(range(num_heads))
         self.register_buffer("mask_H", torch.ones(num_heads), persistent=False)
@@ -108,7 +116,10 @@ class MultiHeadAttention(nn.Module):
         weight = torch.cat([p.weight for p in projections])
         bias = torch.cat([p.bias for p in projections]) if self.bias else None
         qkv_BT3Hd = F.linear(x_BTD, weight, bias).view(B, T, 3, H, d)
-        return tuple(t.transpose(1, 2) for t in qkv_BT3Hd.unbind(2))
+        q_BTHd, k_BTHd, v_BTHd = qkv_BT3Hd.unbind(2)
+        if self.q_norm is not None:
+            q_BTHd, k_BTHd = self.q_norm(q_BTHd), self.k_norm(k_BTHd)
+        return q_BTHd.transpose(1, 2), k_BTHd.transpose(1, 2), v_BTHd.transpose(1, 2)
 
     def _no_heads(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """The output once every head is pruned: the output bias, or zeros without biases."""

@@ -7,7 +7,8 @@ files, config.json with the run's configuration under `run_config`).
 
     config.json                 transformers' config: model_type moe_scale, auto_map, the run's configuration
     configuration_moe_scale.py  modeling_moe_scale.py   the remote code (hf_remote/)
-    model.safetensors           every weight, the experts of every expert-parallel rank gathered
+    model.safetensors           every weight, the experts of every expert-parallel rank gathered (past
+                                --max-shard-size: model-0000i-of-0000n.safetensors and model.safetensors.index.json)
     tokenizer.json              the run's tokenizer (word-level over its vocabulary, or its BPE), <S> prepended
     tokenizer_config.json  special_tokens_map.json  README.md
 
@@ -29,6 +30,8 @@ from moe_scale.files import new_file_mode, process_alive
 REMOTE = Path(__file__).with_name("hf_remote")
 REMOTE_FILES = ("configuration_moe_scale.py", "modeling_moe_scale.py")
 CARD_PROMPT = "the company said"   # what the README's example continues
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9   # transformers' save_pretrained's 5GB (4.x)
+INDEX = "model.safetensors.index.json"
 
 
 def check_target(out: Path) -> None:
@@ -42,7 +45,7 @@ def check_target(out: Path) -> None:
         raise UserError(f"--out {out}: {existing} is not a directory; choose an --out inside a directory")
 
 
-def export_hf(run: Path, out: Path, checkpoint: str | None) -> str:
+def export_hf(run: Path, out: Path, checkpoint: str | None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
     """Writes the model directory (and its missing parents); returns the checkpoint tag exported."""
     from moe_scale.inference.trained_run import open_trained_run
 
@@ -55,7 +58,7 @@ def export_hf(run: Path, out: Path, checkpoint: str | None) -> str:
         _remove_stale_partials(out)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
-        _write(partial, trained.config, trained.tokenizer, trained.model, run, trained.checkpoint)
+        _write(partial, trained.config, trained.tokenizer, trained.model, run, trained.checkpoint, max_shard_bytes)
         partial.rename(out)
     except OSError as e:
         _remove(partial, created)
@@ -95,26 +98,51 @@ def _remove(partial: Path, created: list[Path]) -> None:
             pass
 
 
-def _save_tensors(target: Path, tensors: dict) -> None:
+def shards(tensors: dict, max_shard_bytes: int) -> list[list[str]]:
+    """The tensors' names cut into files of at most `max_shard_bytes` each, in order (a tensor larger than the
+    limit has a file of its own), as transformers' save_pretrained shards."""
+    out, size = [[]], 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if out[-1] and size + nbytes > max_shard_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += nbytes
+    return out
+
+
+def _save_tensors(target: Path, tensors: dict, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """model.safetensors, or past `max_shard_bytes` the shards model-0000i-of-0000n.safetensors and their
+    index (model.safetensors.index.json: the total size and each tensor's file), as save_pretrained writes them."""
     from safetensors.torch import save_file
 
-    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(target / "model.safetensors", new_file_mode())   # save_file writes it owner-only
+    parts = shards(tensors, max_shard_bytes)
+    names = ["model.safetensors"] if len(parts) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
+    for file, part in zip(names, parts):
+        save_file({name: tensors[name] for name in part}, str(target / file), metadata={"format": "pt"})
+        os.chmod(target / file, new_file_mode())   # save_file writes it owner-only
+    if len(parts) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (target / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                                "weight_map": {name: file for file, part in zip(names, parts)
+                                                               for name in part}}, indent=2) + "\n")
 
 
-def _write(target: Path, config, vocab, model, run: Path, tag: str) -> None:
+def _write(target: Path, config, vocab, model, run: Path, tag: str, max_shard_bytes: int) -> None:
     from moe_scale.weights import hf_native
 
     provenance = {"run_config": config.to_dict(), "exported_from": {"run": str(run.resolve()), "checkpoint": tag}}
     if hf_native.is_native(config):   # transformers' own Mixtral / Llama: no remote code
-        _save_tensors(target, hf_native.export_tensors(model, config))
+        _save_tensors(target, hf_native.export_tensors(model, config), max_shard_bytes)
         hf_config = {**hf_native.hf_config(config, len(vocab), vocab.BOS_ID, vocab.EOS_ID), **provenance}
         (target / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         _write_tokenizer(target, vocab, config.data.seq_len)
         (target / "README.md").write_text(_model_card(config, vocab, tag, hf_config["architectures"][0]))
         return
     state = {f"lm.{name}": t.detach().cpu().clone().contiguous() for name, t in _tensors_by_module_path(model)}
-    _save_tensors(target, state)
+    _save_tensors(target, state, max_shard_bytes)
     context = config.data.seq_len if config.model.kind == "transformer" else 0
     hf_config = {
         "model_type": "moe_scale", "architectures": ["MoEScaleForCausalLM"],

@@ -4,8 +4,9 @@ attention), its attention and dense FFN, the checks on its experts, its initiali
 a bias, and what the accounting and the exporters ask of it.
 
     default  pre-LayerNorm, sinusoidal positions, MHA / MoA / MAE attention, GELU FFN (with biases)
-    llama    Mixtral's decoder (Llama's with a dense FFN): RMSNorm, rotary positions, bias-free MHA, SwiGLU FFN,
-             gated experts, transformers' N(0, 0.02²) initialisation, no output bias; exports natively
+    llama    Mixtral's decoder (Llama's with a dense FFN): RMSNorm, rotary positions, bias-free MHA (with --qk-norm,
+             Qwen3's RMSNorm of each head's queries and keys), SwiGLU FFN, gated experts, transformers' N(0, 0.02²)
+             initialisation, no output bias; exports natively
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class BlockKind:
     exports_natively = False  # transformers' own classes compute it (weights/hf_native.py); else the remote code
     upcycles = False          # its dense FFN is one expert of the block's expert kind (train/upcycle.py)
 
-    def norm(self, d_model: int) -> nn.Module:
+    def norm(self, d_model: int, config: RunConfig) -> nn.Module:
         raise NotImplementedError
 
     def attention(self, config: RunConfig, ep_size: int, ep_rank: int, seed: int) -> nn.Module:
@@ -53,7 +54,7 @@ class BlockKind:
 class DefaultBlock(BlockKind):
     name = "default"
 
-    def norm(self, d_model):
+    def norm(self, d_model, config):
         return nn.LayerNorm(d_model)
 
     def attention(self, config, ep_size, ep_rank, seed):
@@ -78,14 +79,15 @@ class LlamaBlock(BlockKind):
     name = "llama"
     rotary, output_bias, dense_ffn_matrices, exports_natively, upcycles = True, False, 3, True, True
 
-    def norm(self, d_model):
-        return RMSNorm(d_model)
+    def norm(self, d_model, config):
+        return RMSNorm(d_model, eps=config.model.transformer.rms_norm_eps)
 
     def attention(self, config, ep_size, ep_rank, seed):
         d, transformer = config.model.d_model, config.model.transformer
         h = config.attention.head_width(d)
+        qk_norm = (lambda width: RMSNorm(width, eps=transformer.rms_norm_eps)) if transformer.qk_norm else None
         return MultiHeadAttention(d, config.attention.num_heads, h, config.model.dropout, bias=False,
-                                  rotary=RotaryPositions(h, transformer.rope_theta))
+                                  rotary=RotaryPositions(h, transformer.rope_theta), qk_norm=qk_norm)
 
     def dense_ffn(self, d_model, hidden):
         return SwiGLUFFN(d_model, hidden)

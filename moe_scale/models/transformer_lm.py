@@ -59,7 +59,7 @@ class Block(nn.Module):
             self.ffn = build_moe_layer(config.moe, d, ep_size=ep_size, ep_rank=ep_rank, seed=seed + 1,
                                        kind=config.expert_kind)
             kind.check_experts(self.ffn, config)
-        self.norm1, self.norm2 = kind.norm(d), kind.norm(d)
+        self.norm1, self.norm2 = kind.norm(d, config), kind.norm(d, config)
         self.dropout = nn.Dropout(config.model.dropout)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +100,7 @@ class TransformerLM(nn.Module):
         self.embedding = nn.Embedding(vocab_size, d)
         self.blocks = nn.ModuleList(Block(config, ep_size, ep_rank, seed + 2 * i)
                                     for i in range(config.model.transformer.num_layers))
-        self.final_norm = kind.norm(d)
+        self.final_norm = kind.norm(d, config)
         self.dropout = nn.Dropout(config.model.dropout)
         self.softmax = build_softmax(config.softmax, d, vocab_size, counts, bias=kind.output_bias)
         self.position_table: torch.Tensor | None = None   # sinusoidal positions, made once (not saved)

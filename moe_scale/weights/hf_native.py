@@ -1,5 +1,6 @@
 """A --block llama model as transformers' own MixtralForCausalLM (MoE FFN), Qwen2MoeForCausalLM (MoE FFN with
-shared experts) or LlamaForCausalLM (dense FFN), and back: one name mapping, used by `moe-scale export --format
+shared experts), Qwen3MoeForCausalLM (MoE FFN, --qk-norm), LlamaForCausalLM (dense FFN) or Qwen3ForCausalLM (dense
+FFN, --qk-norm), and back: one name mapping, used by `moe-scale export --format
 hf` (no remote code: plain `AutoModelForCausalLM.from_pretrained(DIR)` loads it) and by `train --init-from-hf
 DIR`.
 
@@ -21,6 +22,11 @@ up_proj / down_proj` (its released names; 5.x fuses them as Mixtral's), the S sh
 `mlp.shared_expert` of intermediate size S·h_s (`gate_proj`, `up_proj`, `down_proj`: blocks.N.ffn.shared's own
 names) and `blocks.N.ffn.shared.w_gate [D]` is `mlp.shared_expert_gate.weight [1, D]`. Qwen2's attention has q/k/v
 biases: they are written as zeros (`qkv_bias` true, so every transformers loads them) and must be zero to import.
+
+Qwen3-MoE (no shared expert; `--qk-norm`): Qwen2-MoE's expert and router names, plus each attention's
+`self_attn.q_norm` / `k_norm` [head_dim] (blocks.N.attn.q_norm / k_norm), no attention biases, `norm_topk_prob`
+true (the chosen probabilities renormalised, as the llama block's softmax top-k does). Qwen3 (dense): Llama's
+names plus the same q/k norms.
 """
 
 from __future__ import annotations
@@ -33,13 +39,17 @@ import torch
 from moe_scale.errors import UserError
 from moe_scale.moe.experts.kinds import expert_kind
 from moe_scale.moe.router import gate_class
-from moe_scale.models.rms_norm import RMS_NORM_EPS
 from moe_scale.models.blocks import LLAMA_INIT_STD, block_kind
 
 _LEGACY = "model.layers.{}.block_sparse_moe."   # Mixtral's released checkpoints (and transformers 4.x)
 _FUSED = "model.layers.{}.mlp."                 # transformers 5's own layout (and Qwen2-MoE's released one)
 # per-expert names of the released layouts: prefix, then the gate, up and down matrices
-_RELEASED = {"mixtral": (_LEGACY, "w1", "w3", "w2"), "qwen2_moe": (_FUSED, "gate_proj", "up_proj", "down_proj")}
+_RELEASED = {"mixtral": (_LEGACY, "w1", "w3", "w2"), "qwen2_moe": (_FUSED, "gate_proj", "up_proj", "down_proj"),
+             "qwen3_moe": (_FUSED, "gate_proj", "up_proj", "down_proj")}
+# Where this run's flags differ from a checkpoint of another model_type: what to pass instead.
+_INSTEAD = {"mixtral": "--ffn moe without --shared-experts or --qk-norm", "llama": "--ffn dense without --qk-norm",
+            "qwen2_moe": "--ffn moe --shared-experts 1 --shared-expert-gate", "qwen3_moe": "--ffn moe --qk-norm",
+            "qwen3": "--ffn dense --qk-norm"}
 
 
 def is_native(config) -> bool:
@@ -49,15 +59,21 @@ def is_native(config) -> bool:
 
 def architecture(config) -> tuple[str, str]:
     """(model_type, architecture) of a llama-block run: Mixtral with an MoE FFN, Qwen2-MoE with shared experts
-    too, Llama with a dense FFN."""
+    too, Qwen3-MoE with q/k norms; Llama with a dense FFN, Qwen3 with q/k norms."""
+    qk_norm = config.model.transformer.qk_norm
     if config.model.transformer.ffn == "moe":
         if not gate_class(config.moe.router).exports_as_mixtral(config.moe.router):
-            raise UserError(f"--gate {config.moe.router.gate}: transformers' Mixtral and Qwen2-MoE routers do not "
+            raise UserError(f"--gate {config.moe.router.gate}: transformers' Mixtral and Qwen-MoE routers do not "
                             f"compute it, so this run has no native export")
+        if config.moe.experts.shared and qk_norm:
+            raise UserError("--shared-experts with --qk-norm: no transformers MoE has both (Qwen2-MoE has shared "
+                            "experts, Qwen3-MoE q/k norms), so this run has no native export")
         if config.moe.experts.shared:
             return "qwen2_moe", "Qwen2MoeForCausalLM"
+        if qk_norm:
+            return "qwen3_moe", "Qwen3MoeForCausalLM"
         return "mixtral", "MixtralForCausalLM"
-    return "llama", "LlamaForCausalLM"
+    return ("qwen3", "Qwen3ForCausalLM") if qk_norm else ("llama", "LlamaForCausalLM")
 
 
 def hf_config(config, vocab_size: int, bos_id: int, eos_id: int) -> dict:
@@ -72,7 +88,7 @@ def hf_config(config, vocab_size: int, bos_id: int, eos_id: int) -> dict:
         "num_key_value_heads": attention.num_heads, "head_dim": attention.head_width(d),
         "hidden_act": expert_kind(config.expert_kind).hf_act if config.has_moe_ffn else "silu",
         "max_position_embeddings": config.data.seq_len, "initializer_range": LLAMA_INIT_STD,
-        "rms_norm_eps": RMS_NORM_EPS, "rope_theta": theta, "rope_parameters": {"rope_type": "default",
+        "rms_norm_eps": transformer.rms_norm_eps, "rope_theta": theta, "rope_parameters": {"rope_type": "default",
                                                                                 "rope_theta": theta},
         "attention_dropout": 0.0, "tie_word_embeddings": transformer.tie_embeddings, "use_cache": True,
         "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": None, "dtype": "float32",
@@ -97,6 +113,18 @@ def hf_config(config, vocab_size: int, bos_id: int, eos_id: int) -> dict:
             "max_window_layers": transformer.num_layers, "output_router_logits": False,
             # the same balancing loss as Mixtral's (see above)
             "router_aux_loss_coef": router.softmax_topk.aux_weight * transformer.num_layers / router.top_k})
+    elif model_type == "qwen3_moe":
+        router, experts = config.moe.router, config.moe.experts
+        out.update({
+            "intermediate_size": experts.hidden, "moe_intermediate_size": experts.hidden,
+            "num_experts": experts.num_experts, "num_experts_per_tok": router.top_k, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False, "use_sliding_window": False,
+            "sliding_window": None, "max_window_layers": transformer.num_layers, "output_router_logits": False,
+            # the same balancing loss as Mixtral's (see above)
+            "router_aux_loss_coef": router.softmax_topk.aux_weight * transformer.num_layers / router.top_k})
+    elif model_type == "qwen3":
+        out.update({"intermediate_size": transformer.ffn_hidden, "attention_bias": False, "use_sliding_window": False,
+                    "sliding_window": None, "max_window_layers": transformer.num_layers})
     else:
         out.update({"intermediate_size": transformer.ffn_hidden, "attention_bias": False, "mlp_bias": False,
                     "pretraining_tp": 1})
@@ -124,6 +152,9 @@ def _block_tensors(i: int, block, config) -> dict[str, torch.Tensor]:
            layer + "self_attn.k_proj.weight": attn.k_proj.weight,
            layer + "self_attn.v_proj.weight": attn.v_proj.weight,
            layer + "self_attn.o_proj.weight": attn.out_proj.weight}
+    if attn.q_norm is not None:   # Qwen3's
+        out[layer + "self_attn.q_norm.weight"], out[layer + "self_attn.k_norm.weight"] = \
+            attn.q_norm.weight, attn.k_norm.weight
     ffn = block.ffn
     if config.model.transformer.ffn == "dense":
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -194,18 +225,20 @@ def check_config(hf: dict, config, vocab_size: int, where: str) -> None:
     expected = hf_config(config, vocab_size, 1, 2)
     model_type, _ = architecture(config)
     if hf.get("model_type") != model_type:
-        other = {"mixtral": "--ffn moe without --shared-experts", "llama": "--ffn dense",
-                 "qwen2_moe": "--ffn moe --shared-experts 1 --shared-expert-gate"}.get(hf.get("model_type"))
+        other = _INSTEAD.get(hf.get("model_type"))
         raise UserError(f"{where}: it holds a {hf.get('model_type')!r} model and this run builds {model_type!r}; "
-                        + (f"pass {other}" if other else "only Mixtral, Qwen2-MoE and Llama checkpoints import"))
-    moe, qwen = model_type != "llama", model_type == "qwen2_moe"
+                        + (f"pass {other}" if other else "only Mixtral, Qwen2-MoE, Qwen3-MoE, Llama and Qwen3 "
+                                                         "checkpoints import"))
+    moe, qwen = model_type not in ("llama", "qwen3"), model_type == "qwen2_moe"
+    qwen3 = model_type in ("qwen3_moe", "qwen3")
     flags = {"vocab_size": "the vocabulary (--vocab-size, --tokenizer)", "hidden_size": "--d-model",
              "num_hidden_layers": "--num-layers", "num_attention_heads": "--num-heads", "head_dim": "--head-dim",
              "intermediate_size": "--expert-hidden" if moe and not qwen else "--ffn-hidden",
              "rope_theta": "--rope-theta", "tie_word_embeddings": "--tie-embeddings / --no-tie-embeddings",
              "num_local_experts": "--num-experts", "num_experts": "--num-experts", "num_experts_per_tok": "--top-k",
              "moe_intermediate_size": "--expert-hidden",
-             "shared_expert_intermediate_size": "--shared-experts × --shared-expert-hidden (their product)"}
+             "shared_expert_intermediate_size": "--shared-experts × --shared-expert-hidden (their product)",
+             "rms_norm_eps": "--rms-norm-eps"}
     theirs = {**_transformers_defaults(model_type), **hf}   # what transformers takes where config.json is silent
     theirs.setdefault("head_dim", None)
     if theirs["head_dim"] is None:
@@ -213,7 +246,14 @@ def check_config(hf: dict, config, vocab_size: int, where: str) -> None:
     theirs.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
     theirs.setdefault("tie_word_embeddings", moe is False)   # transformers' defaults: Llama ties, MoEs do not
     theirs.setdefault("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    theirs.setdefault("rms_norm_eps", 1e-6 if not moe or qwen else 1e-5)
+    theirs.setdefault("rms_norm_eps", 1e-6 if not moe or qwen or qwen3 else 1e-5)
+    if qwen3:   # Qwen3(-MoE)Config's defaults; intermediate_size sizes only mlp_only_layers' FFNs in the MoE
+        theirs.setdefault("norm_topk_prob", False)
+        theirs["mlp_only_layers"] = theirs.get("mlp_only_layers") or []
+        if model_type == "qwen3_moe":
+            theirs["intermediate_size"] = expected["intermediate_size"]
+        if not theirs.get("use_sliding_window"):
+            theirs["sliding_window"] = None
     if qwen:   # Qwen2MoeConfig's defaults; intermediate_size sizes only mlp_only_layers' FFNs (there are none)
         theirs.update(intermediate_size=expected["intermediate_size"], max_window_layers=None)
         theirs.setdefault("norm_topk_prob", False)
@@ -223,7 +263,7 @@ def check_config(hf: dict, config, vocab_size: int, where: str) -> None:
             theirs["sliding_window"] = None
     theirs.setdefault("hidden_act", "silu")
     theirs.setdefault("sliding_window", None)
-    for field in (*flags, "num_key_value_heads", "rms_norm_eps", "hidden_act", "sliding_window", "attention_bias",
+    for field in (*flags, "num_key_value_heads", "hidden_act", "sliding_window", "attention_bias",
                   "mlp_bias", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
         if field not in expected or theirs.get(field, expected[field]) == expected[field]:
             continue
@@ -297,7 +337,8 @@ def import_tensors(model, config, tensors: dict[str, torch.Tensor], where: str) 
     leftover = sorted(name for name in tensors if not name.endswith("rotary_emb.inv_freq"))
     if leftover:
         raise UserError(f"{where}: {leftover[0]} (and {len(leftover) - 1} more) has no place in a --block llama "
-                        f"model; only Mixtral / Qwen2-MoE / Llama checkpoints without extra modules import")
+                        f"model; only Mixtral / Qwen2-MoE / Qwen3-MoE / Llama / Qwen3 checkpoints without extra modules "
+                        f"import")
 
 
 def _drop_zero_attention_biases(tensors: dict, where: str) -> None:
@@ -324,6 +365,9 @@ def _wanted(model, config, tensors: dict, where: str) -> dict:
                        layer + "self_attn.k_proj.weight": (attn.k_proj.weight, same),
                        layer + "self_attn.v_proj.weight": (attn.v_proj.weight, same),
                        layer + "self_attn.o_proj.weight": (attn.out_proj.weight, same)})
+        if attn.q_norm is not None:
+            wanted.update({layer + "self_attn.q_norm.weight": (attn.q_norm.weight, same),
+                           layer + "self_attn.k_norm.weight": (attn.k_norm.weight, same)})
         if config.model.transformer.ffn == "dense":
             wanted.update({f"{layer}mlp.{name}.weight": (getattr(block.ffn, name).weight, same)
                            for name in ("gate_proj", "up_proj", "down_proj")})

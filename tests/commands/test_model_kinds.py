@@ -1,7 +1,7 @@
 """Every command on every model kind (issue 41): eval, generate, export --format hf and prune-heads on each kind
 of run, from the LSTM LM (every gate, hierarchical MoE, the dense baselines) to the transformer (MHA, MoA and
-MAE attention, a dense or an MoE FFN; the llama block, Mixtral's, Qwen2-MoE's and Llama's architecture, exported
-as transformers' own classes), with the adaptive and the sampled softmax, word and BPE tokenizers.
+MAE attention, a dense or an MoE FFN; the llama block, Mixtral's, Qwen2-MoE's, Llama's and Qwen3's architecture,
+exported as transformers' own classes), with the adaptive and the sampled softmax, word and BPE tokenizers.
 
 Each cell works, checked against an independent computation, or is refused in one line where the command says
 it does not apply (prune-heads: transformer runs with --attention mha or mae). eval equals the training run's
@@ -51,6 +51,8 @@ KINDS = {
                                      "--shared-expert-gate"],   # Qwen2-MoE
     "transformer-llama-dense-tied-sampled-bpe": [*_TRANSFORMER, "--block", "llama", "--tie-embeddings", "--softmax",
                                                  "sampled", "--num-sampled", "50", "--tokenizer", "bpe"],   # Llama
+    "transformer-llama-dense-qk-norm": [*_TRANSFORMER, "--block", "llama", "--qk-norm", "--rms-norm-eps",
+                                        "1e-6"],   # Qwen3
 }
 NATIVE = {kind for kind, flags in KINDS.items() if "llama" in flags}   # exported as transformers' own classes
 PRUNABLE = {kind for kind, flags in KINDS.items() if "transformer" in flags and "moa" not in flags}
@@ -215,7 +217,8 @@ def test_export(kind, trained, opened, corpus, embedded_cache, tmp_path):
 
     if native:
         assert type(model).__name__ == ("Qwen2MoeForCausalLM" if "shared" in kind else "MixtralForCausalLM"
-                                        if "moe" in kind else "LlamaForCausalLM")
+                                        if "moe" in kind else "Qwen3ForCausalLM" if "qk-norm" in kind
+                                        else "LlamaForCausalLM")
         assert not list(out.glob("*.py"))
     else:   # every buffer as moe_scale builds it, the saved ones and those transformers builds empty (head masks)
         theirs, mine = dict(model.lm.named_buffers()), dict(ours.model.named_buffers())

@@ -1,5 +1,6 @@
 """`moe-scale export --format hf` of a --block llama run (issue 44): a native MixtralForCausalLM directory (with
-shared experts: Qwen2MoeForCausalLM), no remote code, that plain `AutoModelForCausalLM.from_pretrained(DIR)`
+shared experts: Qwen2MoeForCausalLM; with --qk-norm: Qwen3MoeForCausalLM (Qwen3ForCausalLM with a dense FFN:
+tests/commands/test_model_kinds.py); past --max-shard-size in shards with an index), no remote code, that plain `AutoModelForCausalLM.from_pretrained(DIR)`
 loads; its logits are moe_scale's (float32, relative error ≤ 1e-4) and greedy `generate` gives the text
 `moe-scale generate --greedy` prints; `train --init-from-hf DIR` imports it (round trip: import, then export, gives
 the same tensors and the same validation perplexity), and refuses in one line, with nothing written, a run of
@@ -21,7 +22,9 @@ LLAMA = ["--model", "transformer", "--block", "llama", "--ffn", "moe", "--num-la
 
 
 QWEN = [*LLAMA, "--shared-experts", "2", "--shared-expert-hidden", "16", "--shared-expert-gate"]
-KINDS = {"MixtralForCausalLM": ("exported", LLAMA), "Qwen2MoeForCausalLM": ("exported_qwen", QWEN)}
+QWEN3 = [*LLAMA, "--qk-norm", "--rms-norm-eps", "1e-6"]   # Qwen3-MoE: q/k norms, no shared expert
+KINDS = {"MixtralForCausalLM": ("exported", LLAMA), "Qwen2MoeForCausalLM": ("exported_qwen", QWEN),
+         "Qwen3MoeForCausalLM": ("exported_qwen3", QWEN3)}
 
 
 def _export(root, flags, embedded_cache):
@@ -46,6 +49,12 @@ def exported(tmp_path_factory, embedded_cache):
 def exported_qwen(tmp_path_factory, embedded_cache):
     """The same with 2 gated shared experts of width 16: Qwen2-MoE's architecture."""
     return _export(tmp_path_factory.mktemp("qwen"), QWEN, embedded_cache)
+
+
+@pytest.fixture(scope="module")
+def exported_qwen3(tmp_path_factory, embedded_cache):
+    """With Qwen3's q/k norms and its 1e-6 epsilon: Qwen3-MoE's architecture."""
+    return _export(tmp_path_factory.mktemp("qwen3"), QWEN3, embedded_cache)
 
 
 def _open(run):
@@ -136,3 +145,52 @@ def test_a_run_of_another_shape_or_vocabulary_is_refused(exported, embedded_cach
                    "--init-from-hf", str(out), "--out", str(tmp_path / "run"), cwd=tmp_path, cache=embedded_cache)
     assert_one_line_error(proc, f"--init-from-hf {out}", *fragments)
     assert not (tmp_path / "run").exists()
+
+
+def test_past_max_shard_size_it_writes_shards_and_an_index_that_load_and_import(exported_qwen3, embedded_cache,
+                                                                              tmp_path):
+    """--max-shard-size 40KB: several safetensors files and model.safetensors.index.json, as save_pretrained writes
+    them; transformers loads the same model as from the single file, --init-from-hf imports it, and a cut-short or
+    missing shard is refused in one line."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    corpus, run, single = exported_qwen3
+    sharded = tmp_path / "sharded"
+    run_cli("export", "--run", str(run), "--max-shard-size", "40KB", "--out", str(sharded), cwd=tmp_path,
+            cache=embedded_cache, check=True)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and not (sharded / "model.safetensors").exists()
+    assert files == sorted(p.name for p in sharded.glob("model-*-of-*.safetensors"))
+    whole = load_file(str(single / "model.safetensors"))
+    parts = {name: t for file in files for name, t in load_file(str(sharded / file)).items()}
+    assert parts.keys() == whole.keys() == index["weight_map"].keys()
+    assert all(torch.equal(parts[name], whole[name]) for name in whole)
+    assert all((sharded / file).stat().st_size <= 40_000 + 4096 or len(load_file(str(sharded / file))) == 1
+               for file in files)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in whole.values())
+    ids = torch.tensor([[1, 5, 9, 12]])
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(str(sharded))(ids).logits,
+                                   AutoModelForCausalLM.from_pretrained(str(single))(ids).logits, rtol=0, atol=0)
+    again = tmp_path / "again"
+    run_train([*TINY, *QWEN3, "--data", str(corpus), "--max-steps", "1", "--lr", "0", "--init-from-hf",
+               str(sharded), "--out", str(again)], cwd=tmp_path, cache=embedded_cache)
+    run_cli("export", "--run", str(again), "--out", str(tmp_path / "hf"), cwd=tmp_path, cache=embedded_cache,
+            check=True)
+    again_tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert again_tensors.keys() == whole.keys() and all(torch.equal(again_tensors[n], whole[n]) for n in whole)
+
+    shard = max((sharded / file for file in files), key=lambda path: path.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])   # cut short
+    proc = run_cli("train", *TINY, *QWEN3, "--data", str(corpus), "--max-steps", "1", "--init-from-hf",
+                   str(sharded), "--out", str(tmp_path / "cut"), cwd=tmp_path, cache=embedded_cache)
+    assert_one_line_error(proc, f"{shard.name} is not a readable safetensors file")
+    shard.unlink()
+    proc = run_cli("train", *TINY, *QWEN3, "--data", str(corpus), "--max-steps", "1", "--init-from-hf",
+                   str(sharded), "--out", str(tmp_path / "missing"), cwd=tmp_path, cache=embedded_cache)
+    assert_one_line_error(proc, f"names the shard {shard.name}, which is not there")
+    assert not (tmp_path / "cut").exists() and not (tmp_path / "missing").exists()
+    assert_one_line_error(run_cli("export", "--run", str(run), "--max-shard-size", "lots", "--out",
+                                  str(tmp_path / "x"), cwd=tmp_path), "--max-shard-size lots")

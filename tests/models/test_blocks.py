@@ -23,8 +23,8 @@ def test_each_kind_builds_what_it_declares(name):
     config.validate()
     lm = build_model(config, 40)
     assert lm.block_kind is kind
-    assert all(type(m) is type(kind.norm(16)) for b in lm.blocks for m in (b.norm1, b.norm2))
-    assert type(lm.final_norm) is type(kind.norm(16))
+    assert all(type(m) is type(kind.norm(16, config)) for b in lm.blocks for m in (b.norm1, b.norm2))
+    assert type(lm.final_norm) is type(kind.norm(16, config))
     assert (lm.softmax.proj.bias is not None) == kind.output_bias
     assert all((b.attn.rotary is not None) == kind.rotary for b in lm.blocks)
     assert sum(isinstance(m, nn.Linear) for m in lm.blocks[0].ffn.modules()) == kind.dense_ffn_matrices
