@@ -15,6 +15,7 @@ finishes its step and writes a checkpoint, then exits 0: train/preemption.py).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from moe_scale.errors import UserError
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         line, status = interrupted_line(e)
         print(line, file=sys.stderr)
         return status
+    except BrokenPipeError:   # the reader of stdout went away (`| head`): stop as `cat` does, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13   # SIGPIPE's conventional status
     return 0
 
 

@@ -71,6 +71,8 @@ def _gate(*gates: str) -> Needs:
 
 
 _MOE = Needs(lambda c: c.has_moe_ffn, "an MoE layer (--layout lstm-moe-lstm, or --model transformer --ffn moe)")
+_ROUTED = Needs(lambda c: c.has_moe_ffn or c.model.kind == "transformer" and c.attention.kind == "moa",
+                "an MoE layer or MoA attention (routed layers)")
 _SAMPLED = Needs(lambda c: c.softmax.kind == "sampled", "--softmax sampled")
 _STREAM = Needs(lambda c: c.data.stream, "--stream")
 _SHARED = Needs(lambda c: c.moe.experts.shared > 0, "--shared-experts 1 or more")
@@ -588,6 +590,10 @@ class RunDirConfig:
     accept_changed_data: bool = _f(False, "with --resume: go on although the data files differ from those the run "
                                           "started on (recorded in data_files.json; the log says so)",
                                    needs=Needs(lambda c: c.run.resume, "--resume"))
+    record_routes: str | None = _f(None, "write each routed layer's chosen experts per token of every training "
+                                         "forward to this directory (router replay: docs/routing.md)", needs=_ROUTED)
+    replay_routes: str | None = _f(None, "route every training forward by the experts recorded in this directory "
+                                         "(--record-routes), the gates from the live router's scores", needs=_ROUTED)
 
     def validate(self) -> None:
         _positive(log_interval=self.log_interval, eval_interval=self.eval_interval)
@@ -599,6 +605,8 @@ class RunDirConfig:
             raise UserError(f"--keep-checkpoints must be 0 (keep all) or positive (got {self.keep_checkpoints})")
         if self.resume and self.overwrite:
             raise UserError("--resume and --overwrite contradict each other; pass one of them")
+        if self.record_routes and self.record_routes == self.replay_routes:
+            raise UserError("--record-routes and --replay-routes name the same directory; record into another one")
 
 
 # ---------------------------------------------------------------- the whole run

@@ -28,6 +28,11 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--expert-stats", action="store_true", help="per MoE layer: load and importance per "
                    "expert, CV and max/mean load over the evaluated text")
+    p.add_argument("--record-routes", metavar="DIR", help="write each routed layer's chosen experts per token to "
+                                                          "DIR (router replay: docs/routing.md)")
+    p.add_argument("--replay-routes", metavar="DIR", help="route by the experts recorded in DIR (eval "
+                                                          "--record-routes of the same run and data), the gates "
+                                                          "from the live router")
     p.add_argument("--top-tokens", type=int, default=0, metavar="N", help="per expert: the N positions with "
                    "the largest gate (with context) and the N words routed there most often")
     p.set_defaults(run_command=run)
@@ -35,7 +40,8 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> None:
     with contextlib.redirect_stdout(sys.stderr):   # only the result on stdout (`--json` must parse)
-        result = run_eval(args.run, args.split, args.data, args.expert_stats, args.top_tokens, args.checkpoint)
+        result = run_eval(args.run, args.split, args.data, args.expert_stats, args.top_tokens, args.checkpoint,
+                          args.record_routes, args.replay_routes)
     if result is not None:
         print(json.dumps(result) if args.json else format_eval(result))
 
@@ -52,12 +58,16 @@ def check_expert_stats_world(config, world_size: int) -> None:
 
 
 def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = False,
-             top_tokens: int = 0, checkpoint: str | None = None) -> dict | None:
+             top_tokens: int = 0, checkpoint: str | None = None, record_routes: str | None = None,
+             replay_routes: str | None = None) -> dict | None:
     """Evaluates checkpoint `checkpoint` (default: the newest complete one) on every process of the launch (the
     experts spread over them); returns the result on rank 0 (None elsewhere)."""
     from moe_scale.data import load_sentences, resolve_text_files, sentence_texts
     from moe_scale.data.eval_windows import EvalWindows
+    import zlib
+
     from moe_scale.inference.trained_run import open_trained_run
+    from moe_scale.moe.route_tape import open_tape
     from moe_scale.train.data_setup import load_run_splits
     from moe_scale.train.evaluate import evaluate
     from moe_scale.train.expert_tokens import ExpertTokenStats
@@ -80,7 +90,10 @@ def run_eval(run_dir: str, split: str, data: str | None, expert_stats: bool = Fa
                           rank=env.rank, world_size=env.world_size, what=f"the {split} data")
     observer = ExpertTokenStats(model.moe_layers(), vocab, windows.tokens, top_tokens) \
         if expert_stats or top_tokens else None
-    result = evaluate(model, windows, device=env.device, observer=observer, describe=True)
+    tape = open_tape(model.moe_layers(), config.moe.router.gate, record_routes, replay_routes, env.rank,
+                     env.world_size, {"tokens_crc32": zlib.crc32(windows.tokens.tobytes()),
+                                      "seq_len": config.data.seq_len, "rows": rows})
+    result = evaluate(model, windows, device=env.device, observer=observer, describe=True, tape=tape)
     result = {"split": "data" if data else split, "source": source, "checkpoint": tag,
               "tokenizer": config.data.tokenizer, **result}
     if observer is not None:

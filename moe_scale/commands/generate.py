@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
                                                             "probabilities sum to p (nucleus sampling)")
     p.add_argument("--greedy", action="store_true", help="always the most likely word (no sampling)")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same samples")
+    p.add_argument("--record-routes", metavar="DIR", help="write each routed layer's chosen experts per token of "
+                                                          "every decoding step to DIR (docs/routing.md)")
     p.add_argument("--show-experts", action="store_true", help="per generated word: the experts (and gates) "
                                                                "it was routed to in every expert layer")
     p.set_defaults(run_command=run)
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
     prompt = _prompt_words(args.prompt, args.prompt_file)
     with contextlib.redirect_stdout(sys.stderr):   # only the samples on stdout
         text, note = run_generate(Path(args.run), prompt, args.max_new_tokens, args.num_samples, sampling,
-                                  args.seed, args.show_experts, args.checkpoint)
+                                  args.seed, args.show_experts, args.checkpoint, args.record_routes)
     print(text, flush=True)
     if note is not None:
         print(f"moe-scale: {note}", file=sys.stderr)
@@ -77,7 +79,8 @@ def _prompt_words(prompt: str | None, prompt_file: str | None) -> list[str]:
 
 
 def run_generate(run: Path, prompt: list[str], max_new: int, num_samples: int, sampling, seed: int,
-                 show_experts: bool, checkpoint: str | None) -> tuple[str, str | None]:
+                 show_experts: bool, checkpoint: str | None, record_routes: str | None = None
+                 ) -> tuple[str, str | None]:
     """(the samples as printed, a note where some ended their sentence before any new token)."""
     from moe_scale.inference.trained_run import open_trained_run
 
@@ -91,8 +94,13 @@ def run_generate(run: Path, prompt: list[str], max_new: int, num_samples: int, s
     tokenizer = trained.tokenizer
     prompt_ids = tokenizer.encode(text)
     generator = torch.Generator().manual_seed(seed)
+    from moe_scale.moe.route_tape import open_tape
+
+    config, env = trained.config, trained.env
+    tape = open_tape(trained.model.moe_layers(), config.moe.router.gate, record_routes, None, env.rank,
+                     env.world_size, {"prompt": prompt_ids, "samples": num_samples, "seed": seed})
     samples = generate(trained.model, tokenizer, prompt_ids, num_samples, max_new, sampling, generator,
-                       trained.env.device, show_experts)
+                       trained.env.device, show_experts, tape)
     return format_samples(tokenizer, prompt_ids, samples, show_experts), ended_at_once(samples, sampling.greedy)
 
 

@@ -74,17 +74,22 @@ class RouteRecorder:
 @torch.no_grad()
 def generate(model: nn.Module, vocab: Vocab, prompt_ids: list[int], num_samples: int, max_new_words: int,
              sampling: SamplingConfig, generator: torch.Generator, device: torch.device,
-             show_experts: bool = False) -> list[Sample]:
-    """`num_samples` continuations of <S> + prompt, sampled together as one batch."""
+             show_experts: bool = False, tape=None) -> list[Sample]:
+    """`num_samples` continuations of <S> + prompt, sampled together as one batch; `tape` (moe/route_tape.py)
+    records each decoding step's routing (step 0: <S> and the prompt)."""
     model.eval()
     recorder = RouteRecorder(model) if show_experts else None
     try:
         inputs_BT = torch.tensor([[Vocab.BOS_ID, *prompt_ids]] * num_samples, device=device)
+        if tape is not None:
+            tape.at("generate", 0)
         log_probs_BTV, state = model.decode(inputs_BT)
         samples = [Sample([]) for _ in range(num_samples)]
         for step in range(max_new_words):
             word_B = next_words(log_probs_BTV[:, -1], sampling, generator)
             if show_experts or step + 1 < max_new_words:   # the word's own routing needs it as an input
+                if tape is not None:
+                    tape.at("generate", step + 1)
                 log_probs_BTV, state = model.decode(word_B[:, None], state)
             for b, (sample, word) in enumerate(zip(samples, word_B.tolist())):
                 if sample.finished:
@@ -102,6 +107,8 @@ def generate(model: nn.Module, vocab: Vocab, prompt_ids: list[int], num_samples:
     finally:
         if recorder is not None:
             recorder.close()
+        if tape is not None:
+            tape.flush()
 
 
 def format_samples(vocab: Vocab | SubwordTokenizer, prompt_ids: list[int], samples: list[Sample],

@@ -82,6 +82,8 @@ class RoutedLayer(ExpertParallelModule):
         self.routes: Routes | None = None
         self.real_tokens_N: torch.Tensor | None = None   # see real_tokens(); None: every row is a real token
         self.force_balanced = False   # --force-balanced-routing: the router's pairs go to the experts round-robin
+        self.route_tape = None   # moe/route_tape.py: records this layer's routing, or replays a record
+        self.tape_index = 0
 
     def route(self, x_ND: torch.Tensor, seq_len: int | None = None) -> RouterOutput:
         """The router on x_ND (rows: sequences of `seq_len` tokens, for a gate that reads it), its statistics
@@ -92,6 +94,8 @@ class RoutedLayer(ExpertParallelModule):
         if self.router.takes_seq_len:
             extra["seq_len"] = seq_len
         route = self.router(x_ND, **extra)
+        if self.route_tape is not None:
+            route = self.route_tape.apply(self, route)
         if self.force_balanced:
             route = route.round_robin(self.num_experts)
         self.keep_routes(route.pairs)

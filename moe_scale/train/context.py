@@ -10,6 +10,7 @@ import torch
 
 from moe_scale.config import RunConfig
 from moe_scale.distributed.launch import DistEnv
+from moe_scale.moe.route_tape import RouteTape
 from moe_scale.moe.router import GlobalTokenNoise, Router
 from moe_scale.train.data_setup import LMData
 from moe_scale.train.engine import TrainingEngine
@@ -30,3 +31,4 @@ class TrainContext:
     ds_config: dict
     stop_requests: StopRequests
     balancers: list[Router] = field(default_factory=list)   # gates told of each step (aux_free's routing biases)
+    tape: RouteTape | None = None   # --record-routes / --replay-routes (moe/route_tape.py)

@@ -29,10 +29,11 @@ def oov_rate(counts: dict) -> float:
 
 @torch.no_grad()
 def evaluate(model, windows: EvalWindows, max_batches: int = 0, device=None, observer=None,
-             describe: bool = False) -> dict:
+             describe: bool = False, tape=None) -> dict:
     """exp(total NLL / counted words) over the split (every rank runs the same number of batches, which
     expert-parallel all-to-alls need). `observer` (e.g. ExpertTokenStats) is told each batch's positions;
-    `describe` adds what was counted (word, sentence and OOV counts and the OOV rate of a complete pass)."""
+    `describe` adds what was counted (word, sentence and OOV counts and the OOV rate of a complete pass); `tape`
+    (moe/route_tape.py) records or replays each batch's routing."""
     from moe_scale.moe.routed_layer import real_tokens   # here: it imports DeepSpeed, which `moe-scale` may not
 
     was_training = model.training
@@ -45,8 +46,13 @@ def evaluate(model, windows: EvalWindows, max_batches: int = 0, device=None, obs
         if observer is not None:
             observer.begin_batch(windows.batch_positions(index))
         real_BT = windows.real_tokens(index)
+        if tape is not None:   # --record-routes / --replay-routes (moe/route_tape.py)
+            tape.at("eval", index)
         with real_tokens(balance.layers, None if real_BT is None else real_BT.reshape(-1).to(device)):
             out = model(inputs.to(device), targets.to(device))
+        if tape is not None:
+            tape.clear()
+            tape.flush()
         counted = int((targets != IGNORE).sum())
         totals += torch.tensor([out.nll_sum.item(), counted, windows.counted_words(index)], dtype=torch.float64,
                                device=totals.device)

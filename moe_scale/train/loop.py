@@ -38,6 +38,7 @@ from moe_scale.files import write_json_atomic
 from moe_scale.train.report import RunReport
 from moe_scale.train.run_dir import check_run_dir, claim_run_dir
 from moe_scale.train.preemption import StopRequests
+from moe_scale.moe.route_tape import RouteTape, open_tape
 from moe_scale.train.state import TrainState
 from moe_scale.train.upcycle import dense_run_to_upcycle, upcycle
 
@@ -84,6 +85,7 @@ def run_training(config: RunConfig) -> dict:
     trainer = TrainingEngine(model.to(env.device), ds_config, t)
     noises = _install_noise(model, config, env)
     state = TrainState.planned(config, data.train.state_dict())
+    tape = _route_tape(config, model, env, data_record)
     if run_dir.resume:
         load_checkpoint(trainer.engine, run, resume_tag, state, data.train)
         _check_steps_left(config, run, state, data.train, resume_tag)
@@ -99,12 +101,21 @@ def run_training(config: RunConfig) -> dict:
         stop_requests = StopRequests()   # collective: every rank
         try:
             return _train(TrainContext(config, env, data, model, trainer, noises, mae, run, ds_config, stop_requests,
-                                       balancers=_balancers(model)), state)
+                                       balancers=_balancers(model), tape=tape), state)
         finally:
             stop_requests.restore()
     finally:
         if lock is not None:
             lock.release()
+
+
+def _route_tape(config: RunConfig, model, env, data_record: dict) -> RouteTape | None:
+    """--record-routes / --replay-routes: the tape on the model's routed layers, or None."""
+    data_sig = {"train": [[f["bytes"], f["crc32"]] for f in data_record["splits"].get("train", [])],
+                "seed": config.train.seed, "batch_size": config.train.batch_size, "seq_len": config.data.seq_len,
+                "grad_accum": config.train.grad_accum}
+    return open_tape(model.moe_layers(), config.moe.router.gate, config.run.record_routes, config.run.replay_routes,
+                     env.rank, env.world_size, data_sig)
 
 
 def _check_steps_left(config: RunConfig, run: Path, state: TrainState, source: TrainingSource, tag: str) -> None:
@@ -187,14 +198,21 @@ def _step(ctx: TrainContext, state: TrainState, report: RunReport) -> None:
     for router in ctx.balancers:   # their load counts this step's micro-batches only
         router.begin_step()
     sums = torch.zeros(3, dtype=torch.float64, device=collective_device())   # [NLL sum, tokens, aux sum]
-    for micro_inputs, micro_targets in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)):
+    for micro, (micro_inputs, micro_targets) in enumerate(zip(inputs.chunk(t.grad_accum),
+                                                              targets.chunk(t.grad_accum))):
+        if ctx.tape is not None:
+            ctx.tape.at("train", step, micro)
         out = engine(to_device(micro_inputs, env.device), to_device(micro_targets, env.device))
+        if ctx.tape is not None:
+            ctx.tape.clear()
         report.forward_done()   # every micro-batch's routing counts, before a recompute in backward re-runs it
         ctx.trainer.backward_and_step(out.nll_sum / out.num_tokens + out.aux_loss)
         sums += torch.stack([out.nll_sum.detach().double(), out.nll_sum.new_full((), out.num_tokens).double(),
                              out.aux_loss.detach().double()]).to(sums.device)
     for router in ctx.balancers:   # after the optimizer step, from the step's load over all ranks (on the device)
         router.after_step()
+    if ctx.tape is not None:
+        ctx.tape.flush()   # recording: the step's routes to disk (one copy to the host)
     dist.all_reduce(sums)
     report.step_done(step + 1, engine.get_lr()[0], sums, ctx.trainer.grad_norm)
     state.step_done(source.state_dict())

@@ -337,8 +337,8 @@ def import_tensors(model, config, tensors: dict[str, torch.Tensor], where: str) 
     leftover = sorted(name for name in tensors if not name.endswith("rotary_emb.inv_freq"))
     if leftover:
         raise UserError(f"{where}: {leftover[0]} (and {len(leftover) - 1} more) has no place in a --block llama "
-                        f"model; only Mixtral / Qwen2-MoE / Qwen3-MoE / Llama / Qwen3 checkpoints without extra modules "
-                        f"import")
+                        f"model; only Mixtral / Qwen2-MoE / Qwen3-MoE / Llama / Qwen3 checkpoints without extra "
+                        f"modules import")
 
 
 def _drop_zero_attention_biases(tensors: dict, where: str) -> None:

@@ -65,6 +65,7 @@ class AuxFreeRouter(Router):
     takes_valid_rows = True
     takes_seq_len = True
     balances_after_step = True
+    replays = True
 
     name, section = "aux_free", "aux_free"
 
@@ -118,6 +119,10 @@ class AuxFreeRouter(Router):
             return chosen_NK / chosen_NK.sum(1, keepdim=True).clamp_min(torch.finfo(chosen_NK.dtype).tiny)
         return chosen_NK
 
+    def gates_for(self, experts_NK: Tensor) -> Tensor:
+        """The gates of `experts_NK` from the last route()'s scores (their gradient flows to them)."""
+        return self.gates(self._scores_NE.gather(1, experts_NK))
+
     def balance_loss(self, importance_E: Tensor) -> Tensor | None:
         """A loss on the batch's importance besides the sequence-wise one (None: none)."""
         return None
@@ -128,6 +133,8 @@ class AuxFreeRouter(Router):
         biased_NE = scores_NE.detach() + self.score_bias.to(scores_NE.dtype)
         experts_NK = self.choose(biased_NE)
         gates_NK = self.gates(scores_NE.gather(1, experts_NK))
+        if self.keep_scores:
+            self._scores_NE = scores_NE
 
         flat_experts = experts_NK.reshape(-1)
         if valid_N is None:

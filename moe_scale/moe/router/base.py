@@ -73,6 +73,12 @@ class RouterOutput:
                                  "gate_C")
         return self.top_k
 
+    def with_experts(self, experts_NK: Tensor, gates_NK: Tensor) -> "RouterOutput":
+        """The same routing with other experts and their gates (router replay, moe/route_tape.py); the balance
+        losses and statistics stay the router's own."""
+        self._per_token()
+        return replace(self, expert_C=experts_NK.reshape(-1), gate_C=gates_NK.reshape(-1))
+
     def round_robin(self, num_experts: int) -> "RouterOutput":
         """The same routing with the experts replaced round-robin (pair c goes to expert c mod E: a token's K
         experts are distinct, and every expert gets the same number of pairs, give or take one); gates, losses and
@@ -104,6 +110,9 @@ class Router(nn.Module):
     takes_valid_rows = False   # route() takes valid_N [N] (False: a padding row, left out of its statistics)
     takes_seq_len = False      # route() takes seq_len: its rows are sequences of that many consecutive tokens
     balances_after_step = False   # begin_step() / after_step() do something (the training loop calls them)
+    k_per_token = True         # its layer's route() gives every token k experts (recorded by moe/route_tape.py)
+    replays = False            # gates_for(): the gate values of given experts (router replay, moe/route_tape.py)
+    keep_scores = False        # (set by a replaying tape) route() keeps its scores for gates_for()
 
     @classmethod
     def gating_counts(cls, config, d_model: int, num_experts: int) -> tuple[int, int]:

@@ -120,6 +120,7 @@ class BatchwiseRouter(Router):
     takes_valid_rows = True
 
     name, section = "batchwise", "batchwise"
+    k_per_token = False
 
     @classmethod
     def gating_counts(cls, config, d_model, num_experts):

@@ -125,6 +125,7 @@ class HierarchicalRouter(Router):
     """
 
     name, section = "hierarchical", "hierarchical"
+    k_per_token = False
     routes_around_the_exchange = True    # the secondary gates run on the ranks of their groups' experts
     expert_stats_in_one_process = True   # a secondary gate picks among rows from every rank
 

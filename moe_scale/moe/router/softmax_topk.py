@@ -79,6 +79,7 @@ class SoftmaxTopKRouter(Router):
     """
 
     takes_valid_rows = True
+    replays = True
 
     name, section = "softmax_topk", "softmax_topk"
 
@@ -119,17 +120,25 @@ class SoftmaxTopKRouter(Router):
             f"aux_weight={self.aux_weight}, z_weight={self.z_weight}"
         )
 
+    def _renormalized(self, top_p_NK: Tensor) -> Tensor:
+        if self.renormalize == "detached":  # eq. 9: the denominator carries no gradient
+            return top_p_NK / top_p_NK.sum(dim=1, keepdim=True).detach()
+        if self.renormalize == "full":   # Mixtral: the sum keeps its gradient
+            return top_p_NK / top_p_NK.sum(dim=1, keepdim=True)
+        return top_p_NK
+
+    def gates_for(self, experts_NK: Tensor) -> Tensor:
+        """The gates of `experts_NK` from the last route()'s probabilities (their gradient flows to them)."""
+        return self._renormalized(self._probs_NE.gather(1, experts_NK))
+
     def route(self, x_ND: Tensor, valid_N: Tensor | None = None) -> RouterOutput:
         k, e = self.k, self.num_experts
         logits_NE = self.logits(x_ND, self.w_gate)
         probs_NE = torch.softmax(logits_NE, dim=1)
         top_p_NK, experts_NK = probs_NE.topk(k, dim=1)  # sorted descending
-        if self.renormalize == "detached":  # eq. 9: the denominator carries no gradient
-            gates_NK = top_p_NK / top_p_NK.sum(dim=1, keepdim=True).detach()
-        elif self.renormalize == "full":   # Mixtral: the sum keeps its gradient
-            gates_NK = top_p_NK / top_p_NK.sum(dim=1, keepdim=True)
-        else:
-            gates_NK = top_p_NK
+        gates_NK = self._renormalized(top_p_NK)
+        if self.keep_scores:
+            self._probs_NE = probs_NE
 
         flat_experts = experts_NK.reshape(-1)
         lse2_N = torch.logsumexp(logits_NE, dim=1).square()
