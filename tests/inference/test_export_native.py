@@ -1,10 +1,10 @@
 """`moe-scale export --format hf` of a --block llama run (issue 44): a native MixtralForCausalLM directory (with
 shared experts: Qwen2MoeForCausalLM; with --qk-norm: Qwen3MoeForCausalLM (Qwen3ForCausalLM with a dense FFN:
 tests/commands/test_model_kinds.py); past --max-shard-size in shards with an index), no remote code, that plain
-`AutoModelForCausalLM.from_pretrained(DIR)` loads; its logits are moe_scale's (float32, relative error ≤ 1e-4) and greedy `generate` gives the text
-`moe-scale generate --greedy` prints; `train --init-from-hf DIR` imports it (round trip: import, then export, gives
-the same tensors and the same validation perplexity), and refuses in one line, with nothing written, a run of
-another shape or another vocabulary."""
+`AutoModelForCausalLM.from_pretrained(DIR)` loads; its logits are moe_scale's (float32, relative error ≤ 1e-4)
+and greedy `generate` gives the text `moe-scale generate --greedy` prints; `train --init-from-hf DIR` imports it
+(round trip: import, then export, gives the same tensors and the same validation perplexity), and refuses in one
+line, with nothing written, a run of another shape or another vocabulary."""
 
 from __future__ import annotations
 
