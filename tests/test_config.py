@@ -251,13 +251,15 @@ def test_the_train_commands_of_the_mixtral_section_parse_as_shown():
                 for name, value in variables.items():
                     line = line.replace("$" + name, value)
                 shown.append(parse(*shlex.split(line)[2:]))
-    assert len(shown) == 6
+    assert len(shown) == 7
     qwen = shown[2]   # with gated shared experts: Qwen2-MoE's architecture
     assert (qwen.model.transformer.block, qwen.moe.experts.shared, qwen.moe.experts.shared_gate) == ("llama", 1, True)
-    default, mixtral_router, llama = shown[3:]
+    qwen3 = shown[3]   # with q/k norms: Qwen3-MoE's
+    assert (qwen3.model.transformer.qk_norm, qwen3.model.transformer.rms_norm_eps) == (True, 1e-6)
+    default, mixtral_router, llama = shown[4:]
     assert (default.model.transformer.block, llama.model.transformer.block) == ("default", "llama")
     assert (mixtral_router.moe.router.gate, llama.moe.router.gate) == ("softmax_topk", "softmax_topk")
     assert mixtral_router.moe.router.softmax_topk.renormalize == llama.moe.router.softmax_topk.renormalize == "full"
     assert 3 * llama.moe.experts.hidden == pytest.approx(2 * default.moe.experts.hidden, rel=0.05)   # equal params
-    for config in shown[3:]:
+    for config in shown[4:]:
         assert config.train.max_steps * config.train.batch_size * config.data.seq_len == 614_400

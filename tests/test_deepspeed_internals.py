@@ -10,6 +10,7 @@ import pytest
 
 from moe_scale.deepspeed_internals import PRIVATE_NAMES, TESTED_VERSIONS
 from tests.paths import REPO
+from tests.moe.layers import moe_layer
 
 BOUNDARY = REPO / "moe_scale" / "deepspeed_internals.py"
 DEEPSPEED = Path(find_spec("deepspeed").submodule_search_locations[0])
@@ -95,14 +96,13 @@ def _zero_norm_worker(rank, world):
 
     from moe_scale.config import TrainConfig
     from op_count import OpCounter
-    from moe_scale.moe.layer import MoELayer
     from moe_scale.layout.ds_config import complete_ds_config, load_ds_config
     from moe_scale.train.engine import TrainingEngine
 
     class Net(nn.Module):   # dense and expert parameters: two parameter groups
         def __init__(self):
             super().__init__()
-            self.dense, self.moe = nn.Linear(8, 8), MoELayer(8, 16, 4, 2, reuse_grad_buffers=False)
+            self.dense, self.moe = nn.Linear(8, 8), moe_layer(8, 16, 4, 2, reuse_grad_buffers=False)
 
         def forward(self, x):
             y, aux = self.moe(self.dense(x))

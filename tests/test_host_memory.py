@@ -20,9 +20,12 @@ _FAULTS_PER_STEP = """
 import resource, torch
 from moe_scale.host_memory import apply_process_settings
 apply_process_settings()
+from moe_scale.config import MoEConfig
 from moe_scale.moe.layer import MoELayer
+config = MoEConfig()
+config.experts.num_experts, config.experts.hidden, config.router.top_k = 256, 512, 2
 torch.manual_seed(0)
-layer = MoELayer(256, 512, 256, 2, seed=0)
+layer = MoELayer(config, 256, seed=0)
 x = torch.randn(2048, 256, requires_grad=True)
 def step():
     for p in layer.parameters():

@@ -241,10 +241,20 @@ def _build(impl: str, e: int, k: int, args) -> nn.Module:
         return layer
     from moe_scale.moe.layer import MoELayer
 
-    layer = MoELayer(d, h, e, k, seed=args.seed, dispatch_mode=impl, capacity_factor=args.capacity_factor)
-    layer.force_balanced = args.force_balanced_routing
+    layer = MoELayer(moe_config(e, k, impl, args), d, seed=args.seed)
     _spread_gate_logits(layer, args)
     return layer
+
+
+def moe_config(e: int, k: int, mode: str, args):
+    """moe_scale's layer as the benchmark sets it: E experts of width --h, top-k, dispatch `mode`."""
+    from moe_scale.config import MoEConfig
+
+    config = MoEConfig()
+    config.experts.num_experts, config.experts.hidden, config.router.top_k = e, args.h, k
+    config.dispatch.mode, config.dispatch.capacity_factor = mode, args.capacity_factor
+    config.router.force_balanced_routing = args.force_balanced_routing
+    return config
 
 
 def _spread_gate_logits(layer: nn.Module, args) -> None:
@@ -604,9 +614,7 @@ def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
     for e in args.experts:
         for k in args.k:
             for mode in [m for m in args.impls if m in ("dropless", "capacity")]:
-                layer = MoELayer(args.d, args.h, e, k, ep_size=world, ep_rank=rank, seed=args.seed,
-                                 dispatch_mode=mode, capacity_factor=args.capacity_factor)
-                layer.force_balanced = args.force_balanced_routing
+                layer = MoELayer(moe_config(e, k, mode, args), args.d, ep_size=world, ep_rank=rank, seed=args.seed)
                 torch.manual_seed(args.seed)   # the same router on every rank
                 _spread_gate_logits(layer, args)
                 layer.set_deepspeed_parallelism()

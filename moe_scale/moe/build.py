@@ -13,4 +13,4 @@ def build_moe_layer(config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: 
     """The layer of `config` (router, dispatch and experts settings) at width `d_model`; `kind`: its experts'
     (moe/experts/kinds.py; the run's RunConfig.expert_kind, which resolves `--expert-kind block`)."""
     layer = HierarchicalMoELayer if gate_class(config.router).routes_around_the_exchange else MoELayer
-    return layer.from_config(config, d_model, ep_size, ep_rank, seed, kind)
+    return layer(config, d_model, ep_size, ep_rank, seed, kind)

@@ -20,7 +20,8 @@ from moe_scale.moe.expert_counts import BlockCounts, ExpertCounts
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.layer import MoELayer
 from moe_scale.moe.routed_layer import routed_balance
-from moe_scale.moe.router import HierarchicalRouter
+from moe_scale.config import MoEConfig
+from moe_scale.moe.router import HierarchicalRouter, build_router
 
 
 class HierarchicalMoELayer(MoELayer):
@@ -29,13 +30,15 @@ class HierarchicalMoELayer(MoELayer):
 
     routes_around_the_exchange = True
 
-    def __init__(self, d_model: int, d_hidden: int, num_experts: int, k: int, ep_size: int = 1, ep_rank: int = 0,
-                 *, router: HierarchicalRouter, **settings):
-        """As MoELayer's; `router` keeps only this rank's groups' secondary gates (a router built whole is
+    def __init__(self, config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
+                 kind: str = "relu", router: HierarchicalRouter | None = None):
+        """As MoELayer's; the router keeps only this rank's groups' secondary gates (a router built whole is
         sharded here)."""
+        if router is None:
+            router = build_router(config.router, d_model, config.experts.num_experts, ep_size, ep_rank)
         if isinstance(router, HierarchicalRouter):   # MoELayer refuses any other router, in one line
             router.shard(ep_size, ep_rank)
-        super().__init__(d_model, d_hidden, num_experts, k, ep_size, ep_rank, router=router, **settings)
+        super().__init__(config, d_model, ep_size, ep_rank, seed, kind, router=router)
 
     def dispatch_units(self) -> tuple[int, int]:
         """The groups: tokens travel once per chosen group, to the rank that holds it."""

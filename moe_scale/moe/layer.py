@@ -20,67 +20,49 @@ from moe_scale.moe.deepspeed_adapter import ParallelGroups
 from moe_scale.moe.dispatch import AllToAllDispatcher
 from moe_scale.moe.experts import GroupedExperts
 from moe_scale.moe.routed_layer import RoutedLayer
-from moe_scale.moe.router import NoisyTopKRouter, Router, build_router
+from moe_scale.moe.router import Router, build_router
 from moe_scale.moe.shared_experts import SharedExperts
 
 ALL_TO_ALL = choices(DispatchConfig, "all_to_all")
 
 
 class MoELayer(RoutedLayer):
-    """Sparsely-gated MoE of one-hidden-layer experts (Shazeer et al. 2017's ReLU ones by default; `activation`
-    names another kind of moe/experts/kinds.py).
+    """Sparsely-gated MoE of one-hidden-layer experts (Shazeer et al. 2017's ReLU ones by default; `kind` names
+    another of moe/experts/kinds.py), built from its config: the router, dispatch and experts sections.
 
-    The router defaults to noisy top-k with k experts per token; pass any other flat `Router` (moe/router/).
-    With `shared_experts` S > 0, S always-active experts of width `shared_hidden` (0: d_hidden) add their
-    output to the routed one (moe/shared_experts.py).
+    The router is the one `config.router` asks for, unless one is given (any flat `Router`, moe/router/). With
+    `config.experts.shared` S > 0, S always-active experts add their output to the routed one
+    (moe/shared_experts.py).
     """
 
     routes_around_the_exchange = False   # HierarchicalMoELayer: the gate's second level runs beside the experts
 
-    def __init__(self, d_model: int, d_hidden: int, num_experts: int, k: int, ep_size: int = 1,
-                 ep_rank: int = 0, w_importance: float = 0.1, w_load: float = 0.1, noisy_gating: bool = True,
-                 seed: int = 0, router: Router | None = None, recompute: bool = False,
-                 dispatch_mode: str = "dropless", capacity_factor: float = 1.0, all_to_all: str = "flat",
-                 node_size: int = 0, reuse_grad_buffers: bool = True, shared_experts: int = 0,
-                 shared_hidden: int = 0, shared_gate: bool = False, activation: str = "relu",
-                 rank_capacity_factor: float = 0.0):
-        if all_to_all not in ALL_TO_ALL:
-            raise ValueError(f"all_to_all must be one of {ALL_TO_ALL}, got {all_to_all!r}")
-        router = router if router is not None else NoisyTopKRouter(
-            d_model, num_experts, k, w_importance=w_importance, w_load=w_load, noisy=noisy_gating)
+    def __init__(self, config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
+                 kind: str = "relu", router: Router | None = None):
+        """The layer at width `d_model` holding expert-parallel rank `ep_rank`'s experts (of `ep_size`)."""
+        experts, dispatch = config.experts, config.dispatch
+        if dispatch.all_to_all not in ALL_TO_ALL:
+            raise ValueError(f"all_to_all must be one of {ALL_TO_ALL}, got {dispatch.all_to_all!r}")
+        if router is None:
+            router = build_router(config.router, d_model, experts.num_experts, ep_size, ep_rank)
         if router.routes_around_the_exchange != self.routes_around_the_exchange:
             raise ValueError("the hierarchical gate routes around the exchange: build HierarchicalMoELayer with it "
                              "(and MoELayer with a flat gate)")
-        self.init_routed(num_experts, ep_size, ep_rank, router)
-        self.k = k
-        self.experts = GroupedExperts(self.num_local_experts, d_model, d_hidden,
+        self.init_routed(experts.num_experts, ep_size, ep_rank, router)
+        self.k = config.router.top_k
+        self.experts = GroupedExperts(self.num_local_experts, d_model, experts.hidden,
                                       first_global_expert=ep_rank * self.num_local_experts, seed=seed,
-                                      recompute=recompute, reuse_grad_buffers=reuse_grad_buffers,
-                                      activation=activation)
-        self.dispatcher = AllToAllDispatcher(*self.dispatch_units(), dispatch_mode, capacity_factor,
-                                             rank_capacity_factor)
+                                      recompute=experts.recompute, reuse_grad_buffers=experts.grad_reuse,
+                                      activation=kind)
+        self.dispatcher = AllToAllDispatcher(*self.dispatch_units(), dispatch.mode, dispatch.capacity_factor,
+                                             dispatch.rank_capacity_factor)
         self.mark_expert_parameters()
-        self.all_to_all, self.node_size = all_to_all, node_size
+        self.all_to_all, self.node_size = dispatch.all_to_all, dispatch.node_size
         # dense, on every rank (not in expert_shards); None: no shared experts, the state dict as before
-        self.shared = SharedExperts(d_model, shared_hidden or d_hidden, shared_experts, shared_gate, seed=seed,
-                                    first_id=num_experts, activation=activation) if shared_experts else None
-
-    @classmethod
-    def from_config(cls, config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
-                    kind: str = "relu") -> "MoELayer":
-        """The layer of `config` (its router, dispatch and experts sections) at width `d_model`, holding
-        expert-parallel rank `ep_rank`'s experts of `kind` (moe/experts/kinds.py)."""
-        experts, dispatch = config.experts, config.dispatch
-        layer = cls(d_model, experts.hidden, experts.num_experts, config.router.top_k, ep_size=ep_size,
-                   ep_rank=ep_rank, seed=seed,
-                   router=build_router(config.router, d_model, experts.num_experts, ep_size, ep_rank),
-                   recompute=experts.recompute, dispatch_mode=dispatch.mode,
-                   capacity_factor=dispatch.capacity_factor, all_to_all=dispatch.all_to_all,
-                   node_size=dispatch.node_size, reuse_grad_buffers=experts.grad_reuse, shared_experts=experts.shared,
-                   shared_hidden=experts.shared_hidden, shared_gate=experts.shared_gate, activation=kind,
-                   rank_capacity_factor=dispatch.rank_capacity_factor)
-        layer.force_balanced = config.router.force_balanced_routing
-        return layer
+        self.shared = SharedExperts(d_model, experts.shared_hidden or experts.hidden, experts.shared,
+                                    experts.shared_gate, seed=seed, first_id=experts.num_experts,
+                                    activation=kind) if experts.shared else None
+        self.force_balanced = config.router.force_balanced_routing
 
     def dispatch_units(self) -> tuple[int, int]:
         """(what the dispatcher sends tokens to, how many of them live here): the experts."""

@@ -26,9 +26,18 @@ FAST = ["--max-steps", "1", "--batch-size", "4", "--seq-len", "8", "--model", "t
     (["--rope-theta", "1e6"], ["--rope-theta does nothing here", "--block llama"]),
     (["--init-from-hf", "x"], ["--init-from-hf does nothing here", "--block llama"]),
     (["--block", "llama", "--init-from-hf", "nowhere"], ["--init-from-hf nowhere: no such directory"]),
+    (["--qk-norm"], ["--qk-norm does nothing here", "--block llama"]),
+    (["--block", "llama", "--rms-norm-eps", "0"], ["--rms-norm-eps 0 must lie between 0 and 1"]),
+    (["--block", "llama", "--ffn", "moe", "--rank-capacity-factor", "0.5"], ["--rank-capacity-factor 0.5 must be 0"]),
+    (["--ffn", "moe", "--dispatch", "capacity", "--rank-capacity-factor", "2"],
+     ["--rank-capacity-factor does nothing here", "--dispatch dropless"]),
+    (["--ffn", "dense", "--record-routes", "r"], ["--record-routes does nothing here", "routed layers"]),
+    (["--ffn", "moe", "--gate", "softmax_topk", "--record-routes", "r", "--replay-routes", "r"],
+     ["name the same directory"]),
 ], ids=["k>experts", "heads-width", "moa-ep", "mae-one-head", "llama-moa", "llama-odd-head", "llama-adaptive",
         "llama-gate", "llama-detached", "llama-capacity", "llama-theta", "tie-default-block", "theta-default-block",
-        "init-from-hf-default-block", "init-from-hf-missing"])
+        "init-from-hf-default-block", "init-from-hf-missing", "qk-norm-default-block", "rms-norm-eps",
+        "rank-capacity-small", "rank-capacity-capacity-mode", "record-routes-dense", "record-and-replay-same"])
 def test_bad_transformer_settings(tmp_path, flags, fragments):
     out = tmp_path / "run"
     proc = run_cli("train", *FAST, *flags, "--out", str(out), cwd=tmp_path)

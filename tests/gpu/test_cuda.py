@@ -17,9 +17,9 @@ import torch
 
 from moe_scale.moe.experts.grouped_gemm import choose_kernel
 from moe_scale.moe.router.hierarchical import HierarchicalRouter
-from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
 from moe_scale.moe.layer import MoELayer
 from tests.paths import REPO
+from tests.moe.layers import hierarchical_layer, moe_layer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -31,11 +31,11 @@ SUBPROCESS_TIMEOUT = float(os.environ.get("MOE_SCALE_GPU_TEST_TIMEOUT", "900"))
 
 def _layer(gate: str) -> MoELayer:
     if gate == "hierarchical":
-        layer = HierarchicalMoELayer(D, H, E, K, seed=3, router=HierarchicalRouter(D, 8, E // 8, 2, 2))
+        layer = hierarchical_layer(D, H, E, K, seed=3, router=HierarchicalRouter(D, 8, E // 8, 2, 2))
     elif gate == "swiglu":   # the llama block's experts (moe/experts/kinds.py) behind the flat gate
-        layer = MoELayer(D, H, E, K, seed=3, activation="swiglu")
+        layer = moe_layer(D, H, E, K, seed=3, activation="swiglu")
     else:
-        layer = MoELayer(D, H, E, K, seed=3)
+        layer = moe_layer(D, H, E, K, seed=3)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():   # a spread gate (the zero init routes by noise alone)
         for name, p in layer.router.named_parameters():
@@ -121,7 +121,7 @@ def test_kernels_chosen_on_this_gpu():
 def test_one_host_read_forward_and_none_backward_on_the_device(experts):
     """CUDA's own sync detector: the forward synchronises once (the counts for the all-to-all), the backward
     never; 2,048 local experts take two grouped-GEMM calls and still no more."""
-    layer = MoELayer(D, H, experts, K, seed=1).to("cuda", torch.bfloat16).train()
+    layer = moe_layer(D, H, experts, K, seed=1).to("cuda", torch.bfloat16).train()
     x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y, aux = layer(x)   # warm-up: lazy initialisation may synchronise
     torch.autograd.backward([y, aux], [torch.ones_like(y), torch.ones_like(aux)])

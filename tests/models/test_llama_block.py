@@ -177,9 +177,9 @@ def test_an_expert_parallel_rank_imports_its_own_experts(layout):
     ("hidden_size", 64, "--d-model"), ("num_local_experts", 8, "--num-experts"), ("num_experts_per_tok", 1, "--top-k"),
     ("intermediate_size", 99, "--expert-hidden"), ("rope_theta", 1e6, "--rope-theta"),
     ("tie_word_embeddings", True, "--tie-embeddings"), ("vocab_size", 7, "--vocab-size"),
-    ("num_key_value_heads", 2, "no flag sets it"), ("rms_norm_eps", 1e-6, "no flag sets it"),
+    ("num_key_value_heads", 2, "no flag sets it"), ("rms_norm_eps", 1e-6, "set --rms-norm-eps"),
     ("model_type", "llama", "--ffn dense"), ("model_type", "qwen2_moe", "--shared-experts 1 --shared-expert-gate"),
-    ("model_type", "gpt2", "only Mixtral, Qwen2-MoE and Llama"),
+    ("model_type", "gpt2", "only Mixtral, Qwen2-MoE, Qwen3-MoE, Llama and Qwen3"),
 ])
 def test_a_checkpoint_of_another_shape_is_refused_naming_the_field(field, value, flag):
     config = llama_config()

@@ -45,6 +45,12 @@ MOE_SETTINGS = [
     ("capacity_factor", 1.5, {}, lambda layer: layer.dispatcher.capacity_factor),
     ("all_to_all", "hierarchical", {}, lambda layer: layer.all_to_all),
     ("node_size", 2, {}, lambda layer: layer.node_size),
+    ("rank_capacity_factor", 2.0, {}, lambda layer: layer.dispatcher.rank_capacity_factor),
+    ("force_balanced_routing", True, {}, lambda layer: layer.force_balanced),
+    ("expert_groups", 2, {"gate": "node_limited"}, lambda layer: layer.router.groups),
+    ("group_top_k", 2, {"gate": "node_limited", "expert_groups": 4}, lambda layer: layer.router.group_top_k),
+    ("normalize", False, {"gate": "node_limited"}, lambda layer: layer.router.normalize),
+    ("routed_scaling_factor", 2.5, {"gate": "node_limited"}, lambda layer: layer.router.routed_scaling_factor),
 ]
 
 

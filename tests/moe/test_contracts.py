@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moe_scale.config import AuxFreeConfig, HierarchicalConfig, MoEConfig, RouterConfig, SoftmaxTopKConfig
+from moe_scale.config import (AuxFreeConfig, HierarchicalConfig, MoEConfig, NodeLimitedConfig, RouterConfig,
+                              SoftmaxTopKConfig)
 from moe_scale.moe.build import build_moe_layer
 from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
 from moe_scale.moe.layer import MoELayer
@@ -15,6 +16,7 @@ from moe_scale.moe.router import (BatchwiseRouter, HierarchicalRouter, NoisyTopK
                                   SoftmaxTopKRouter, build_router)
 from moe_scale.moe.router.build import GATES
 from tests.paths import REPO
+from tests.moe.layers import moe_layer, hierarchical_layer
 
 D, E = 16, 8
 CONFIGS = {
@@ -27,6 +29,10 @@ CONFIGS = {
                                                                 renormalize="detached")),
     "aux_free": RouterConfig(gate="aux_free", top_k=2,
                              aux_free=AuxFreeConfig(score="softmax", bias_update_rate=0.02, seq_balance_weight=0.1)),
+    "node_limited": RouterConfig(gate="node_limited", top_k=2, w_importance=0.3,
+                                 aux_free=AuxFreeConfig(bias_update_rate=0.02),
+                                 node_limited=NodeLimitedConfig(expert_groups=4, group_top_k=2,
+                                                                routed_scaling_factor=2.5)),
 }
 
 
@@ -49,6 +55,9 @@ def test_each_router_is_built_from_its_own_config(gate):
     elif gate == "aux_free":
         assert (router.k, router.score, router.bias_update_rate, router.seq_balance_weight) == (2, "softmax", 0.02,
                                                                                                0.1)
+    elif gate == "node_limited":
+        assert (router.k, router.groups, router.group_top_k, router.routed_scaling_factor, router.w_importance,
+                router.bias_update_rate) == (2, 4, 2, 2.5, 0.3, 0.02)
     else:
         assert (router.k, router.aux_weight, router.z_weight, router.renormalize) == (3, 0.5, 0.25, "detached")
 
@@ -106,10 +115,10 @@ def test_the_moe_layer_a_config_asks_for():
 
 def test_a_layer_refuses_a_gate_of_the_other_kind():
     with pytest.raises(ValueError, match="HierarchicalMoELayer"):
-        MoELayer(D, 32, E, 2, router=HierarchicalRouter(D, 4, 2))
+        moe_layer(D, 32, E, 2, router=HierarchicalRouter(D, 4, 2))
     with pytest.raises(ValueError, match="HierarchicalMoELayer"):
-        HierarchicalMoELayer(D, 32, E, 2, router=SoftmaxTopKRouter(D, E, 2))
-    MoELayer(D, 32, E, 2, router=BatchwiseRouter(D, E, 2))     # any flat gate
+        hierarchical_layer(D, 32, E, 2, router=SoftmaxTopKRouter(D, E, 2))
+    moe_layer(D, 32, E, 2, router=BatchwiseRouter(D, E, 2))     # any flat gate
 
 
 LAYER_FILES = ["moe_scale/moe/layer.py", "moe_scale/moe/hierarchical_layer.py", "moe_scale/attention/moa.py"]

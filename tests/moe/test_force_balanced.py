@@ -24,7 +24,7 @@ def _layer(force: bool) -> MoELayer:
     config.experts.num_experts, config.experts.hidden, config.router.top_k = E, H, K
     config.router.force_balanced_routing = force
     torch.manual_seed(0)
-    layer = MoELayer.from_config(config, D, seed=3).double()
+    layer = MoELayer(config, D, seed=3).double()
     with torch.no_grad():
         layer.router.w_gate.normal_(0.0, 1.0)
     layer.eval()   # no gate noise: the reference recomputes the gates

@@ -13,11 +13,10 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from torch import nn
 
-from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
-from moe_scale.moe.layer import MoELayer
 from moe_scale.moe.losses import cv_squared
 from moe_scale.moe.router import GlobalTokenNoise, HierarchicalRouter, NodeLimitedRouter
 from tests.multiproc import run_ranks
+from tests.moe.layers import hierarchical_layer, moe_layer
 
 D, H, E, K = 8, 16, 8, 2
 EXPERT_KEY = re.compile(r"(^|.*\.)deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w_in|w_out)$")
@@ -26,7 +25,7 @@ EXPERT_KEY = re.compile(r"(^|.*\.)deepspeed_moe\.experts\.deepspeed_experts\.(\d
 def make_layer(ep_size=1, ep_rank=0, seed=0, gate_seed=1, **kw):
     """float64 layer with a non-zero gate (the zero init would route by ties only)."""
     two_level = isinstance(kw.get("router"), HierarchicalRouter)
-    layer = (HierarchicalMoELayer if two_level else MoELayer)(D, H, E, K, ep_size=ep_size, ep_rank=ep_rank,
+    layer = (hierarchical_layer if two_level else moe_layer)(D, H, E, K, ep_size=ep_size, ep_rank=ep_rank,
                                                                 seed=seed, **kw).double()
     if kw.get("router") is not None:        # the caller initialised its own router
         return layer
@@ -90,13 +89,13 @@ def test_training_backward_reaches_every_parameter():
 
 
 def test_float32_input_keeps_dtype():
-    layer = MoELayer(D, H, E, K).eval()
+    layer = moe_layer(D, H, E, K).eval()
     y, aux = layer(torch.randn(5, D))
     assert y.dtype == torch.float32 and y.shape == (5, D) and aux.dim() == 0
 
 
 def test_is_a_deepspeed_moe_with_expert_param_flags():
-    layer = MoELayer(D, H, E, K, ep_size=2, ep_rank=1)
+    layer = moe_layer(D, H, E, K, ep_size=2, ep_rank=1)
     assert isinstance(layer, DeepSpeedMoE)
     assert (layer.num_experts, layer.num_local_experts, layer.ep_size) == (E, E // 2, 2)
     assert layer.expert_group_name == "ep_size_2"
@@ -115,16 +114,16 @@ def test_is_a_deepspeed_moe_with_expert_param_flags():
 
 def test_ep_size_must_divide_experts_and_forward_needs_groups():
     with pytest.raises(ValueError, match="divisible"):
-        MoELayer(D, H, 6, K, ep_size=4)
+        moe_layer(D, H, 6, K, ep_size=4)
     with pytest.raises(RuntimeError, match="set_deepspeed_parallelism"):
-        MoELayer(D, H, E, K, ep_size=2)(torch.randn(3, D))
+        moe_layer(D, H, E, K, ep_size=2)(torch.randn(3, D))
 
 
 # ---------------------------------------------------------------- state dict
 
 
 def test_state_dict_keys_are_per_expert_as_deepspeed_expects():
-    model = nn.ModuleDict({"moe": MoELayer(D, H, E, K, ep_size=2, ep_rank=1, seed=4)})
+    model = nn.ModuleDict({"moe": moe_layer(D, H, E, K, ep_size=2, ep_rank=1, seed=4)})
     layer = model["moe"]
     sd = model.state_dict()
     expert_keys = {k for k in sd if EXPERT_KEY.match(k)}
@@ -159,7 +158,7 @@ def test_state_dict_round_trip_into_fresh_layer():
 
 
 def test_load_rejects_a_missing_expert():
-    src, dst = MoELayer(D, H, E, K, seed=1), MoELayer(D, H, E, K, seed=2)
+    src, dst = moe_layer(D, H, E, K, seed=1), moe_layer(D, H, E, K, seed=2)
     sd = src.state_dict()
     del sd["deepspeed_moe.experts.deepspeed_experts.3.w_out"]
     with pytest.raises(RuntimeError):
@@ -206,7 +205,7 @@ def _two_rank_worker(rank, world, mode):
 
 
 def _wrong_rank_worker(rank, world):
-    layer = MoELayer(D, H, E, K, ep_size=world, ep_rank=world - 1 - rank)
+    layer = moe_layer(D, H, E, K, ep_size=world, ep_rank=world - 1 - rank)
     with pytest.raises(RuntimeError, match="expert-parallel rank"):
         layer.set_deepspeed_parallelism()
     return True

@@ -26,7 +26,7 @@ def _layer(ep_size: int = 1, ep_rank: int = 0) -> MoELayer:
     config.experts.num_experts, config.experts.hidden, config.router.top_k = E, H, K
     config.router.gate, config.router.softmax_topk.renormalize = "softmax_topk", "full"
     torch.manual_seed(0)
-    layer = MoELayer.from_config(config, D, ep_size=ep_size, ep_rank=ep_rank, seed=3).double()
+    layer = MoELayer(config, D, ep_size=ep_size, ep_rank=ep_rank, seed=3).double()
     with torch.no_grad():
         layer.router.w_gate.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(4))
     return layer

@@ -16,11 +16,10 @@ from moe_scale.accounting.attention_flops import transformer_forward_macs_per_to
 from moe_scale.config import RunConfig
 from moe_scale.models.build import build_model, parameter_counts
 from moe_scale.moe.experts import GroupedExperts
-from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
-from moe_scale.moe.layer import MoELayer
 from moe_scale.moe.router import AuxFreeRouter, BatchwiseRouter, HierarchicalRouter, SoftmaxTopKRouter
 from moe_scale.moe.shared_experts import SharedExperts
 from tests.multiproc import run_ranks
+from tests.moe.layers import hierarchical_layer, moe_layer
 
 D, H, E, K = 8, 16, 8, 2
 
@@ -76,7 +75,7 @@ def _router(gate):
 @pytest.mark.parametrize("gated", [False, True])
 def test_with_the_routed_experts_zeroed_the_layer_is_the_dense_ffn_of_the_shared_weights(gate, gated):
     torch.manual_seed(0)
-    layer_type = HierarchicalMoELayer if gate == "hierarchical" else MoELayer
+    layer_type = hierarchical_layer if gate == "hierarchical" else moe_layer
     layer = _zero_routed(layer_type(D, H, E, K, router=_router(gate), shared_experts=3, shared_hidden=12,
                                     shared_gate=gated, seed=2)).double().train()
     shared = layer.shared
@@ -109,7 +108,7 @@ def test_swiglu_shared_experts_are_one_dense_swiglu_ffn_of_their_summed_width(ga
     """The llama block's (Qwen2-MoE's shared_expert): with the routed SwiGLU experts zeroed, the layer is
     sigmoid(x w_gate) · down(silu(gate(x)) * up(x)) of width S·h_s, the sum of S SwiGLU FFNs of width h_s."""
     torch.manual_seed(0)
-    layer = MoELayer(D, H, E, K, router=SoftmaxTopKRouter(D, E, K, renormalize="full"), shared_experts=3,
+    layer = moe_layer(D, H, E, K, router=SoftmaxTopKRouter(D, E, K, renormalize="full"), shared_experts=3,
                      shared_hidden=12, shared_gate=gated, seed=2, activation="swiglu")
     layer = _zero_routed(layer).double().train()
     shared = layer.shared
@@ -152,23 +151,23 @@ def test_swiglu_shared_experts_start_from_their_own_generators():
 
 def test_without_shared_experts_the_layer_is_as_before():
     torch.manual_seed(0)
-    plain = MoELayer(D, H, E, K)
+    plain = moe_layer(D, H, E, K)
     torch.manual_seed(0)
-    none = MoELayer(D, H, E, K, shared_experts=0, shared_hidden=5, shared_gate=True)
+    none = moe_layer(D, H, E, K, shared_experts=0, shared_hidden=5, shared_gate=True)
     assert none.shared is None and plain.state_dict().keys() == none.state_dict().keys()
     x = torch.randn(6, D)
     torch.testing.assert_close(none.eval()(x)[0], plain.eval()(x)[0], rtol=0, atol=0)
 
 
 def test_shared_experts_are_dense_parameters_with_checkpoint_safe_names():
-    layer = MoELayer(D, H, E, K, ep_size=2, ep_rank=1, shared_experts=2, shared_gate=True)
+    layer = moe_layer(D, H, E, K, ep_size=2, ep_rank=1, shared_experts=2, shared_gate=True)
     names = [n for n, _ in layer.named_parameters() if n.startswith("shared.")]
     assert names == ["shared.w_in", "shared.w_out", "shared.w_gate"]
     assert not set(names) & set(layer.expert_shards())
     assert not any(is_moe_param(p) for n, p in layer.named_parameters() if n in names)
     keys = [k for k in layer.state_dict() if k.startswith("shared.")]
     assert keys == names and not any("expert" in k for k in keys)   # DeepSpeed reads "expert" as an expert weight
-    other = MoELayer(D, H, E, K, ep_size=2, ep_rank=0, shared_experts=2, shared_gate=True)
+    other = moe_layer(D, H, E, K, ep_size=2, ep_rank=0, shared_experts=2, shared_gate=True)
     for name in names:   # the same on every expert-parallel rank
         assert torch.equal(dict(layer.named_parameters())[name], dict(other.named_parameters())[name])
 
@@ -209,7 +208,7 @@ def test_the_shared_expert_width_defaults_to_the_routed_experts():
 
 def _layer(ep_size, ep_rank):
     torch.manual_seed(0)   # the router's init, the same on every rank (the trainer seeds it so)
-    layer = MoELayer(D, H, E, K, ep_size=ep_size, ep_rank=ep_rank, seed=3, router=AuxFreeRouter(D, E, K),
+    layer = moe_layer(D, H, E, K, ep_size=ep_size, ep_rank=ep_rank, seed=3, router=AuxFreeRouter(D, E, K),
                      shared_experts=2, shared_hidden=8, shared_gate=True).double()
     with torch.no_grad():
         layer.shared.w_gate.copy_(torch.linspace(-1, 1, D, dtype=torch.float64))

@@ -9,15 +9,15 @@ import torch
 from torch import nn
 
 from tests.multiproc import run_ranks
+from tests.moe.layers import moe_layer
 
 
 def _worker(rank, world, ep_size):
     import torch.distributed as dist
-    from moe_scale.moe.layer import MoELayer
     from moe_scale.train.engine import reduce_gradients_in_place
 
     model = nn.ModuleDict({"dense": nn.Linear(4, 4), "unused": nn.Linear(4, 4),
-                           "moe": MoELayer(4, 8, 4, 2, ep_size=ep_size, ep_rank=rank % ep_size)})
+                           "moe": moe_layer(4, 8, 4, 2, ep_size=ep_size, ep_rank=rank % ep_size)})
     model["moe"].set_deepspeed_parallelism()
     for name, param in model.named_parameters():
         if not name.startswith("unused"):   # a parameter without a gradient takes part with zeros

@@ -198,5 +198,5 @@ def test_help_lists_the_values_of_every_choice_flag():
     from moe_scale.cli import build_parser
 
     text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
-    assert "--gate {noisy_topk,hierarchical,batchwise,softmax_topk,aux_free}" in " ".join(text.split())
+    assert "--gate {noisy_topk,hierarchical,batchwise,softmax_topk,aux_free,node_limited}" in " ".join(text.split())
     assert "an LSTM-MoE or a transformer language model" in " ".join(build_parser().format_help().split())

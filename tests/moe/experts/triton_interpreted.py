@@ -31,6 +31,7 @@ from moe_scale.deepspeed_internals import triton_grouped_gemm  # noqa: E402
 from moe_scale.moe.experts import grouped_gemm  # noqa: E402
 from moe_scale.moe.experts.grouped_gemm import GroupLayout, per_expert_outer, rows_times_expert  # noqa: E402
 from moe_scale.moe.kernel_policy import KernelPolicy, forced_policy, gpu_decisions  # noqa: E402
+from tests.moe.layers import hierarchical_layer, moe_layer  # noqa: E402
 
 COUNTS = ([3, 1, 5, 2], [0, 40, 0, 0, 7, 0], [0, 0, 70, 0], [6], [0, 0, 0])
 
@@ -74,12 +75,10 @@ def layer_run(make_layer, kernel: str, x: torch.Tensor, probe: torch.Tensor):
 
 
 def check_layers() -> None:
-    from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
-    from moe_scale.moe.layer import MoELayer
     from moe_scale.moe.router.hierarchical import HierarchicalRouter
 
     def flat():
-        layer = MoELayer(32, 48, 8, 2, noisy_gating=False)
+        layer = moe_layer(32, 48, 8, 2, noisy_gating=False)
         torch.nn.init.normal_(layer.router.w_gate, std=0.5)
         return layer
 
@@ -87,7 +86,7 @@ def check_layers() -> None:
         router = HierarchicalRouter(32, 4, 3, k_primary=2, k_secondary=2)
         for p in router.parameters():
             torch.nn.init.normal_(p, std=0.5)
-        return HierarchicalMoELayer(32, 48, 12, 4, router=router).eval()   # eval: no noise, the same routing twice
+        return hierarchical_layer(32, 48, 12, 4, router=router).eval()   # eval: no noise, the same routing twice
 
     gen = torch.Generator().manual_seed(1)
     x, probe = torch.randn(96, 32, generator=gen), torch.randn(96, 32, generator=gen)
