@@ -60,7 +60,12 @@ def parse_args(argv: list[str]):
     parser.add_argument("--models", default="small,large", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--procs", type=positive_int_list, default=[1, 2, 4], help="process counts (1, 2, 4)")
     parser.add_argument("--max-steps", type=positive_int, default=12, help="training steps per run (3 untimed)")
+    parser.add_argument("--exchanges", default=",".join(EXCHANGES),
+                        help="the all-to-alls to calibrate, comma-separated (default: flat,hierarchical)")
     args = parser.parse_args(argv)
+    args.exchanges = args.exchanges.split(",")
+    if not args.exchanges or any(x not in EXCHANGES for x in args.exchanges) or "flat" not in args.exchanges:
+        parser.error(f"--exchanges {','.join(args.exchanges)}: flat, and optionally hierarchical")
     args.models = args.models.split(",")
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
@@ -148,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             runs = {"flat": train(name, MODELS[name], p, "flat", args, out)}
             config.data.vocab_size = runs["flat"]["vocab"]
             computes[f"{name} p{p}"] = compute = calibrate_bench.model_compute(config, config.data.vocab_size, p)
-            runs["hierarchical"] = train(name, MODELS[name], p, "hierarchical", args, out)
+            if "hierarchical" in args.exchanges:
+                runs["hierarchical"] = train(name, MODELS[name], p, "hierarchical", args, out)
             flops = planned_model(config).flops_per_token * config.train.batch_size // p * config.data.seq_len
             efficiency = flops / (compute["compute_s"] * compute["matmul_tflops"] * 1e12)
             compute["efficiency"] = efficiency
-            for x in EXCHANGES:
+            for x in runs:
                 measured, predicted = runs[x], predict(config, constants[p], compute, efficiency, p, x)
                 step = predicted["seconds"]["step"]
                 points.append({"model": name, "procs": p, "all_to_all": x, "measured_step_s": measured["step_s"],
