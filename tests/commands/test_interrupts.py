@@ -122,7 +122,7 @@ def draw():
 
 
 TRAIN = ["train", *TINY, "--model", "transformer", "--attention", "mha", "--num-heads", "4", "--ffn", "moe",
-         "--num-layers", "1", "--max-steps", "3", "--checkpoint-interval", "2", "--eval-interval", "3"]
+         "--num-layers", "1", "--max-steps", "2", "--checkpoint-interval", "1", "--eval-interval", "2"]
 
 
 @pytest.mark.slow   # 22 runs of the 7 commands

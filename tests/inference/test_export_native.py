@@ -110,8 +110,8 @@ def test_transformers_loads_it_without_remote_code_with_the_same_logits_and_gree
         ("" if ended else " ...") + "\n"
 
 
-@pytest.mark.parametrize("arch", KINDS)
-def test_init_from_hf_then_export_gives_the_same_tensors(arch, request, embedded_cache, tmp_path):
+@pytest.mark.parametrize("arch", [arch for arch in KINDS if arch != "Qwen3MoeForCausalLM"])   # (Qwen3-MoE's: from
+def test_init_from_hf_then_export_gives_the_same_tensors(arch, request, embedded_cache, tmp_path):   # its shards)
     """--lr 0: the imported weights go through one optimizer step unchanged, so the round trip is exact."""
     from safetensors.torch import load_file
 

@@ -91,6 +91,29 @@ def test_other_experts_take_the_live_gates_and_give_the_router_a_gradient(tmp_pa
     assert (other != chosen).all()
 
 
+def test_records_of_another_model_or_too_short_and_gates_that_cannot_replay_are_refused(tmp_path):
+    from moe_scale.errors import UserError
+    from moe_scale.moe.router import NoisyTopKRouter, SoftmaxTopKRouter
+    from tests.moe.layers import moe_layer
+
+    layer = _layer()
+    _forward(layer, _tape(layer, tmp_path / "rec", "record"), _batch())
+    other = moe_layer(D, H, 4, K, router=SoftmaxTopKRouter(D, 4, K))
+    with pytest.raises(UserError, match="recorded for another model"):
+        open_tape([other], "softmax_topk", None, tmp_path / "rec", 0, 1, {"data": 1})
+    with pytest.raises(UserError, match="recorded for other data"):
+        open_tape([_layer()], "softmax_topk", None, tmp_path / "rec", 0, 1, {"data": 2})
+    replayed = _layer()
+    tape = _tape(replayed, tmp_path / "rec", "replay")
+    tape.at("train", 1)
+    with pytest.raises(UserError, match="no recorded routes for train step 1, micro-batch 0, routed layer 0"):
+        replayed(_batch())
+    noisy = moe_layer(D, H, E, K, router=NoisyTopKRouter(D, E, K))
+    with pytest.raises(UserError, match="the noisy_topk gate cannot be replayed"):
+        open_tape([noisy], "noisy_topk", None, tmp_path / "rec", 0, 1, {"data": 1})
+    assert open_tape([noisy], "noisy_topk", tmp_path / "noisy-rec", None, 0, 1, {"data": 1}) is not None   # records
+
+
 def _replay_worker(rank, world, directory):
     layer = _layer(world, rank)
     layer.set_deepspeed_parallelism()
@@ -138,15 +161,10 @@ def test_a_runs_own_record_replays_bit_identically_with_recompute_across_a_resum
     summaries = [json.loads((tmp_path / n / "summary.json").read_text()) for n in ("recorded", "resumed")]
     assert summaries[0]["valid_ppl"] == summaries[1]["valid_ppl"] and math.isfinite(summaries[0]["valid_ppl"])
 
-    for flags, fragment in ((["--num-experts", "4"], "recorded for another model"),
-                            (["--seed", "7"], "recorded for other data (its seed differ)"),
-                            (["--max-steps", "6"], "no recorded routes for train step 4")):
-        proc = run_cli("train", *ROUTED, "--max-steps", "4", *flags, "--replay-routes", str(record), "--out",
-                       str(tmp_path / "refused"), cwd=tmp_path, cache=embedded_cache)
-        assert_one_line_error(proc, f"--replay-routes {record}", fragment)
-    proc = run_cli("train", *TINY, "--max-steps", "1", "--replay-routes", str(record), "--out",
-                   str(tmp_path / "noisy"), cwd=tmp_path, cache=embedded_cache)
-    assert_one_line_error(proc, "the noisy_topk gate cannot be replayed", "softmax_topk, aux_free or node_limited")
+    proc = run_cli("train", *ROUTED, "--max-steps", "4", "--seed", "7", "--replay-routes", str(record), "--out",
+                   str(tmp_path / "refused"), cwd=tmp_path, cache=embedded_cache)
+    assert_one_line_error(proc, f"--replay-routes {record}", "recorded for other data (its seed differ)")
+    assert not (tmp_path / "refused").exists()
 
     # eval records and replays its own batches; generate records its decoding steps
     recorded = tmp_path / "recorded"
