@@ -84,3 +84,12 @@ def test_the_overload_factors_per_expert_and_per_rank():
     assert overload_text(values) == "  cv(load) 1.000 max/mean load 3.20 (1.60 per rank)"
     two = {f"layer{i}_{k}": v for i in (0, 1) for k, v in values.items()}
     assert overload_text(two).count("per rank") == 2 and overload_text(two).startswith("  L0 cv(load)")
+
+
+def test_eval_expert_stats_print_the_overload_per_rank():
+    from moe_scale.train.expert_tokens import format_expert_report
+
+    load_E = torch.tensor([8.0, 0.0, 4.0, 4.0, 1.0, 1.0, 1.0, 1.0])
+    stats = {**balance_metrics(load_E, load_E, ranks=4), "tokens": 20,
+             "experts": [{"expert": e, "load": int(v), "importance": float(v)} for e, v in enumerate(load_E)]}
+    assert "max/mean load 3.20 (1.60 per rank)" in format_expert_report({"layer0": stats}, 0).splitlines()[0]
