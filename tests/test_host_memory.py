@@ -13,7 +13,7 @@ from moe_scale import host_memory
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 # Minor page faults per MoE layer step after warm-up (the benchmark's size: 2048 tokens, d=256, h=512, E=256,
-# k=2): each is a fresh page the kernel zero-filled. Averaged over 12 steps: either way some steps take none
+# k=2): each is a fresh page the kernel zero-filled. Averaged over 8 steps: either way some steps take none
 # and others thousands (glibc's own thresholds move), and with the policy the heap still grows by a few MiB
 # now and then as the routing's varying sizes fragment it.
 _FAULTS_PER_STEP = """
@@ -32,12 +32,12 @@ def step():
         p.grad = None
     y, aux = layer(x)
     (y.sum() + aux).backward()
-for _ in range(5):
+for _ in range(4):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(12):
+for _ in range(8):
     step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 12)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 8)
 """
 
 

@@ -158,7 +158,7 @@ def _init_single_process_dist(device: str) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()),
                           RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         init_deepspeed_comm("nccl" if device == "cuda" else "gloo", verbose=False)
 

@@ -86,16 +86,20 @@ def hierarchical_shape(num_experts: int, ranks: int, k: int) -> tuple[int, int, 
 
 
 def build_layer(gate: str, local_experts: int, ranks: int, rank: int, k: int, d: int, h: int):
+    from moe_scale.config import MoEConfig
     from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
     from moe_scale.moe.layer import MoELayer
     from moe_scale.moe.router.hierarchical import HierarchicalRouter
 
     num_experts = local_experts * ranks
+    config = MoEConfig()
+    config.experts.num_experts, config.experts.hidden, config.router.top_k = num_experts, h, k
+    config.experts.grad_reuse = False
     router, layer_class = None, MoELayer
     if gate == "hierarchical":
         groups, per_group, kp, ks = hierarchical_shape(num_experts, ranks, k)
         router, layer_class = HierarchicalRouter(d, groups, per_group, kp, ks), HierarchicalMoELayer
-    layer = layer_class(d, h, num_experts, k, ep_size=ranks, ep_rank=rank, router=router, reuse_grad_buffers=False)
+    layer = layer_class(config, d, ep_size=ranks, ep_rank=rank, router=router)
     if ranks > 1:
         layer.set_deepspeed_parallelism()
     return layer.train()

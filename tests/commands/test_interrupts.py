@@ -129,7 +129,7 @@ TRAIN = ["train", *TINY, "--model", "transformer", "--attention", "mha", "--num-
 def test_ctrl_c_and_sigterm_anywhere_in_each_command(tmp_path, embedded_cache, draw):
     run = tmp_path / "run"
     calls = _count([*TRAIN, "--out", str(run)], tmp_path, embedded_cache)
-    for names in (["SIGINT"], ["SIGTERM"], ["SIGINT", "SIGINT"]):
+    for names in (["SIGTERM"], ["SIGINT", "SIGINT"]):   # (a Ctrl-C the run survives: its first SIGINT)
         other = tmp_path / f"run-{'-'.join(names)}"
         proc, plan = _run_until_sent([*TRAIN, "--out", str(other)], tmp_path, embedded_cache, names, calls, draw)
         _assert_train_ended_cleanly(proc, other, plan)

@@ -152,9 +152,8 @@ def test_a_runs_own_record_replays_bit_identically_with_recompute_across_a_resum
     losses = train("recorded", "--record-routes", str(record))
     assert len(list(read_routes(record))) == 4 and json.loads((record / "routes.json").read_text())["format"] == 1
     assert train("replayed", "--replay-routes", str(record)) == losses
-    assert train("recompute", "--replay-routes", str(record), "--expert-recompute") == losses
-    run_train([*ROUTED, "--max-steps", "2", "--replay-routes", str(record), "--out", str(tmp_path / "resumed")],
-              cwd=tmp_path, cache=embedded_cache)
+    run_train([*ROUTED, "--max-steps", "2", "--replay-routes", str(record), "--expert-recompute", "--out",
+               str(tmp_path / "resumed")], cwd=tmp_path, cache=embedded_cache)
     run_train(["--resume", "--max-steps", "4", "--out", str(tmp_path / "resumed")], cwd=tmp_path,
               cache=embedded_cache)
     assert [r["loss"] for r in step_log(tmp_path / "resumed")] == losses

@@ -76,13 +76,15 @@ def _sweep(data: Path, out: Path, steps: int, *flags: str) -> list[str]:
             "--extra", "--eval-max-batches", "4"]
 
 
-# Size: 400 steps, so that moe-32 is still training when its first checkpoint (step 20) appears and the kill lands
-# mid-run even on a loaded machine; the resumed sweep then trains the rest. Two models: the fewest a table compares.
+# Size: 160 steps, so that moe-32 is still training (140 steps to go) when its first checkpoint (step 20) appears and
+# the kill lands mid-run even on a loaded machine; the resumed sweep then trains the rest. Two models: the fewest a
+# table compares.
+STEPS = 160
 @pytest.mark.slow
 def test_two_point_sweep_writes_its_report_and_a_killed_sweep_resumes(tmp_path, embedded_cache):
     data, out = _corpus(tmp_path / "text"), tmp_path / "sweep"
     env = cli_env(embedded_cache)
-    proc = subprocess.Popen(_sweep(data, out, 400), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(_sweep(data, out, STEPS), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     marker = out / "runs" / "moe-32-s1" / "checkpoints" / "complete"
     deadline = time.time() + 600
@@ -96,13 +98,13 @@ def test_two_point_sweep_writes_its_report_and_a_killed_sweep_resumes(tmp_path, 
     assert not (out / "runs" / "dense-s1" / "checkpoints").exists()   # scored, so its checkpoints went
 
     # started again (keeping checkpoints this time, which changes no result)
-    again = subprocess.run(_sweep(data, out, 400, "--keep-checkpoints"), env=env, capture_output=True, text=True,
+    again = subprocess.run(_sweep(data, out, STEPS, "--keep-checkpoints"), env=env, capture_output=True, text=True,
                            timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (out / "runs" / "dense-s1" / "train_log.jsonl").read_bytes() == finished   # kept, not run again
     steps = [json.loads(line)["step"] for line in (out / "runs" / "moe-32-s1" / "train_log.jsonl").read_text()
              .splitlines()]
-    assert steps == list(range(1, 401))   # continued from its checkpoint: every step logged once
+    assert steps == list(range(1, STEPS + 1))   # continued from its checkpoint: every step logged once
 
     for name in ("capacity.json", "capacity.md", "capacity_ppl.png", "capacity_speed.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
