@@ -73,10 +73,11 @@ class RouteTape:
 
     def _start_record(self, header: dict) -> None:
         d = self.directory
-        if d.exists() and any(d.iterdir()) and not (d / HEADER).is_file():
-            raise UserError(f"{self.flag} {d}: the directory holds other files; give a new or empty directory")
-        if (d / HEADER).is_file() and json.loads((d / HEADER).read_text()).get("model") != header["model"]:
-            raise UserError(f"{self.flag} {d}: it holds routes of another model; give a new directory")
+        if self.rank == 0:   # (the others may see rank 0's header half-written)
+            if d.exists() and any(d.iterdir()) and not (d / HEADER).is_file():
+                raise UserError(f"{self.flag} {d}: the directory holds other files; give a new or empty directory")
+            if (d / HEADER).is_file() and json.loads((d / HEADER).read_text()).get("model") != header["model"]:
+                raise UserError(f"{self.flag} {d}: it holds routes of another model; give a new directory")
         try:
             d.mkdir(parents=True, exist_ok=True)
             dtype = "int16" if max(header["model"]["experts"] or [0]) <= np.iinfo(np.int16).max else "int32"
