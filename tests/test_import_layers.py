@@ -1,6 +1,6 @@
 """Imports flow one way: each room of the package (a top-level module or folder of moe_scale/) stands on a floor,
 and no module imports from a room on a higher floor, at its top or inside a function. A new room must be given its
-floor here; the order is the architecture (README's "Layout")."""
+floor here; the order is the architecture (docs/layout.md)."""
 
 from __future__ import annotations
 

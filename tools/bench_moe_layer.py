@@ -69,6 +69,7 @@ from typing import Callable
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from json_lines import emit, sig
+from spawned_ranks import spawned_ranks
 from tool_args import (OneLineParser, check_out_file, non_negative_float, non_negative_int, positive_float,
                         positive_int, positive_int_list)
 
@@ -660,20 +661,8 @@ def _any_rank_wants_more(more: bool) -> bool:
 
 
 def multi_rank(args) -> None:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
-    while (row := queue.get()) is not None:
+    for row in spawned_ranks(_rank_worker, args.ranks, args, "bench_moe_layer.py"):
         emit(row, args.out)
-    for proc in procs:
-        proc.join()
-        if proc.exitcode:
-            raise SystemExit(f"bench_moe_layer.py: error: rank exited with status {proc.exitcode}")
 
 
 def main(argv: list[str] | None = None) -> None:

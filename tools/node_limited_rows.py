@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from json_lines import emit, sig
+from spawned_ranks import spawned_ranks
 from tool_args import OneLineParser, check_out_file, non_negative_float, positive_int
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,28 +123,13 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch.multiprocessing as mp
-
-    from moe_scale.distributed.ports import free_port
-
     args = parse_args(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
     unlimited = None
-    while (result := queue.get()) is not None:
-        name, rows, tokens = result
+    for name, rows, tokens in spawned_ranks(_rank_main, args.ranks, args, "node_limited_rows.py"):
         unlimited = rows if unlimited is None else unlimited
         emit({"setting": name, "ranks": args.ranks, "node_size": args.node_size, "experts": args.experts,
               "k": args.k, "tokens": tokens, "rows_crossing_nodes": rows, "per_token": sig(rows / tokens),
               "of_unlimited": sig(rows / unlimited) if unlimited else None}, args.out)
-    for proc in procs:
-        proc.join()
-        if proc.exitcode:
-            raise SystemExit(f"node_limited_rows.py: error: rank exited with status {proc.exitcode}")
 
 
 if __name__ == "__main__":

@@ -156,14 +156,14 @@ class RouteTape:
         """Recording: the forwards since the last flush, to disk (data first, then their index entries)."""
         if self.mode != "record" or not self.pending:
             return
-        experts = torch.cat([e.reshape(-1) for _, e in self.pending]).cpu().numpy().astype(self.dtype)
+        experts = torch.cat([e.reshape(-1) for _, e in self.pending]).cpu().numpy()
         index = np.zeros(len(self.pending), dtype=INDEX_DTYPE)
         for row, ((phase, step, micro, number), e) in zip(index, self.pending):
             row["phase"], row["step"], row["micro"], row["layer"] = phase, step, micro, number
             row["n"], row["k"] = e.shape
         try:
             with open(self.directory / f"rank{self.rank}.bin", "ab") as f:
-                f.write(experts.astype(self.dtype.newbyteorder("<")).tobytes())
+                f.write(experts.astype(self.dtype.newbyteorder("<")).tobytes())   # little-endian on any host
             with open(self.directory / f"rank{self.rank}.index", "ab") as f:
                 f.write(index.tobytes())
         except OSError as e:
