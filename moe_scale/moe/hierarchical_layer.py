@@ -29,6 +29,7 @@ class HierarchicalMoELayer(MoELayer):
     groups, and tokens travel once per chosen group."""
 
     routes_around_the_exchange = True
+    experts_read_slots = False   # the secondary gate routes each arrived (token, group) row: counted messages
 
     def __init__(self, config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
                  kind: str = "relu", router: HierarchicalRouter | None = None):

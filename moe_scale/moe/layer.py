@@ -17,7 +17,7 @@ from moe_scale.config import DispatchConfig, MoEConfig, choices
 from moe_scale.distributed.comm import BatchCollectives
 from moe_scale.distributed.launch import ranks_per_node
 from moe_scale.moe.deepspeed_adapter import ParallelGroups
-from moe_scale.moe.dispatch import AllToAllDispatcher
+from moe_scale.moe.dispatch import build_dispatcher
 from moe_scale.moe.experts import GroupedExperts
 from moe_scale.moe.routed_layer import RoutedLayer
 from moe_scale.moe.router import Router, build_router
@@ -36,6 +36,7 @@ class MoELayer(RoutedLayer):
     """
 
     routes_around_the_exchange = False   # HierarchicalMoELayer: the gate's second level runs beside the experts
+    experts_read_slots = True   # capacity mode: fixed-size slots (moe/dispatch/static_capacity.py); False: counted
 
     def __init__(self, config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
                  kind: str = "relu", router: Router | None = None):
@@ -54,8 +55,7 @@ class MoELayer(RoutedLayer):
                                       first_global_expert=ep_rank * self.num_local_experts, seed=seed,
                                       recompute=experts.recompute, reuse_grad_buffers=experts.grad_reuse,
                                       activation=kind)
-        self.dispatcher = AllToAllDispatcher(*self.dispatch_units(), dispatch.mode, dispatch.capacity_factor,
-                                             dispatch.rank_capacity_factor)
+        self.dispatcher = build_dispatcher(*self.dispatch_units(), dispatch, slots=self.experts_read_slots)
         self.mark_expert_parameters()
         self.all_to_all, self.node_size = dispatch.all_to_all, dispatch.node_size
         # dense, on every rank (not in expert_shards); None: no shared experts, the state dict as before

@@ -230,6 +230,11 @@ class LocalExchange(_Exchange):
         host = _read_to_host(counts)
         return [Route([], None, c, [h], [h]) for c, h in zip(counts, host)]
 
+    def plan_uniform(self, columns: int, per_block: int, device: torch.device) -> Route:
+        """A Route for `per_block` rows per (rank, column), a size the host knows: nothing moves, nothing read."""
+        return Route([], None, _full(1, columns, per_block, device), [[per_block] * columns],
+                     [[per_block] * columns])
+
 
 class FlatExchange(_Exchange):
     def __init__(self, group, timer: CommTimer | None = None):
@@ -253,6 +258,16 @@ class FlatExchange(_Exchange):
             regroup = regroup_index(recv_counts_PX, sum(stage.recv_splits))
             routes.append(Route([stage], regroup, recv_counts_PX, send, recv))
         return routes
+
+    def plan_uniform(self, columns: int, per_block: int, device: torch.device) -> Route:
+        """A Route for `per_block` rows per (destination rank, column) from every rank, a size the host knows
+        (capacity dispatch): no count exchange, no read; the regrouping is computed on the device."""
+        P = dist.get_world_size(self.group)
+        per_rank = [columns * per_block] * P
+        counts_PX = _full(P, columns, per_block, device)
+        host = [[per_block] * columns for _ in range(P)]
+        return Route([_Stage(self.group, per_rank, per_rank, None)], regroup_index(counts_PX, sum(per_rank)),
+                     counts_PX, host, host)
 
 
 class HierarchicalExchange(_Exchange):
@@ -296,6 +311,21 @@ class HierarchicalExchange(_Exchange):
             recv = _columns(recv2_h, Q * W, X, first, last)
             routes.append(Route([hop1, hop2], regroup, recv_counts_PX, send, recv))
         return routes
+
+    def plan_uniform(self, columns: int, per_block: int, device: torch.device) -> Route:
+        """As FlatExchange.plan_uniform, over the two hops: every block of every hop has a size the host knows."""
+        W, Q, block = self.W, self.Q, columns * per_block   # rows per (source, destination rank) pair
+        order1 = regroup_index(_full(Q, W, block, device), Q * W * block)
+        hop1 = _Stage(self.intra_group, [Q * block] * W, [Q * block] * W, order1)
+        order2 = regroup_index(_full(W, Q, block, device), Q * W * block)
+        hop2 = _Stage(self.inter_group, [W * block] * Q, [W * block] * Q, order2)
+        counts_PX = _full(Q * W, columns, per_block, device)
+        host = [[per_block] * columns for _ in range(Q * W)]
+        return Route([hop1, hop2], regroup_index(counts_PX, Q * W * block), counts_PX, host, host)
+
+
+def _full(rows: int, columns: int, value: int, device: torch.device) -> torch.Tensor:
+    return torch.full((rows, columns), value, dtype=torch.long, device=device)
 
 
 def _stream_QW(counts: torch.Tensor, first: int, last: int) -> torch.Tensor:

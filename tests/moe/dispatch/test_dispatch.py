@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from op_count import OpCounter
-from moe_scale.moe.dispatch import AllToAllDispatcher
+from moe_scale.moe.dispatch import AllToAllDispatcher, StaticCapacityDispatcher
 from moe_scale.moe.dispatch.exchange import block_transpose_index
 from tests.multiproc import run_ranks
 
@@ -314,10 +314,21 @@ def _rank_worker(rank, world, name, mode, exchange, node_size):
     calls = dispatcher.timer.calls
     with torch.no_grad():   # the row-level half: which rows arrive, in which order, and which row each pair reads
         rows_RD, rows_state = dispatcher.dispatch_rows(x, *top_k_pairs(experts_all[mine]), gates.reshape(-1))
-    return {"out": out.detach(), "x_grad": x.grad, "gates_grad": gates.grad, "w_grad": w.grad,
-            "tokens_per_expert": state.tokens_per_expert, "arrived": rows.shape[0],
-            "dropped": state.dropped_pairs, "calls": calls, "arrived_rows": state.num_arrived_rows,
-            "rows_RD": rows_RD, "arrived_row_M": rows_state.arrived_row_M}
+    got = {"out": out.detach(), "x_grad": x.grad, "gates_grad": gates.grad, "w_grad": w.grad,
+           "tokens_per_expert": state.tokens_per_expert, "arrived": rows.shape[0],
+           "dropped": state.dropped_pairs, "calls": calls, "arrived_rows": state.num_arrived_rows,
+           "rows_RD": rows_RD, "arrived_row_M": rows_state.arrived_row_M}
+    if mode == "capacity":   # the same case in fixed-size slots: what the MoE layer runs (no count read)
+        static = StaticCapacityDispatcher(e, local, capacity_factor=0.75)
+        static.connect(ep_group, exchange, node_size)
+        x.grad = gates.grad = w.grad = None
+        with OpCounter() as counted:
+            rows, state = static.dispatch(x, *top_k_pairs(experts_all[mine]), gates.reshape(-1))
+            out = static.combine(apply_experts(rows, w, state.expert_counts().host), gates.reshape(-1), state)
+        (out * upstream_all[mine]).sum().backward()
+        got["static"] = {"out": out.detach(), "x_grad": x.grad, "gates_grad": gates.grad, "w_grad": w.grad,
+                         "dropped": int(state.dropped_pairs), "reads": counted.host_syncs}
+    return got
 
 
 def expected_rows_and_pairs(experts_all, world, rank):
@@ -374,6 +385,12 @@ def test_ranks_equal_single_process(world, exchange, node_size, mode):
             for key in ("out", "x_grad", "gates_grad"):
                 torch.testing.assert_close(got[key], want[key], msg=lambda m, key=key: f"{name} {key}: {m}")
             torch.testing.assert_close(got["w_grad"], ref_w_grad[experts_mine], msg=lambda m: f"{name} w: {m}")
+            if mode == "capacity":   # fixed-size slots: the same outputs and gradients, and nothing read
+                static = got["static"]
+                assert static["dropped"] == want["dropped"] and static["reads"] == 0, (name, static["reads"])
+                for key in ("out", "x_grad", "gates_grad"):
+                    torch.testing.assert_close(static[key], want[key], msg=lambda m, key=key: f"{name} {key}: {m}")
+                torch.testing.assert_close(static["w_grad"], ref_w_grad[experts_mine], msg=lambda m: f"{name}: {m}")
         if mode == "dropless":   # rows arrive in the order the dispatcher documents; pairs read the right ones
             x_all, experts_all = make_case(name, world=world)[:2]
             for rank, got in enumerate(results):

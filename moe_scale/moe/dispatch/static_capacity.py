@@ -1,0 +1,132 @@
+"""Capacity dispatch with every size known before the step: the exchange reads nothing from the device.
+
+Legend (docs/shapes.md): N tokens on this rank, C (token, expert) pairs routed from this rank, D model width,
+E experts over all ranks, P expert-parallel ranks, L = E / P local experts per rank, S = E * cap slots this rank
+sends (cap: an expert's capacity per sending rank), M = L * P * cap slots that arrive here.
+
+GShard's layout: each expert takes exactly `cap` = ceil(capacity_factor * C / E) slots from each rank. Copies are
+kept as AllToAllDispatcher's capacity mode keeps them (per expert, the highest gates; ties: the lower pair index);
+an expert with fewer copies has empty slots, which carry a zero row and a zero gate. Every message is then
+L * cap rows from every rank to every rank, a size the host knows from the shapes alone, so the step makes no
+count exchange and no device-to-host read (tools/count_step_syncs.py --dispatch capacity); each local expert
+receives exactly P * cap rows, so the experts' grouped products have sizes the host knows too.
+
+The price is the empty slots: an expert computes its full capacity whatever it received, and a slot is one pair
+(a token with two experts on one rank crosses twice, where the counting dispatcher sends one row). With
+capacity_factor 1 and balanced routing the slots are about the pairs; docs/capacity.md says when to choose which.
+
+The outputs equal AllToAllDispatcher's capacity mode (tests/moe/dispatch/test_static_capacity.py): the same copies
+kept, each token's outputs summed in the same order (by expert). The MoE layer with a flat gate uses this class in
+capacity mode (moe/dispatch/__init__.py's build_dispatcher); the hierarchical gate's layer routes within its
+groups after the exchange and keeps the counting dispatcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_scale.distributed.comm import collective_device, world_size
+from moe_scale.moe.dispatch.dispatcher import AllToAllDispatcher
+from moe_scale.moe.dispatch.exchange import Route
+from moe_scale.moe.expert_counts import ExpertCounts
+from moe_scale.moe.kernel_policy import count_per_bin
+
+
+@dataclass
+class StaticDispatchState:
+    """What `combine_rows` and `follow_pairs` need: where each slot's pair and token came from."""
+
+    route: Route
+    pair_of_slot_S: torch.Tensor    # the pair in each sent slot; C for an empty slot
+    token_of_slot_S: torch.Tensor   # its token; N for an empty slot
+    slots_per_expert: int           # P * cap: what each local expert receives
+    num_local_experts: int
+    num_tokens: int
+    num_pairs: int
+    dropped_pairs: torch.Tensor     # device scalar: copies over capacity
+
+    def expert_counts(self) -> ExpertCounts:
+        L, per = self.num_local_experts, self.slots_per_expert
+        return ExpertCounts(torch.full((L,), per, dtype=torch.long, device=self.token_of_slot_S.device), [per] * L)
+
+    def pair_rows(self) -> None:
+        """Each arrived slot is its own row: None (the experts then return one output per slot)."""
+        return None
+
+
+class StaticCapacityDispatcher(AllToAllDispatcher):
+    """AllToAllDispatcher's capacity mode with slots of a fixed size (see the module docstring)."""
+
+    def __init__(self, num_experts: int, num_local_experts: int, capacity_factor: float = 1.0):
+        super().__init__(num_experts, num_local_experts, "capacity", capacity_factor)
+
+    def dispatch_rows(self, x_ND: torch.Tensor, token_index_C: torch.Tensor, expert_C: torch.Tensor,
+                      gate_C: torch.Tensor | None = None, every_token: bool = False
+                      ) -> tuple[torch.Tensor, StaticDispatchState]:
+        """The M slots' rows that arrive here, grouped by local expert (P * cap each, by source rank within)."""
+        if gate_C is None:
+            raise ValueError("capacity dispatch needs the gates to decide which copies to drop")
+        num_tokens, num_pairs, E = x_ND.shape[0], expert_C.shape[0], self.num_experts
+        cap, device = self.capacity(num_pairs), x_ND.device
+        # By expert, then by gate (highest first; ties: the lower pair index): a copy's place within its expert.
+        by_gate = torch.argsort(gate_C.detach(), descending=True, stable=True)
+        order_C = by_gate.index_select(0, torch.argsort(expert_C.index_select(0, by_gate), stable=True))
+        counts_E = count_per_bin(expert_C, E)
+        first_C = torch.repeat_interleave(counts_E.cumsum(0) - counts_E, counts_E, output_size=num_pairs)
+        place_C = torch.arange(num_pairs, device=device) - first_C
+        kept_C = place_C < cap
+        # Slot e * cap + place for a kept copy; a dropped one goes past the S slots (each to its own place).
+        slot_C = torch.where(kept_C, expert_C.index_select(0, order_C) * cap + place_C,
+                             E * cap + torch.arange(num_pairs, device=device))
+        pair_of_slot = torch.full((E * cap + num_pairs,), num_pairs, dtype=torch.long, device=device)
+        pair_of_slot_S = pair_of_slot.index_copy_(0, slot_C, order_C)[:E * cap]
+        token_of_slot_S = _with_one_more(token_index_C, num_tokens).index_select(0, pair_of_slot_S)
+        route = self.exchange.plan_uniform(self.num_local_experts, cap, device)
+        rows_SD = _with_one_more(x_ND, 0).index_select(0, token_of_slot_S)
+        state = StaticDispatchState(route, pair_of_slot_S, token_of_slot_S, route_slots(route, cap),
+                                    self.num_local_experts, num_tokens, num_pairs, (~kept_C).sum())
+        return self.exchange.move(rows_SD, route), state
+
+    def dispatch(self, x_ND, token_index_C, expert_C, gate_C=None, every_token=False):
+        return self.dispatch_rows(x_ND, token_index_C, expert_C, gate_C, every_token)
+
+    def follow_pairs(self, values_C: torch.Tensor, state: StaticDispatchState) -> torch.Tensor:
+        """values_C[p] delivered with pair p's slot (0 in an empty slot): [M]."""
+        slots_S = _with_one_more(values_C, 0).index_select(0, state.pair_of_slot_S)
+        return self.exchange.move(slots_S[:, None], state.route)[:, 0]
+
+    def follow(self, values_N: torch.Tensor, state: StaticDispatchState) -> torch.Tensor:
+        """values_N[t] delivered with each of token t's slots (0 in an empty slot): [M, ...]."""
+        return self.exchange.move(_with_one_more(values_N, 0).index_select(0, state.token_of_slot_S), state.route)
+
+    def combine(self, y_MD: torch.Tensor, gate_C: torch.Tensor, state: StaticDispatchState) -> torch.Tensor:
+        return self.combine_rows(y_MD * self.follow_pairs(gate_C, state).to(y_MD.dtype)[:, None], state)
+
+    def combine_rows(self, per_row_MD: torch.Tensor, state: StaticDispatchState) -> torch.Tensor:
+        """out[t] = the sum of token t's slots' results, back on this rank: [N, D] (empty slots add to a row
+        past the last, left out)."""
+        back_SD = self.exchange.move_back(per_row_MD, state.route)
+        return back_SD.new_zeros(state.num_tokens + 1, back_SD.shape[1]).index_add(
+            0, state.token_of_slot_S, back_SD)[:state.num_tokens]
+
+    def dropped_fraction(self, state: StaticDispatchState, data_parallel_group) -> torch.Tensor:
+        """As AllToAllDispatcher's, from the device's count of dropped copies (no read)."""
+        counts = torch.empty(2, dtype=torch.float64, device=collective_device())
+        counts[0] = state.dropped_pairs   # a device-to-device copy
+        counts[1] = state.num_pairs
+        if data_parallel_group is not None and world_size(data_parallel_group) > 1:
+            dist.all_reduce(counts, group=data_parallel_group)
+        return counts[0] / counts[1].clamp(min=1)
+
+
+def route_slots(route: Route, cap: int) -> int:
+    """Slots each local expert receives: cap from every source rank."""
+    return len(route.recv_counts) * cap
+
+
+def _with_one_more(values: torch.Tensor, fill) -> torch.Tensor:
+    """`values` with one more entry (row) at the end, `fill` (zeros for rows): what an empty slot reads."""
+    return torch.cat([values, values.new_full((1, *values.shape[1:]), fill)])
