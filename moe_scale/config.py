@@ -330,11 +330,19 @@ class DispatchConfig:
                                  "node first and then across nodes", ("flat", "hierarchical"))
     node_size: int = _f(0, "hierarchical all-to-all: ranks per node (0: the launcher's LOCAL_WORLD_SIZE)",
                         needs=Needs(lambda c: c.moe.dispatch.all_to_all == "hierarchical", "--all-to-all hierarchical"))
+    a2a_chunks: int = _f(1, "split each MoE layer's exchange into this many pieces, exchanged while the experts "
+                            "compute the piece before (asynchronous all-to-alls; one count read whatever the "
+                            "pieces; docs/performance.md#overlapping-the-exchange)",
+                         needs=Needs(lambda c: c.has_moe_ffn and c.moe.router.gate in _TOP_K_GATES,
+                                     "an MoE layer with a gate that gives every token k experts (--gate "
+                                     + ", ".join(_TOP_K_GATES) + ")"))
 
     def validate(self) -> None:
         if not self.capacity_factor > 0:
             raise UserError(f"--capacity-factor must be positive (got {self.capacity_factor}); 1.0 gives each "
                             f"expert exactly its fair share of tokens x k / experts")
+        if self.a2a_chunks < 1:
+            raise UserError(f"--a2a-chunks must be 1 (one exchange) or more (got {self.a2a_chunks})")
         if self.node_size < 0:
             raise UserError(f"--node-size must be 0 (from the launcher) or a positive rank count (got "
                             f"{self.node_size})")

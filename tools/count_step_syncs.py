@@ -26,6 +26,7 @@ check's shape (tools/gpu_check.sh: 8 MoE layers of 64 experts, k = 2) at d = 64,
     python tools/count_step_syncs.py                                          # transformer, gpu_bf16_zero2, 1 rank
     python tools/count_step_syncs.py --model lstm --ranks 1,2 --ds-config ds_configs/gpu_bf16_zero1.json
     python tools/count_step_syncs.py --ranks 2 --dispatch capacity --vocab-exchange dense   # no read at all
+    python tools/count_step_syncs.py --ranks 2 --a2a-chunks 4   # the reads of one piece
 
 bf16 runs on CPU as it does on a GPU (DeepSpeed's bf16 ZeRO optimizer, torch's CPU bf16 kernels). 2 ranks: two
 processes joined by gloo, expert-parallel over both (--ep-size 2). Results: docs/gpu.md.
@@ -69,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step over all ranks")
     p.add_argument("--dispatch", choices=("dropless", "capacity"), default="dropless",
                    help="capacity: fixed-size slots, no count read (default: %(default)s)")
+    p.add_argument("--a2a-chunks", type=positive_int, default=1,
+                   help="each MoE layer's exchange in this many overlapped pieces (default: %(default)s)")
     p.add_argument("--vocab-exchange", choices=("rows", "dense"), default="rows",
                    help="2 ranks: the vocabulary tables split by rows (their exchanges read counts) or whole "
                         "(default: %(default)s)")
@@ -97,7 +100,8 @@ def train_flags(args: argparse.Namespace, ranks: int) -> list[str]:
     return [*model, "--d-model", str(args.d_model), "--expert-hidden", str(args.hidden), "--num-experts",
             str(args.experts), "--top-k", str(args.k), "--seq-len", str(args.seq_len), "--batch-size",
             str(args.batch_size), "--dropout", "0.0", "--ep-size", str(ranks), "--dispatch", args.dispatch,
-            "--vocab-exchange", args.vocab_exchange, "--ds-config", str(args.ds_config.resolve())]
+            "--a2a-chunks", str(args.a2a_chunks), "--vocab-exchange", args.vocab_exchange,
+            "--ds-config", str(args.ds_config.resolve())]
 
 
 def _rank(rank: int, port: int, flags: list[str], out: str, results) -> None:
@@ -161,7 +165,8 @@ def main(argv=None) -> int:
                     return 1
         for rank, report in enumerate(reports):
             emit({"model": args.model, "ds_config": str(args.ds_config), "ranks": ranks, "rank": rank,
-                  "moe_layers": moe_layers, "dispatch": args.dispatch, "vocab_exchange": args.vocab_exchange,
+                  "moe_layers": moe_layers, "dispatch": args.dispatch, "a2a_chunks": args.a2a_chunks,
+                  "vocab_exchange": args.vocab_exchange,
                   "experts": args.experts, "k": args.k, "d_model": args.d_model,
                   "hidden": args.hidden, "tokens_per_rank": args.batch_size * args.seq_len // ranks,
                   "host_reads": report["host_reads"], "all_to_all_count_reads": report["all_to_all_count_reads"],

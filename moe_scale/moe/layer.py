@@ -63,6 +63,7 @@ class MoELayer(RoutedLayer):
                                     experts.shared_gate, seed=seed, first_id=experts.num_experts,
                                     activation=kind) if experts.shared else None
         self.force_balanced = config.router.force_balanced_routing
+        self.a2a_chunks = dispatch.a2a_chunks
 
     def dispatch_units(self) -> tuple[int, int]:
         """(what the dispatcher sends tokens to, how many of them live here): the experts."""
@@ -85,6 +86,9 @@ class MoELayer(RoutedLayer):
         self.require_groups()
         route = self.route(x_ND, seq_len)
         token_C, expert_C, gate_C = self.real_pairs(route.pairs(), x_ND.shape[0])
+        if self.a2a_chunks > 1 and self.dispatcher.exchanges and route.top_k is not None \
+                and expert_C.shape[0] == x_ND.shape[0] * route.top_k:   # every token's k pairs, token-major
+            return self.overlapped(x_ND, token_C, expert_C, gate_C), route.aux_loss
         # (every_token matters in dropless mode only, where real_pairs leaves the pairs whole)
         rows_RD, state = self.dispatcher.dispatch_rows(x_ND, token_C, expert_C, gate_C,
                                                        every_token=route.top_k is not None)
@@ -94,6 +98,20 @@ class MoELayer(RoutedLayer):
                                   self.dispatcher.follow_pairs(gate_C, state))
         return self.plus_shared(x_ND, self.dispatcher.combine_rows(per_row_RD, state).to(x_ND.dtype)), \
             route.aux_loss
+
+    def overlapped(self, x_ND: torch.Tensor, token_C: torch.Tensor, expert_C: torch.Tensor,
+                   gate_C: torch.Tensor) -> torch.Tensor:
+        """forward's exchange and experts in `a2a_chunks` pieces (moe/dispatch/pieces.py): the experts compute one
+        piece while the next arrives and the last goes back; the shared experts compute while the first is in
+        flight. The same output as one piece."""
+        pieces = self.dispatcher.dispatch_pieces(x_ND, token_C, expert_C, gate_C, self.a2a_chunks)
+        shared_ND = None if self.shared is None else self.shared(x_ND)
+        for piece in pieces:
+            rows_RD, counts, row_of_pair_M, gate_M = piece.land()
+            piece.start_back(self.experts(rows_RD, counts, row_of_pair_M, gate_M))
+        self.keep_dropped_fraction(pieces)
+        routed_ND = pieces.combine().to(x_ND.dtype)
+        return routed_ND if shared_ND is None else routed_ND + shared_ND.to(routed_ND.dtype)
 
     def real_pairs(self, pairs_C: tuple[torch.Tensor, ...], num_tokens: int) -> tuple[torch.Tensor, ...]:
         """Capacity mode (or a rank budget): the pairs of real tokens only, where real_tokens() marks padding

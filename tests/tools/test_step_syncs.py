@@ -89,7 +89,8 @@ def test_two_ranks_read_only_the_exchanges_counts(tmp_path, embedded_cache, conf
     """Expert-parallel over both ranks: one count read per MoE layer, in the forward, at the exchange, and one for
     each vocabulary table's exchange (the embedding's rows; the softmax's hidden states: the tables are split over
     the processes); nothing else on either rank but the stop-request flag, a CPU tensor on GPUs too. Data-parallel
-    only (ep_size 1): the tables' two reads, nothing else. With capacity dispatch (fixed-size slots) and whole
+    only (ep_size 1): the tables' two reads, nothing else. The exchange in 4 overlapped pieces (--a2a-chunks) reads
+    what one piece reads. With capacity dispatch (fixed-size slots) and whole
     vocabulary tables, under ZeRO 1: no read at all."""
     flags = [*TRANSFORMER, *WIDTH, "--ds-config", str(config)]
     if config == GPU_CONFIGS[1]:
@@ -99,7 +100,9 @@ def test_two_ranks_read_only_the_exchanges_counts(tmp_path, embedded_cache, conf
             assert report["host_reads"] == 0 and report["all_to_all_count_reads"] == 0, (rank, where(report))
             assert [r["site"].split(" ")[-1] for r in report["host_side_reads"]] == ["StopRequests.agreed"]
         return
-    for rank, report in enumerate(count(tmp_path / "ep2", [*flags, "--ep-size", "2"], embedded_cache, nprocs=2)):
+    # (in 4 overlapped pieces: the reads of one)
+    for rank, report in enumerate(count(tmp_path / "ep2", [*flags, "--ep-size", "2", "--a2a-chunks", "4"],
+                                        embedded_cache, nprocs=2)):
         assert report["host_reads"] == 0 and report["all_to_all_count_reads"] == 4, (rank, where(report))
         assert [(r["phase"], r["site"].split(":")[0], r["site"].split(" ")[-1], r["count"], r["all_to_all"])
                 for r in report["reads"]] == \

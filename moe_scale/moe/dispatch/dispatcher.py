@@ -58,8 +58,9 @@ import torch.distributed as dist
 
 from moe_scale.config import DispatchConfig, choices
 from moe_scale.distributed.comm import collective_device, world_size
-from moe_scale.moe.dispatch.exchange import (CommTimer, FlatExchange, HierarchicalExchange, LocalExchange, Route,
-                                             build_hierarchical_groups)
+from moe_scale.moe.dispatch.exchange import (CommTimer, FlatExchange, HierarchicalExchange, InFlight, LocalExchange,
+                                             Route, build_hierarchical_groups)
+from moe_scale.moe.dispatch.pieces import chunk_bounds
 from moe_scale.moe.expert_counts import ExpertCounts
 from moe_scale.moe.kernel_policy import count_per_bin
 
@@ -105,6 +106,33 @@ class DispatchState:
         if self.rows_are_tokens:
             return torch.arange(self.num_tokens, device=self.arrived_row_M.device)
         return self.unique_token_U
+
+
+@dataclass
+class _Marks:
+    """A dispatch planned up to the exchange (AllToAllDispatcher._mark): all on the device."""
+
+    order_C: torch.Tensor            # copies sorted: kept ones by expert, then the dropped ones
+    counts_PL: torch.Tensor          # kept copies per (destination rank, local expert)
+    rows_per_rank_P1: torch.Tensor   # rows per destination rank
+    marked_PN: torch.Tensor          # the (rank, token) keys a kept copy has
+    row_in_message_C: torch.Tensor   # each sorted copy's row within its destination's message
+    num_tokens: int
+    num_pairs: int
+
+    def counts(self) -> list[torch.Tensor]:
+        """What the exchange plans from: pairs, then rows."""
+        return [self.counts_PL, self.rows_per_rank_P1]
+
+    def rows(self, row_route: Route) -> torch.Tensor:
+        """[U]: the token of each sent row. The marked keys in order are the rows; their number is now known, so no
+        read sizes the compaction."""
+        num_rows = row_route.num_sent
+        return torch.nonzero_static(self.marked_PN, size=num_rows)[:, 0] % max(self.num_tokens, 1)
+
+    def row_in_message(self, pair_route: Route) -> torch.Tensor:
+        """[S, 1]: the kept copies' rows within their messages, as the pairs' metadata travels."""
+        return self.row_in_message_C[:pair_route.num_sent, None]
 
 
 class AllToAllDispatcher:
@@ -172,13 +200,68 @@ class AllToAllDispatcher:
         reading the device (the state's host counts are None)."""
         if every_token and not self.drops and isinstance(self.exchange, LocalExchange):
             return x_ND, self._local_rows(x_ND.shape[0], token_index_C, expert_C)
-        num_tokens, num_pairs = x_ND.shape[0], expert_C.shape[0]
-        P, L, device = self.ep_size, self.num_local_experts, x_ND.device
+        num_tokens = x_ND.shape[0]
         if self.drops:
             if gate_C is None:
                 raise ValueError("capacity dispatch (or a rank budget) needs the gates to decide which copies to drop")
             keep = self._keep_highest_gates if self.mode == "capacity" else self._keep_within_rank_budget
-            order_C, dropped_C, counts_E = keep(expert_C, gate_C.detach())
+            marks = self._mark(num_tokens, token_index_C, expert_C, *keep(expert_C, gate_C.detach()))
+        else:
+            marks = self._mark(num_tokens, token_index_C, expert_C)
+        # Counts of pairs (per local expert) and rows (per rank) travel together; the one host read.
+        pair_route, row_route = self.exchange.plan(marks.counts())
+        unique_token_U = marks.rows(row_route)
+        rows_are_tokens = isinstance(self.exchange, LocalExchange) and row_route.num_sent == num_tokens
+        arrived_rows_RD = x_ND if rows_are_tokens else self.exchange.move(x_ND.index_select(0, unique_token_U),
+                                                                           row_route)
+        row_in_message_M = self.exchange.move(marks.row_in_message(pair_route), pair_route, regroup=False)[:, 0]
+        return arrived_rows_RD, self._state(marks, unique_token_U, pair_route, row_route, row_in_message_M,
+                                            rows_are_tokens)
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether rows travel (more than one expert-parallel rank): only then is there anything to overlap."""
+        return not isinstance(self.exchange, LocalExchange)
+
+    def dispatch_pieces(self, x_ND: torch.Tensor, token_index_C: torch.Tensor, expert_C: torch.Tensor,
+                        gate_C: torch.Tensor, chunks: int) -> "CountedPieces":
+        """dispatch_rows in `chunks` pieces of consecutive tokens, every piece started (moe/dispatch/pieces.py).
+        The pairs are a top-k gate's: every token's k pairs, token-major. A rank budget's drops are decided over
+        all the pairs first, so the same copies drop as in one piece."""
+        num_tokens = x_ND.shape[0]
+        k = expert_C.shape[0] // max(num_tokens, 1)
+        dropped_C = self._over_rank_budget(expert_C, gate_C.detach()) if self.drops else None
+        marks = []
+        for first, last in chunk_bounds(num_tokens, chunks):
+            pairs = slice(first * k, last * k)
+            tokens, experts = token_index_C[pairs] - first, expert_C[pairs]
+            if dropped_C is None:
+                marks.append(self._mark(last - first, tokens, experts))
+                continue
+            expert_or_past = experts.masked_fill(dropped_C[pairs], self.num_experts)
+            order = torch.argsort(expert_or_past, stable=True)   # kept copies by expert, then the dropped ones
+            marks.append(self._mark(last - first, tokens, experts, order, dropped_C[pairs].index_select(0, order),
+                                    count_per_bin(expert_or_past, self.num_experts + 1)[:self.num_experts]))
+        routes = self.exchange.plan([counts for m in marks for counts in m.counts()])   # the one read
+        pieces = []
+        for (first, last), m, pair_route, row_route in zip(chunk_bounds(num_tokens, chunks), marks, routes[::2],
+                                                           routes[1::2]):
+            unique_token_U = m.rows(row_route)
+            kept_gates = gate_C[first * k:last * k].index_select(0, m.order_C[:pair_route.num_sent])
+            pieces.append(_CountedPiece(self, m, unique_token_U, pair_route, row_route,
+                                        self.exchange.start(x_ND[first:last].index_select(0, unique_token_U),
+                                                            row_route),
+                                        self.exchange.start(m.row_in_message(pair_route), pair_route, regroup=False),
+                                        self.exchange.start(kept_gates[:, None], pair_route)))
+        return CountedPieces(pieces, num_tokens)
+
+    def _mark(self, num_tokens: int, token_index_C: torch.Tensor, expert_C: torch.Tensor,
+              order_C: torch.Tensor | None = None, dropped_C: torch.Tensor | None = None,
+              counts_E: torch.Tensor | None = None) -> "_Marks":
+        """Everything before the exchange, on the device: the copies sorted (kept ones by expert; `order_C`,
+        `dropped_C` (in that order) and `counts_E` where some are dropped), and the rows they need."""
+        P, L, device = self.ep_size, self.num_local_experts, expert_C.device
+        if order_C is not None:
             # Destination rank of every sorted copy; dropped copies get rank P, past every real row.
             rank_C = torch.div(expert_C.index_select(0, order_C), L, rounding_mode="floor").masked_fill(dropped_C, P)
             key_C = torch.add(token_index_C.index_select(0, order_C), rank_C, alpha=num_tokens)
@@ -191,26 +274,21 @@ class AllToAllDispatcher:
         # rank-major, then by token: the row all-to-all's order. A mark per (rank, token) and its running count
         # along each rank number them: the count at a copy's key, less one, is its row within that rank's message,
         # and the count at a rank's last token is the rank's rows. (Dropped copies mark an extra rank, never sent.)
-        ranks_marked = P + self.drops
+        ranks_marked = P + (dropped_C is not None)
         marked_PN = torch.zeros(ranks_marked * num_tokens, dtype=torch.bool, device=device).index_fill_(0, key_C, True)
         running_PN = marked_PN.view(ranks_marked, num_tokens).cumsum(1)
         row_in_message_C = running_PN.view(-1).index_select(0, key_C) - 1
         rows_per_rank_P1 = running_PN[:P, num_tokens - 1:] if num_tokens else running_PN.new_zeros(P, 1)
+        return _Marks(order_C, counts_E.view(P, L), rows_per_rank_P1, marked_PN[:P * num_tokens], row_in_message_C,
+                      num_tokens, expert_C.shape[0])
 
-        # Counts of pairs (per local expert) and rows (per rank) travel together; the one host read.
-        pair_route, row_route = self.exchange.plan([counts_E.view(P, L), rows_per_rank_P1])
-        kept, num_rows = pair_route.num_sent, row_route.num_sent
-        sort_order_S = order_C[:kept]
-        # The marked keys in order are the rows; their number is now known, so no read sizes the compaction.
-        unique_token_U = torch.nonzero_static(marked_PN[:P * num_tokens], size=num_rows)[:, 0] % max(num_tokens, 1)
-
-        rows_are_tokens = isinstance(self.exchange, LocalExchange) and num_rows == num_tokens
-        arrived_rows_RD = x_ND if rows_are_tokens else self.exchange.move(x_ND.index_select(0, unique_token_U),
-                                                                           row_route)
+    def _state(self, marks: "_Marks", unique_token_U: torch.Tensor, pair_route: Route, row_route: Route,
+               row_in_message_M: torch.Tensor, rows_are_tokens: bool) -> DispatchState:
+        """The state, once the pairs' rows within their source's message have arrived (`row_in_message_M`, in
+        arrival order): each arrived pair's row among all arrived rows."""
         # Arrived rows are grouped by source rank; a pair's row number within its source's message becomes its
         # row among all arrived rows by adding the rows from lower sources (host ints), before the pairs regroup.
-        row_in_message_M = self.exchange.move(row_in_message_C[:kept, None], pair_route, regroup=False)[:, 0]
-        if P <= _HOST_OFFSET_RANKS:   # an add per source rank after the first, its offset a host int
+        if self.ep_size <= _HOST_OFFSET_RANKS:   # an add per source rank after the first, its offset a host int
             pair_start = row_start = 0
             for pairs_from, rows_from in zip(pair_route.recv_counts, row_route.recv_counts):
                 pairs_from = sum(pairs_from)
@@ -224,10 +302,10 @@ class AllToAllDispatcher:
                                                           output_size=row_in_message_M.shape[0]))
         arrived_row_M = self.exchange.regroup(row_in_message_M, pair_route)
         per_expert = [sum(column) for column in zip(*pair_route.recv_counts)]
-        state = DispatchState(sort_order_S, unique_token_U, row_route, pair_route, arrived_row_M,
-                              row_route.num_arrived, per_expert, pair_route.recv_counts_PX.sum(0), num_tokens,
-                              num_pairs - kept, num_pairs, rows_are_tokens)
-        return arrived_rows_RD, state
+        kept = pair_route.num_sent
+        return DispatchState(marks.order_C[:kept], unique_token_U, row_route, pair_route, arrived_row_M,
+                             row_route.num_arrived, per_expert, pair_route.recv_counts_PX.sum(0), marks.num_tokens,
+                             marks.num_pairs - kept, marks.num_pairs, rows_are_tokens)
 
     def _local_rows(self, num_tokens: int, token_index_C: torch.Tensor, expert_C: torch.Tensor) -> DispatchState:
         """dispatch_rows' state where nothing travels and every token is routed, every pair kept: row u is token u,
@@ -267,6 +345,14 @@ class AllToAllDispatcher:
 
     def _keep_within_rank_budget(self, expert_C: torch.Tensor, gate_C: torch.Tensor):
         """As _keep_highest_gates, with each destination rank's highest-gate copies kept up to rank_budget."""
+        dropped_C = self._over_rank_budget(expert_C, gate_C)
+        # kept copies by expert (each expert's in pair order), then the dropped ones
+        order_C = torch.argsort(expert_C.masked_fill(dropped_C, self.num_experts), stable=True)
+        kept_E = count_per_bin(expert_C.masked_fill(dropped_C, self.num_experts), self.num_experts + 1)
+        return order_C, dropped_C.index_select(0, order_C), kept_E[:self.num_experts]
+
+    def _over_rank_budget(self, expert_C: torch.Tensor, gate_C: torch.Tensor) -> torch.Tensor:
+        """[C] bool, by pair index: the copies beyond their destination rank's budget (the lowest gates)."""
         num_pairs, L = expert_C.shape[0], self.num_local_experts
         by_gate = torch.argsort(gate_C, descending=True, stable=True)
         rank_by_gate = torch.div(expert_C.index_select(0, by_gate), L, rounding_mode="floor")
@@ -274,11 +360,7 @@ class AllToAllDispatcher:
         counts_P = count_per_bin(rank_by_gate, self.ep_size)
         first_of_rank = torch.repeat_interleave(counts_P.cumsum(0) - counts_P, counts_P, output_size=num_pairs)
         dropped_by_rank = torch.arange(num_pairs, device=expert_C.device) - first_of_rank >= self.rank_budget(num_pairs)
-        dropped_C = torch.zeros_like(dropped_by_rank).index_copy_(0, by_rank, dropped_by_rank)   # by pair index
-        # kept copies by expert (each expert's in pair order), then the dropped ones
-        order_C = torch.argsort(expert_C.masked_fill(dropped_C, self.num_experts), stable=True)
-        kept_E = count_per_bin(expert_C.masked_fill(dropped_C, self.num_experts), self.num_experts + 1)
-        return order_C, dropped_C.index_select(0, order_C), kept_E[:self.num_experts]
+        return torch.zeros_like(dropped_by_rank).index_copy_(0, by_rank, dropped_by_rank)   # by pair index
 
     def follow_pairs(self, values_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """values_C[p] (one per routed pair, any dtype) delivered with pair p: [M], in the order of the arrived
@@ -307,3 +389,41 @@ class AllToAllDispatcher:
             return per_row_RD
         back_UD = self.exchange.move_back(per_row_RD, state.row_route)
         return back_UD.new_zeros(state.num_tokens, back_UD.shape[1]).index_add(0, state.unique_token_U, back_UD)
+
+
+class _CountedPiece:
+    """One piece of AllToAllDispatcher.dispatch_pieces: its rows, their metadata and its gates in flight."""
+
+    def __init__(self, dispatcher: AllToAllDispatcher, marks: _Marks, unique_token_U: torch.Tensor, pair_route: Route,
+                 row_route: Route, rows: InFlight, row_in_message: InFlight, gates: InFlight):
+        self.dispatcher, self.marks, self.unique_token_U = dispatcher, marks, unique_token_U
+        self.pair_route, self.row_route = pair_route, row_route
+        self._rows, self._row_in_message, self._gates = rows, row_in_message, gates
+        self.back: InFlight | None = None
+
+    def land(self):
+        state = self.dispatcher._state(self.marks, self.unique_token_U, self.pair_route, self.row_route,
+                                       self._row_in_message.land()[:, 0], False)
+        return self._rows.land(), state.expert_counts(), state.pair_rows(), self._gates.land()[:, 0]
+
+    def start_back(self, per_row_RD: torch.Tensor) -> None:
+        self.back = self.dispatcher.exchange.start_back(per_row_RD, self.row_route)
+
+    def combine(self) -> torch.Tensor:
+        back_UD = self.back.land()
+        return back_UD.new_zeros(self.marks.num_tokens, back_UD.shape[1]).index_add(0, self.unique_token_U, back_UD)
+
+
+class CountedPieces:
+    """AllToAllDispatcher.dispatch_pieces' pieces (moe/dispatch/pieces.py's Pieces)."""
+
+    def __init__(self, pieces: list[_CountedPiece], num_tokens: int):
+        self.pieces, self.num_tokens = pieces, num_tokens
+        self.num_pairs = sum(piece.marks.num_pairs for piece in pieces)
+        self.dropped_pairs = self.num_pairs - sum(piece.pair_route.num_sent for piece in pieces)
+
+    def __iter__(self):
+        return iter(self.pieces)
+
+    def combine(self) -> torch.Tensor:
+        return torch.cat([piece.combine() for piece in self.pieces])

@@ -53,6 +53,20 @@ class CommTimer:
         self._pending = []
         return self._seconds
 
+    def wait(self, work, device: torch.device) -> None:
+        """Waits for an asynchronous exchange: the time counted is what the wait exposes (on a GPU the compute
+        stream's wait, between events; on CPU the host's)."""
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            work.wait()
+            end.record()
+            self._pending.append((start, end))
+            return
+        began = time.perf_counter()
+        work.wait()
+        self._seconds += time.perf_counter() - began
+
     def run(self, fn, device: torch.device):
         self.calls += 1
         if device.type == "cuda":
@@ -104,6 +118,79 @@ class _TimedAllToAll(torch.autograd.Function):
 
 def all_to_all_rows(rows, out_splits: list[int], in_splits: list[int], group, timer: CommTimer):
     return _TimedAllToAll.apply(rows, out_splits, in_splits, group, timer)
+
+
+class _Flight:
+    """One all-to-all in flight each way: the forward's work handle and buffer, and the backward's."""
+
+    def __init__(self, out_splits: list[int], in_splits: list[int], group, timer: CommTimer):
+        self.splits, self.group, self.timer = (out_splits, in_splits), group, timer
+        self.work = self.back_work = self.back = None
+
+
+def _launch(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    work = dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                  group=group, async_op=True)
+    return out, work
+
+
+class _Launch(torch.autograd.Function):
+    """Starts an all-to-all and returns its buffer, to be read only through `_Land` (which waits for it). The
+    backward waits for the reverse exchange `_Land`'s backward started, so the backward overlaps as the forward
+    does."""
+
+    @staticmethod
+    def forward(ctx, rows, flight: _Flight):
+        ctx.flight = flight
+        out, flight.work = _launch(rows, *flight.splits, flight.group)
+        flight.timer.calls += 1
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        flight = ctx.flight
+        flight.timer.wait(flight.back_work, grad.device)
+        back, flight.back, flight.back_work = flight.back, None, None
+        return back, None
+
+
+class _Land(torch.autograd.Function):
+    """Waits for `_Launch`'s exchange; the backward starts the reverse one and returns at once."""
+
+    @staticmethod
+    def forward(ctx, out, flight: _Flight):
+        ctx.flight = flight
+        flight.timer.wait(flight.work, out.device)
+        flight.work = None
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flight = ctx.flight
+        out_splits, in_splits = flight.splits
+        flight.back, flight.back_work = _launch(grad, in_splits, out_splits, flight.group)
+        flight.timer.calls += 1
+        return grad, None
+
+
+class InFlight:
+    """Rows on their way: `land()` waits for them and finishes their route (what follows the asynchronous hop)."""
+
+    def __init__(self, out: torch.Tensor, flight: _Flight | None, then):
+        self._out, self._flight, self._then = out, flight, then
+
+    def land(self) -> torch.Tensor:
+        rows = self._out if self._flight is None else _Land.apply(self._out, self._flight)
+        return self._then(rows)
+
+
+def start_all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group, timer: CommTimer,
+                     then=lambda rows: rows) -> InFlight:
+    """An asynchronous, autograd-aware all_to_all_rows: returns at once; `land()` gives the rows, then `then` of
+    them."""
+    flight = _Flight(out_splits, in_splits, group, timer)
+    return InFlight(_Launch.apply(rows, flight), flight, then)
 
 
 def exchange_counts(send: torch.Tensor, group, timer: CommTimer, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,6 +295,40 @@ class _Exchange:
     def regroup(rows: torch.Tensor, route: Route) -> torch.Tensor:
         """Arrived rows (by source rank, then column) -> column-major."""
         return rows if route.regroup is None else rows.index_select(0, route.regroup)
+
+    def start(self, rows: torch.Tensor, route: Route, regroup: bool = True) -> InFlight:
+        """`move`, asynchronous: every hop but the last runs now, the last is in flight when this returns (the
+        hierarchical exchange's inter-node hop, the one worth hiding); `land()` gives what `move` returns."""
+        if not route.stages:
+            return InFlight(rows, None, lambda rows: self.regroup(rows, route) if regroup else rows)
+        *now, last = route.stages
+        for stage in now:
+            if stage.order_before_send is not None:
+                rows = rows.index_select(0, stage.order_before_send)
+            rows = all_to_all_rows(rows, stage.recv_splits, stage.send_splits, stage.group, self.timer)
+        if last.order_before_send is not None:
+            rows = rows.index_select(0, last.order_before_send)
+        return start_all_to_all(rows, last.recv_splits, last.send_splits, last.group, self.timer,
+                                lambda rows: self.regroup(rows, route) if regroup else rows)
+
+    def start_back(self, rows: torch.Tensor, route: Route) -> InFlight:
+        """`move_back`, asynchronous: its first hop (the inter-node one, hierarchically) is in flight when this
+        returns; `land()` runs the rest and gives what `move_back` returns."""
+        if route.regroup is not None:
+            rows = _unpermute(rows, route.regroup)
+        if not route.stages:
+            return InFlight(rows, None, lambda rows: rows)
+        first, *rest = reversed(route.stages)
+
+        def then(rows: torch.Tensor) -> torch.Tensor:
+            if first.order_before_send is not None:
+                rows = _unpermute(rows, first.order_before_send)
+            for stage in rest:
+                rows = all_to_all_rows(rows, stage.send_splits, stage.recv_splits, stage.group, self.timer)
+                if stage.order_before_send is not None:
+                    rows = _unpermute(rows, stage.order_before_send)
+            return rows
+        return start_all_to_all(rows, first.send_splits, first.recv_splits, first.group, self.timer, then)
 
     def move_back(self, rows: torch.Tensor, route: Route) -> torch.Tensor:
         """The exact reverse of `move`."""

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from moe_scale.distributed.comm import collective_device, world_size
 from moe_scale.moe.dispatch.dispatcher import AllToAllDispatcher
-from moe_scale.moe.dispatch.exchange import Route
+from moe_scale.moe.dispatch.exchange import InFlight, Route
+from moe_scale.moe.dispatch.pieces import chunk_bounds
 from moe_scale.moe.expert_counts import ExpertCounts
 from moe_scale.moe.kernel_policy import count_per_bin
 
@@ -67,6 +68,15 @@ class StaticCapacityDispatcher(AllToAllDispatcher):
                       gate_C: torch.Tensor | None = None, every_token: bool = False
                       ) -> tuple[torch.Tensor, StaticDispatchState]:
         """The M slots' rows that arrive here, grouped by local expert (P * cap each, by source rank within)."""
+        slots = self._slots(x_ND, token_index_C, expert_C, gate_C)
+        route = self.exchange.plan_uniform(self.num_local_experts, slots.cap, x_ND.device)
+        rows_SD = _with_one_more(x_ND, 0).index_select(0, slots.token_of_slot_S)
+        state = StaticDispatchState(route, slots.pair_of_slot_S, slots.token_of_slot_S, route_slots(route, slots.cap),
+                                    self.num_local_experts, x_ND.shape[0], expert_C.shape[0], slots.dropped_pairs)
+        return self.exchange.move(rows_SD, route), state
+
+    def _slots(self, x_ND: torch.Tensor, token_index_C: torch.Tensor, expert_C: torch.Tensor,
+               gate_C: torch.Tensor | None) -> "_Slots":
         if gate_C is None:
             raise ValueError("capacity dispatch needs the gates to decide which copies to drop")
         num_tokens, num_pairs, E = x_ND.shape[0], expert_C.shape[0], self.num_experts
@@ -84,11 +94,25 @@ class StaticCapacityDispatcher(AllToAllDispatcher):
         pair_of_slot = torch.full((E * cap + num_pairs,), num_pairs, dtype=torch.long, device=device)
         pair_of_slot_S = pair_of_slot.index_copy_(0, slot_C, order_C)[:E * cap]
         token_of_slot_S = _with_one_more(token_index_C, num_tokens).index_select(0, pair_of_slot_S)
-        route = self.exchange.plan_uniform(self.num_local_experts, cap, device)
-        rows_SD = _with_one_more(x_ND, 0).index_select(0, token_of_slot_S)
-        state = StaticDispatchState(route, pair_of_slot_S, token_of_slot_S, route_slots(route, cap),
-                                    self.num_local_experts, num_tokens, num_pairs, (~kept_C).sum())
-        return self.exchange.move(rows_SD, route), state
+        return _Slots(cap, pair_of_slot_S, token_of_slot_S, (~kept_C).sum())
+
+    def dispatch_pieces(self, x_ND: torch.Tensor, token_index_C: torch.Tensor, expert_C: torch.Tensor,
+                        gate_C: torch.Tensor, chunks: int) -> "SlotPieces":
+        """The slots in `chunks` pieces along each expert's capacity (piece c: places [c cap / C, (c+1) cap / C)
+        of every expert), every piece started (moe/dispatch/pieces.py); no read, as in one piece."""
+        slots = self._slots(x_ND, token_index_C, expert_C, gate_C)
+        E, cap, D = self.num_experts, slots.cap, x_ND.shape[1]
+        rows_ECD = _with_one_more(x_ND, 0).index_select(0, slots.token_of_slot_S).view(E, cap, D)
+        gates_EC = _with_one_more(gate_C, 0).index_select(0, slots.pair_of_slot_S).view(E, cap)
+        pieces = []
+        for first, last in chunk_bounds(cap, chunks):
+            if first == last:
+                continue
+            route = self.exchange.plan_uniform(self.num_local_experts, last - first, x_ND.device)
+            pieces.append(_SlotPiece(self, route, route_slots(route, last - first),
+                                     self.exchange.start(rows_ECD[:, first:last].reshape(-1, D), route),
+                                     self.exchange.start(gates_EC[:, first:last].reshape(-1, 1), route)))
+        return SlotPieces(pieces, slots, x_ND.shape[0], expert_C.shape[0], E)
 
     def dispatch(self, x_ND, token_index_C, expert_C, gate_C=None, every_token=False):
         return self.dispatch_rows(x_ND, token_index_C, expert_C, gate_C, every_token)
@@ -120,6 +144,54 @@ class StaticCapacityDispatcher(AllToAllDispatcher):
         if data_parallel_group is not None and world_size(data_parallel_group) > 1:
             dist.all_reduce(counts, group=data_parallel_group)
         return counts[0] / counts[1].clamp(min=1)
+
+
+@dataclass
+class _Slots:
+    cap: int
+    pair_of_slot_S: torch.Tensor
+    token_of_slot_S: torch.Tensor
+    dropped_pairs: torch.Tensor
+
+
+class _SlotPiece:
+    """One piece of StaticCapacityDispatcher.dispatch_pieces."""
+
+    def __init__(self, dispatcher: StaticCapacityDispatcher, route: Route, slots_per_expert: int, rows: InFlight,
+                 gates: InFlight):
+        self.dispatcher, self.route, self.slots_per_expert = dispatcher, route, slots_per_expert
+        self._rows, self._gates = rows, gates
+        self.back: InFlight | None = None
+
+    def land(self):
+        L, per = self.dispatcher.num_local_experts, self.slots_per_expert
+        rows_MD = self._rows.land()
+        counts = ExpertCounts(torch.full((L,), per, dtype=torch.long, device=rows_MD.device), [per] * L)
+        return rows_MD, counts, None, self._gates.land()[:, 0]
+
+    def start_back(self, per_row_MD: torch.Tensor) -> None:
+        self.back = self.dispatcher.exchange.start_back(per_row_MD, self.route)
+
+
+class SlotPieces:
+    """StaticCapacityDispatcher.dispatch_pieces' pieces (moe/dispatch/pieces.py's Pieces)."""
+
+    def __init__(self, pieces: list[_SlotPiece], slots: _Slots, num_tokens: int, num_pairs: int, num_experts: int):
+        self.pieces, self.slots, self.num_tokens, self.num_experts = pieces, slots, num_tokens, num_experts
+        self.num_pairs, self.dropped_pairs = num_pairs, slots.dropped_pairs
+
+    def __iter__(self):
+        return iter(self.pieces)
+
+    def combine(self) -> torch.Tensor:
+        """The pieces' slots put back in one piece's order, each token's results then added as one piece adds them."""
+        back = [piece.back.land() for piece in self.pieces]
+        if not back:   # no pairs, no slots
+            return self.slots.token_of_slot_S.new_zeros(0)
+        D = back[0].shape[1]
+        back_SD = torch.cat([b.view(self.num_experts, -1, D) for b in back], dim=1).view(-1, D)
+        return back_SD.new_zeros(self.num_tokens + 1, D).index_add(0, self.slots.token_of_slot_S, back_SD)[
+            :self.num_tokens]
 
 
 def route_slots(route: Route, cap: int) -> int:
