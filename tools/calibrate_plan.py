@@ -112,7 +112,8 @@ def train(name: str, flags: list[str], procs: int, exchange: str, args, out: Pat
 
 def cpu_device(const: dict, compute: dict, efficiency: float):
     """The planner's GPU record for P CPU processes: the measured constants (the matmul rate and the straggler share
-    of the model's own P-process measurement), no CUDA reserves."""
+    of the model's own P-process measurement), no CUDA reserves, no launch floor and no small-product curve (the
+    efficiency is measured with the model's own products and operations, which include both)."""
     from moe_scale.accounting.gpus import GPU
 
     a2a = const.get("all_to_all", {"latency_s": 0.0, "per_peer_s": 0.0, "gbs": 1e9})
@@ -120,7 +121,8 @@ def cpu_device(const: dict, compute: dict, efficiency: float):
     return GPU(f"cpu x{const['procs']}", 1e6, None, compute["matmul_tflops"], const["optimizer_gbs"], a2a["gbs"],
                a2a["gbs"], efficiency, cuda=False, intra_latency_s=a2a["latency_s"], inter_latency_s=a2a["latency_s"],
                per_peer_latency_s=a2a["per_peer_s"], link_efficiency=1.0, hbm_efficiency=1.0,
-               reduce_gbs=reduce["gbs"], reduce_latency_s=reduce["latency_s"], straggler=compute["straggler"])
+               reduce_gbs=reduce["gbs"], reduce_latency_s=reduce["latency_s"], straggler=compute["straggler"],
+               launch_s=0.0, small_gemm=False)
 
 
 def predict(config, const: dict, compute: dict, efficiency: float, procs: int, exchange: str) -> dict:

@@ -12,7 +12,9 @@ Conventions:
 - `intra_gbs`: GPU-to-GPU bandwidth inside a node, per GPU and direction (half the bidirectional NVLink figure;
   PCIe where there is no NVLink). `inter_gbs`: the default network bandwidth per GPU and direction between
   nodes (one NIC per GPU of the usual server of that GPU; `--inter-node-gbs` overrides it).
-- `efficiency`: the share of the peak the model's FLOPs are assumed to run at (docs/scale.md says why).
+- `efficiency`: the share of the peak the model's FLOPs are assumed to run at (docs/scale.md says why); a narrow
+  matrix product runs at less (`small_gemm`: accounting/kernels.py's curve, from the peak and `hbm_gbs`).
+- `launch_s`: what one kernel launch costs (the floor under a step of many small kernels: accounting/kernels.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ HBM_EFFICIENCY = 0.8
 TENSOR_CORE_EFFICIENCY = 0.35
 # GPUs without tensor cores (fp32 SIMT): large SGEMMs run at 60-80% of the peak; the model as a whole lower.
 SIMT_EFFICIENCY = 0.6
+# One kernel launch from the host, one after another: ~3 µs of bare cuLaunchKernel (GB200, meta-pytorch/tritonbench
+# #1017), 5.6 µs for a trivial elementwise kernel launched in a loop and ~11 µs for a small GEMM (H20,
+# flagos-ai/FlagGems#5291), 9.4 µs of host time per kernel in eager PyTorch and 6.8 under torch.compile (DGX H100,
+# NVIDIA/Fuser#3507), and at least 7 µs per operator in a cost model fitted on H100 (meta-pytorch/autoparallel#146).
+# The planner takes 5 µs: above the driver's bare cost, below eager PyTorch's (a floor, not an estimate of the host
+# time), the same on every GPU of the table (the cost is the host's and the driver's, not the chip's).
+LAUNCH_S = 5e-6
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,9 @@ class GPU:
     reduce_gbs: float | None = None         # a measured all-reduce (the CPU calibration's gloo); None: the links'
     straggler: float = 0.0          # the wait for the slowest rank, a share of the compute (GPU: none assumed)
     reduce_latency_s: float | None = None
+    launch_s: float = LAUNCH_S      # one kernel launch (0: no launch floor, as on the CPU calibration's device)
+    small_gemm: bool = True         # narrow products run below `efficiency` (False: the CPU calibration's device,
+    #                                 whose efficiency is measured with the model's own products)
 
     def peak_tflops(self, precision: str) -> float:
         if precision == "bf16":

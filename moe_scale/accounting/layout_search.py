@@ -4,7 +4,9 @@ Axes: nodes (the given counts), expert-parallel size (every size dividing the GP
 layers' units), ZeRO stage (0, 1, 2), expert optimizer (adam, factored), expert recompute (off, on) and the
 all-to-all (flat, hierarchical); an axis a model does not have (no MoE layer: no optimizer choice for experts, no
 recompute, no all-to-all) is left at its value. The precision is the user's. Each layout is checked with
-`train`'s own checks (those it refuses are counted, never ranked) and must fit with the planner's margin.
+`train`'s own checks (those it refuses are counted by train's whole message, which says what is wrong and why,
+never ranked) and must fit with the planner's margin (for those that do not, the least memory any of them needs
+is reported against the usable memory).
 """
 
 from __future__ import annotations
@@ -42,19 +44,25 @@ def candidate_layouts(planner: Planner, base: Layout, nodes: list[int]) -> list[
 
 
 def search(planner: Planner, base: Layout, nodes: list[int]) -> dict:
-    """{"ranked": plans that fit, fastest first; "refused": why train refused the others, by reason;
-    "too_large": layouts train accepts that do not fit; "considered": all layouts}."""
-    ranked, refused, too_large = [], Counter(), 0
+    """{"ranked": plans that fit, fastest first; "refused": why train refused the others (its message: what is
+    wrong and why), by reason; "too_large": layouts train accepts that do not fit, "too_large_least": the one of
+    them needing the least memory ({"bytes", "usable_bytes", "gpu_mem_bytes", "margin", "layout"}; None if none);
+    "considered": all layouts}."""
+    ranked, refused, too_large, least = [], Counter(), 0, None
     layouts = candidate_layouts(planner, base, nodes)
     for layout in layouts:
         try:
             result = planner.plan(layout)
         except UserError as e:
-            refused[str(e).split(":")[0]] += 1
+            refused[str(e)] += 1
             continue
         if result["fits"]:
             ranked.append(result)
-        else:
-            too_large += 1
+            continue
+        too_large += 1
+        if least is None or result["bytes"]["total"] < least["bytes"]:
+            least = {"bytes": result["bytes"]["total"], "usable_bytes": result["usable_bytes"],
+                     "gpu_mem_bytes": result["gpu_mem_bytes"], "margin": result["margin"], "layout": layout.describe()}
     ranked.sort(key=lambda r: (-r["tokens_per_s"], r["world"], r["bytes"]["total"]))
-    return {"ranked": ranked, "refused": dict(refused), "too_large": too_large, "considered": len(layouts)}
+    return {"ranked": ranked, "refused": dict(refused), "too_large": too_large, "too_large_least": least,
+            "considered": len(layouts)}

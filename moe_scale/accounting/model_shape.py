@@ -8,6 +8,7 @@ size), so its parameter counts are the module's, exactly.
   train/factored_optimizer.py keeps it);
 - FLOPs per token: `moe-scale train`'s own rule (6 x forward MACs, the softmax as built; accounting/flops.py),
   so predicted TFLOPS/GPU compare one to one with what a run reports; recompute adds the experts' first product;
+  the same MACs in groups of one product shape each (accounting/kernels.py: narrow products run slower);
 - per expert-parallel layer, what travels: the units tokens are sent to (experts; the hierarchical gate's
   groups), how many a token picks, the pairs per token that arrive and the active experts per token;
 - activation values stored per token for the backward pass outside the experts (the experts' side, which
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_scale.accounting.flops import active_experts, moe_gating, training_flops_per_token
+from moe_scale.accounting.kernels import Gemms, gemm_groups
 from moe_scale.accounting.model_flops import forward_macs_per_token
 from moe_scale.accounting.vocab_exchange import rows_split
 from moe_scale.config import RunConfig
@@ -71,6 +73,7 @@ class PlannedModel:
     recompute_flops_per_token: int    # what --expert-recompute adds (the layout says whether it is on)
     activation_values_per_token: float
     masks_per_token: int              # 1-byte dropout masks per token
+    gemms: tuple[Gemms, ...] = ()     # the forward MACs per token by product shape (accounting/kernels.py)
 
     @property
     def total_params(self) -> int:
@@ -108,7 +111,7 @@ def planned_model(config: RunConfig) -> PlannedModel:
     values, masks = _activations_per_token(config, softmax_macs / config.model.d_model)
     return PlannedModel(config, vocab, sum(p.numel() for p in model.parameters()) - sharded - tables, sharded, tables,
                         sum(factored_state_numel(p.shape) for p in shards), tuple(layers),
-                        training_flops_per_token(macs), recompute, values, masks)
+                        training_flops_per_token(macs), recompute, values, masks, gemm_groups(config, macs))
 
 
 def factored_state_numel(shape: torch.Size) -> int:

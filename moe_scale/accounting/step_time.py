@@ -2,9 +2,12 @@
 overlaps. Balanced routing is assumed throughout (as NVIDIA's own MoE benchmarks force it).
 
 Compute: the model's training FLOPs for one GPU's tokens (with --expert-recompute, the experts' first product
-again) at `efficiency` x the GPU's dense peak for the precision, plus the device's fixed cost per step (none on a
-GPU; measured on a CPU). Waiting: every collective waits for the slowest rank; the device's `straggler` share of
-the compute (none assumed on a GPU, where routing is taken as balanced; measured on a shared CPU).
+again) at `efficiency` x the GPU's dense peak for the precision, each product at the efficiency of its width
+(accounting/kernels.py: narrow products are memory-bound), plus the device's fixed cost per step (none on a GPU;
+measured on a CPU); but never less than the launch floor: the step's kernel launches and the LSTMs' sequential
+timesteps x the GPU's cost of one launch (accounting/kernels.py counts them per layer and timestep). Waiting: every
+collective waits for the slowest rank; the device's `straggler` share of the compute (none assumed on a GPU, where
+routing is taken as balanced; measured on a shared CPU).
 
 All-to-all, per expert-parallel layer and micro-batch (--grad-accum of them per step), each call costing
 latency + bytes / bandwidth. A token sends one row of d values per distinct rank among the units it picked
@@ -33,7 +36,8 @@ and all-gather of the updated weights, (n-1)/n each; over the network when the g
 every micro-batch's gradients, the others once per step.
 
 Optimizer: memory-bound; bytes read and written per parameter this rank updates (Adam fp32 28 + 4 to clip, bf16
-with its master copy 30 + 2, factored 20 + 4) at the device's memory bandwidth.
+with its master copy 30 + 2, factored 20 + 4) at the device's memory bandwidth; never less than the launches made
+once per step (clipping, the optimizer, the loop's bookkeeping) x the cost of one launch.
 
 What overlaps: nothing (every collective above is blocking), except that with ZeRO-1/2 and `"overlap_comm": true`
 in the DeepSpeed JSON the gradients' reduce-scatter runs during the backward (2/3 of the compute) and only what
@@ -46,6 +50,7 @@ TFLOPS/GPU counts the model's FLOPs (no recompute), as `train` and the paper do;
 from __future__ import annotations
 
 from moe_scale.accounting.gpus import GPU
+from moe_scale.accounting.kernels import compute_seconds, launches
 from moe_scale.accounting.layout import Layout
 from moe_scale.accounting.model_shape import ExpertLayer, PlannedModel
 from moe_scale.accounting.vocab_exchange import exchanges
@@ -175,8 +180,11 @@ def step_time(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_c
     value = 2 if layout.precision == "bf16" else 4
     peak = gpu.peak_tflops(layout.precision)
     efficiency = gpu.efficiency if efficiency is None else efficiency
-    flops = model.flops_per_token + (model.recompute_flops_per_token if layout.recompute else 0)
-    compute = tokens_per_gpu * flops / (peak * 1e12 * efficiency) + gpu.step_overhead_s
+    products = compute_seconds(model, layout, gpu, tokens_per_gpu, efficiency)
+    flops_s = products["seconds"] + gpu.step_overhead_s
+    kernels = launches(model, layout)
+    launch_floor = (kernels["operations"] + kernels["recurrence"]) * gpu.launch_s
+    compute = max(flops_s, launch_floor)
     d, accum = model.config.model.d_model, model.config.train.grad_accum
     all_to_all = accum * sum(layer_all_to_all(net, layout, layer, tokens_per_gpu / accum, d, value,
                                               layer.units // layout.ep_size) for layer in model.expert_layers)
@@ -186,7 +194,8 @@ def step_time(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_c
         reduce *= accum     # ZeRO-2 reduces (scatters) the gradients of every micro-batch
     overlap = layout.zero_stage >= 1 and ds_config.get("zero_optimization", {}).get("overlap_comm", False)
     exposed = (max(0.0, reduce - compute * 2 / 3) if overlap else reduce) + gather
-    optimizer = optimizer_seconds(model, layout, gpu)
+    optimizer_bytes_s = optimizer_seconds(model, layout, gpu)
+    optimizer = max(optimizer_bytes_s, kernels["per_step"] * gpu.launch_s)
     sync = small_syncs(net, model, layout)
     waiting = gpu.straggler * compute if layout.world > 1 else 0.0
     step = compute + waiting + all_to_all + vocab + sync + exposed + optimizer
@@ -195,5 +204,10 @@ def step_time(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_c
                         "sync": sync, "gradient_sync": exposed,
                         "optimizer": optimizer, "step": step},
             "gradient_sync_total_s": reduce + gather, "gradient_sync_overlapped": bool(overlap),
+            "flops_s": flops_s, "launch_floor_s": launch_floor, "optimizer_bytes_s": optimizer_bytes_s,
+            "launches": {**kernels, "launch_s": gpu.launch_s},
+            "compute_bound": "launches" if launch_floor > flops_s else "flops",
+            "gemm_efficiency": products["efficiency"], "gemm_full_width": products["full_width"],
+            "narrow_products": products["narrow"],
             "efficiency": efficiency, "peak_tflops": peak, "tokens_per_s": tokens / step,
             "tflops_per_gpu": tflops, "mfu": tflops / peak, "all_to_all_share": all_to_all / step}

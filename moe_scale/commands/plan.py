@@ -3,8 +3,11 @@
 The model: the same flags and --config as `moe-scale train` (or --preset), built on the meta device. The cluster:
 --gpu (accounting/gpus.py), --gpus-per-node, --nodes (a count, a comma-separated list for --search/--plot, or
 `auto`: the smallest that fits), --inter-node-gbs. The layout: --ep-size, --optimizer, --expert-recompute and
---all-to-all as for train, the ZeRO stage and precision from --ds-config (or --zero, --precision). --search ranks
-every layout that fits by predicted tokens/s; --plot FILE draws memory and step time against the nodes.
+--all-to-all as for train, the ZeRO stage and precision from --ds-config (or --zero, --precision); --ep-size
+defaults to the largest that divides the GPUs and the experts, with --config too (a run's own --ep-size is kept
+only when given again here). --search ranks every layout that fits by predicted tokens/s; --plot FILE draws memory
+and step time against the nodes; --tokens N adds the wall time and GPU-hours of training on N tokens. Where more
+nodes predict fewer tokens/s than the smallest count that fits, a remark says why and how much to grow the batch.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from moe_scale.accounting.gpus import GPUS, get_gpu
 from moe_scale.accounting.layout import PRECISIONS, Layout
 from moe_scale.accounting.memory import DEFAULT_DROPLESS_LOAD, DEFAULT_MARGIN
 from moe_scale.accounting.plan import MAX_NODES, Planner
+from moe_scale.accounting.units import parse_count
 from moe_scale.commands.help_format import HelpFormatter
 from moe_scale.commands.config_flags import DEST, add_config_flags, config_from_args, given_settings
 from moe_scale.errors import UserError
@@ -51,6 +55,9 @@ def add_parser(sub) -> None:
                          help="share of the dense peak the model's FLOPs run at (default: the GPU type's)")
     cluster.add_argument("--dropless-load", type=float, default=DEFAULT_DROPLESS_LOAD,
                          help="dropless dispatch: the most a rank receives, x the balanced load (memory)")
+    cluster.add_argument("--tokens", default=None, metavar="N",
+                         help="training tokens (e.g. 300000000, 100M, 1.5B, 2T): adds the wall time, the steps and "
+                              "the GPU-hours of training on them at the predicted tokens/s")
     cluster.add_argument("--search", action="store_true", help="rank the layouts that fit by tokens/s")
     cluster.add_argument("--top", type=int, default=10, help="--search: layouts shown")
     cluster.add_argument("--json", action="store_true", help="print one JSON object")
@@ -131,7 +138,7 @@ def planner_from_args(args: argparse.Namespace) -> tuple[Planner, Layout, bool]:
                       args.margin, args.dropless_load, name)
     layout = Layout(1, args.gpus_per_node or gpu.gpus_per_node, config.parallel.ep_size, zero,
                     config.train.optimizer, precision, config.moe.experts.recompute, config.moe.dispatch.all_to_all)
-    return planner, layout, "ep_size" in given or bool(args.config)
+    return planner, layout, "ep_size" in given
 
 
 def run_plan(args: argparse.Namespace) -> str:
@@ -139,20 +146,35 @@ def run_plan(args: argparse.Namespace) -> str:
     if nodes is not None and len(nodes) > 1 and not (args.search or args.plot):
         raise UserError(f"--nodes {args.nodes}: a list of node counts is for --search or --plot; plan one count "
                         f"(or auto) without them")
+    from moe_scale.accounting.plan import fewer_nodes_remark, training
+
+    tokens = None if args.tokens is None else parse_count(args.tokens, "--tokens")
     planner, layout, ep_fixed = planner_from_args(args)
     smallest = planner.smallest_fitting(layout, ep_fixed)
-    if nodes is None:
-        result = smallest or planner.plan(planner.with_nodes(layout, 1, ep_fixed))
+    planned = planner.with_nodes(layout, 1 if nodes is None else nodes[0], ep_fixed)
+    if nodes is None and smallest is not None:
+        result, planned = smallest, planner.with_nodes(layout, smallest["nodes"], ep_fixed)
     else:
-        result = planner.plan(planner.with_nodes(layout, nodes[0], ep_fixed))
+        result = planner.plan(planned)
     result["smallest_fitting"] = None if smallest is None else {
         "nodes": smallest["nodes"], "world": smallest["world"], "total_bytes": smallest["bytes"]["total"]}
+    result["ep_size_reason"] = _ep_reason(planner, layout, result, ep_fixed, bool(args.config))
+    remark = None if smallest is None else fewer_nodes_remark(
+        planner, planned, result, smallest, planner.with_nodes(layout, smallest["nodes"], ep_fixed))
+    result["remarks"] = [] if remark is None else [remark["text"]]
+    if remark is not None:
+        result["fewer_nodes"] = remark
+    if tokens is not None:
+        result["training"] = training(result, tokens)
     found = None
     if args.search:
         from moe_scale.accounting.layout_search import search
 
         found = search(planner, layout, nodes or _auto_nodes(smallest))
-        result["search"] = {**found, "ranked": found["ranked"][:args.top]}
+        ranked = found["ranked"][:args.top]
+        if tokens is not None:
+            ranked = [{**r, "training": training(r, tokens)} for r in ranked]
+        result["search"] = {**found, "ranked": ranked}
     if args.plot:
         _plot(planner, layout, ep_fixed, nodes or sorted({r["nodes"] for r in (found or {}).get("ranked", [])})
               or _auto_nodes(smallest), Path(args.plot))
@@ -163,6 +185,20 @@ def run_plan(args: argparse.Namespace) -> str:
 
     text = format_plan(result, smallest)
     return text + ("\n" + format_search(result["search"]) if args.search else "")
+
+
+def _ep_reason(planner: Planner, layout: Layout, result: dict, ep_fixed: bool, from_config: bool) -> str:
+    """Why the plan has its expert-parallel size."""
+    ep = result["ep_size"]
+    if ep_fixed:
+        return f"ep {ep}: --ep-size given"
+    if not planner.model.expert_layers:
+        return "ep 1: the model has no expert-parallel layer"
+    units = sorted(set(planner.model.sharded_units))
+    what = f"the {units[0]:,} experts" if len(units) == 1 else f"every expert-parallel layer's units ({units})"
+    kept = (f"; --config's run had --ep-size {layout.ep_size}: pass --ep-size {layout.ep_size} to plan that"
+            if from_config and layout.ep_size != ep else "")
+    return f"ep {ep}: the default, the largest that divides the {result['world']:,} GPUs and {what}{kept}"
 
 
 def _auto_nodes(smallest: dict | None) -> list[int]:

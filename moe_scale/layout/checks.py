@@ -26,14 +26,16 @@ def check_world_layout(config: RunConfig, world: int, ranks_per_node: Callable[[
     Returns the micro-batch (sequences per rank per micro-step)."""
     t, ep_size, dispatch = config.train, config.parallel.ep_size, config.moe.dispatch
     if world % ep_size:
-        raise UserError(f"--ep-size {ep_size} does not divide the {world} processes; "
-                        f"launch a multiple of {ep_size} processes or change --ep-size")
+        raise UserError(f"--ep-size {ep_size} does not divide the {world} processes (the processes split into "
+                        f"expert-parallel groups of --ep-size each); launch a multiple of {ep_size} processes or "
+                        f"change --ep-size")
     if dispatch.all_to_all == "hierarchical" and ep_size > 1:
         _check_node_layout(ep_size, ranks_per_node)
     per_step = world * t.grad_accum
     if t.batch_size % per_step:
-        raise UserError(f"--batch-size {t.batch_size} is not divisible by processes x --grad-accum = {per_step}; "
-                        f"use a multiple of {per_step}")
+        raise UserError(f"--batch-size {t.batch_size} is not divisible by processes x --grad-accum = {per_step} "
+                        f"(every process takes the same whole number of sequences in each micro-batch); use a "
+                        f"multiple of {per_step}")
     return t.batch_size // per_step
 
 
@@ -63,6 +65,7 @@ def check_optimizer_fits(train, ds_config: dict, source: str) -> None:
     half = [k for k in ("bf16", "fp16") if ds_config.get(k, {}).get("enabled")]
     if zero_stage(ds_config) > 0 or half:
         what = f"ZeRO stage {zero_stage(ds_config)}" if zero_stage(ds_config) > 0 else f"{half[0]} enabled"
-        raise UserError(f"{source} has {what}: DeepSpeed then flattens parameters into 1-D partitions and "
-                        "--optimizer factored cannot factor the expert matrices; use a stage-0 fp32 config "
-                        "(e.g. ds_configs/cpu.json) with --optimizer factored, or --optimizer adam")
+        raise UserError(f"{source} has {what}, under which --optimizer factored cannot factor the expert "
+                        "matrices: DeepSpeed then flattens parameters into 1-D partitions, and the factored second "
+                        "moment needs each expert matrix whole; use a stage-0 fp32 config (e.g. "
+                        "ds_configs/cpu.json) with --optimizer factored, or --optimizer adam")

@@ -87,10 +87,13 @@ def test_gradient_sync_by_hand():
 
 
 def test_compute_overlap_and_throughput():
+    """Without the launch floor and the small-product curve (tests/accounting/test_kernels.py), the compute is the
+    FLOPs at the stated efficiency."""
     model = _model()
     layout = Layout(1, 4, ep_size=4, zero_stage=2)
     tokens = 4096
-    plain = step_time(model, layout, GPU, tokens, {"zero_optimization": {"stage": 2}})
+    gpu = dataclasses.replace(GPU, launch_s=0.0, small_gemm=False)
+    plain = step_time(model, layout, gpu, tokens, {"zero_optimization": {"stage": 2}})
     s = plain["seconds"]
     assert s["compute"] == pytest.approx(tokens / 4 * model.flops_per_token / (494.7e12 * 0.35))
     assert s["waiting"] == 0
@@ -101,13 +104,13 @@ def test_compute_overlap_and_throughput():
     assert plain["tokens_per_s"] == pytest.approx(tokens / s["step"])
     assert plain["tflops_per_gpu"] == pytest.approx(model.flops_per_token * tokens / 4 / s["step"] / 1e12)
     assert plain["mfu"] == pytest.approx(plain["tflops_per_gpu"] / 494.7)
-    overlapped = step_time(model, layout, GPU, tokens, {"zero_optimization": {"stage": 2, "overlap_comm": True}})
-    reduce, gather = gradient_sync(Network(GPU, 4), model, layout)
+    overlapped = step_time(model, layout, gpu, tokens, {"zero_optimization": {"stage": 2, "overlap_comm": True}})
+    reduce, gather = gradient_sync(Network(gpu, 4), model, layout)
     assert overlapped["seconds"]["gradient_sync"] == pytest.approx(max(0, reduce - s["compute"] * 2 / 3) + gather)
-    slow = step_time(model, layout, dataclasses.replace(GPU, straggler=0.25), tokens,
+    slow = step_time(model, layout, dataclasses.replace(gpu, straggler=0.25), tokens,
                      {"zero_optimization": {"stage": 2}})["seconds"]
     assert slow["waiting"] == pytest.approx(0.25 * s["compute"])
     assert slow["step"] == pytest.approx(s["step"] + slow["waiting"])
-    recompute = step_time(model, dataclasses.replace(layout, recompute=True), GPU, tokens, {})
+    recompute = step_time(model, dataclasses.replace(layout, recompute=True), gpu, tokens, {})
     assert recompute["seconds"]["compute"] > s["compute"]
     assert recompute["tflops_per_gpu"] < plain["tflops_per_gpu"]    # model FLOPs only: recompute is overhead
