@@ -63,6 +63,9 @@ def _is_worker(config) -> bool:
 
 
 def pytest_configure(config) -> None:
+    # In-process commands keep the count they are given, as the commands a test starts do (tests/cli_runs.py):
+    # none samples the machine's busy cores (moe_scale/distributed/threads.py).
+    os.environ["OMP_NUM_THREADS"] = "1"
     if _is_worker(config):
         import torch
 

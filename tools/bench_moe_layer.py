@@ -45,6 +45,7 @@ Each time is the median over the timed steps of a freshly built layer, after --w
     python tools/bench_moe_layer.py --experts 1024 --k 2          # one configuration
     python tools/bench_moe_layer.py --out bench.jsonl               # the whole sweep (E 8..4096, K 1,2,4)
     python tools/bench_moe_layer.py --ranks 2 --experts 256 --k 2   # 2 gloo ranks, ep_size 2: all-to-all share
+    python tools/bench_moe_layer.py --ranks 2 --experts 64 --k 2 --a2a-chunks 1,2,4   # the exchange overlapped
     python tools/bench_moe_layer.py --experts 1024 --k 2 --gate-logit-std 3   # logits spread as after training
 
 On a GPU (`--device cuda --dtype bfloat16`, what tools/gpu_check.sh runs) the roofline takes the GPU's datasheet
@@ -116,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--ranks", type=positive_int, default=1,
                    help="1: the single-process sweep; R > 1: moe_scale's layer on R gloo ranks, ep_size R")
+    p.add_argument("--a2a-chunks", type=positive_int_list, default=[1],
+                   help="--ranks R > 1: each exchange in C overlapped pieces, one row per value (e.g. 1,2)")
     p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
     p.add_argument("--no-memory", action="store_true", help="skip the working-memory child process")
     p.add_argument("--gate-logit-std", type=non_negative_float, default=0.0,
@@ -255,6 +258,11 @@ def moe_config(e: int, k: int, mode: str, args):
     config.experts.num_experts, config.experts.hidden, config.router.top_k = e, args.h, k
     config.dispatch.mode, config.dispatch.capacity_factor = mode, args.capacity_factor
     config.router.force_balanced_routing = args.force_balanced_routing
+    return config
+
+
+def chunked(config, chunks: int):
+    config.dispatch.a2a_chunks = chunks
     return config
 
 
@@ -614,14 +622,16 @@ def _rank_worker(rank: int, world: int, port: int, args, queue) -> None:
     x, probe = make_inputs(argparse.Namespace(**{**vars(args), "seed": args.seed + rank}))
     for e in args.experts:
         for k in args.k:
-            for mode in [m for m in args.impls if m in ("dropless", "capacity")]:
-                layer = MoELayer(moe_config(e, k, mode, args), args.d, ep_size=world, ep_rank=rank, seed=args.seed)
+            for mode, chunks in [(m, c) for m in args.impls if m in ("dropless", "capacity") for c in args.a2a_chunks]:
+                layer = MoELayer(chunked(moe_config(e, k, mode, args), chunks), args.d, ep_size=world, ep_rank=rank,
+                                 seed=args.seed)
                 torch.manual_seed(args.seed)   # the same router on every rank
                 _spread_gate_logits(layer, args)
                 layer.set_deepspeed_parallelism()
                 times, shares = _time_ranked_layer(layer, args, x, probe)
                 if rank == 0:
-                    queue.put({"impl": mode, "ranks": world, "ep_size": world, "experts": e, "k": k,
+                    queue.put({"impl": mode, "ranks": world, "ep_size": world, "a2a_chunks": chunks,
+                               "experts": e, "k": k,
                                "tokens_per_rank": args.tokens, "d": args.d, "h": args.h,
                                "gate_logit_std": args.gate_logit_std,
                                "force_balanced_routing": args.force_balanced_routing,

@@ -1,10 +1,14 @@
 """Torch threads per process (moe_scale/distributed/threads.py): cores // local ranks, at least 1, the cores from
 the CPU affinity (else the CPU count) and the local ranks from LOCAL_WORLD_SIZE or LOCAL_SIZE; OMP_NUM_THREADS
-wins; a process alone on its node keeps torch's count. The line a 2-rank run logs: tests/test_console.py."""
+wins; a process alone on its node takes the cores others leave free (at most torch's count), a real load
+included. The line a 2-rank run logs: tests/test_console.py."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -74,8 +78,53 @@ def test_the_users_omp_num_threads_is_left_alone(cores, torch_threads):
     assert share.describe() == "threads: 3 per process (OMP_NUM_THREADS=3)"
 
 
-def test_a_process_alone_on_its_node_keeps_torchs_count(cores, torch_threads):
+def test_a_process_alone_on_an_idle_node_keeps_torchs_count(cores, torch_threads, monkeypatch):
     cores(8)
+    monkeypatch.setattr(threads, "busy_cores", lambda: 0.3)
     torch.set_num_threads(5)
     share = apply_thread_share({})
     assert not share.chosen and share.threads == 5 and torch.get_num_threads() == 5
+
+
+@pytest.mark.parametrize("machine, busy, torch_count, expected", [
+    (2, 1.6, 2, 1),     # the issue's busy machine: 3-5 other processes on 2 cores
+    (2, 3.0, 2, 1),     # more busy than cores: at least 1
+    (16, 5.4, 16, 11),  # rounded
+    (16, 2.0, 8, 8),    # never more than torch's own count
+])
+def test_a_process_alone_takes_the_cores_left_free(cores, torch_threads, monkeypatch, capsys, machine, busy,
+                                                    torch_count, expected):
+    cores(machine)
+    monkeypatch.setattr(threads, "busy_cores", lambda: busy)
+    torch.set_num_threads(torch_count)
+    share = apply_thread_share({})
+    assert share.threads == expected and torch.get_num_threads() == expected
+    assert share.chosen == (expected < torch_count)
+    line = f"moe-scale: threads: {expected} ({machine} cores, {busy:.1f} of them busy with other processes at " \
+           f"start; set OMP_NUM_THREADS to override)\n"
+    assert capsys.readouterr().err == (line if expected < torch_count else "")
+
+
+def test_busy_cores_are_the_machines_busy_share_of_this_process_cores(cores, monkeypatch):
+    cores(4)
+    samples = iter([(1000, 5000), (1150, 5200)])   # (busy, total) jiffies: 150 of 200 busy
+    monkeypatch.setattr(threads, "_cpu_times", lambda: next(samples))
+    assert threads.busy_cores(0.0) == pytest.approx(3.0)
+    monkeypatch.setattr(threads, "_cpu_times", lambda: None)
+    assert threads.busy_cores(0.0) == 0.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc/stat")
+def test_a_loaded_machine_gives_a_process_fewer_threads(torch_threads):
+    """Real load: as many spinning processes as this process's cores; it takes 1 thread, not torch's count."""
+    cores = threads.usable_cores()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(0.3)
+        torch.set_num_threads(cores)
+        share = thread_share({})
+        assert share.busy > cores - 0.8 and share.threads == 1, share
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()

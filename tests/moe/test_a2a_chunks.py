@@ -49,7 +49,8 @@ def _worker(rank, world, all_to_all):
             got[mode, chunks] = {"y": y.detach(), "x_grad": x.grad, "reads": counted.host_syncs,
                                  "exchanges": layer.dispatcher.timer.calls - calls,
                                  "dropped": float(layer.stats.metrics.get("dropped_fraction", 0.0)),
-                                 "grads": {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}}
+                                 "grads": {n: p.grad.clone() for n, p in layer.named_parameters()
+                                           if p.grad is not None}}
     return got
 
 
