@@ -499,8 +499,10 @@ def parse_cutoffs(text: str) -> list[int]:
 class DataConfig:
     data: str = _f("embedded", "training text: 'embedded' (built-in corpus), a file, a directory, or a glob "
                                "of one-sentence-per-line files")
-    valid_data: str | None = _f(None, "validation text (default: valid* files beside --data, else held out)")
-    test_data: str | None = _f(None, "test text (default: test* files beside --data, else held out)")
+    valid_data: str | None = _f(None, "validation text (default: the files beside --data the split rule names "
+                                      "valid (docs/data.md), else held out)")
+    test_data: str | None = _f(None, "test text (default: the files beside --data the split rule names test, "
+                                     "else held out)")
     holdout_fraction: float = _f(0.02, "share of training sentences held out for valid+test when none given")
     tokenizer: str = _f("words", "words (whitespace-separated words: pre-tokenised text such as the 1B-word "
                                  "benchmark), bpe (a byte-level BPE learned from the training text, no <UNK>), or "

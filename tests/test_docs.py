@@ -1,12 +1,17 @@
 """The documentation stays findable: no page over 25,000 bytes (README.md over 13,000), and every relative link
 `[text](path)` or `[text](path#anchor)` in README.md, CHANGELOG.md, docs/*.md, tools/README.md and tests/README.md
-reaches an existing file and, with an anchor, a heading of that file whose GitHub slug is the anchor."""
+reaches an existing file and, with an anchor, a heading of that file whose GitHub slug is the anchor. And what the
+docs compute holds: docs/capacity.md's dense widths that match an MoE, and its table of the sweep's models, against
+the counts `moe-scale flops` uses and the modules' own parameters; training.md's run-start line against a model's."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import pytest
+
+from tests.docs_code import section
 from tests.paths import REPO
 
 PAGE_LIMIT = 25_000
@@ -122,3 +127,93 @@ def test_slugs_are_githubs():
 def test_links_are_found_where_a_reader_sees_them():
     text = "see [a](x.md#y) and [b\nc](z.md)\n```\n[not](code.md)\n```\n`[nor](this.md)` [d](https://e.f)\n"
     assert links(text) == [(1, "x.md#y"), (1, "z.md"), (6, "https://e.f")]
+
+
+# ---- docs/capacity.md: a dense FFN matched to an MoE ------------------------------------------------------------
+
+def _counts(settings: dict) -> tuple[int, int, int]:
+    """(ops/timestep, parameters without embedding and softmax as accounting/flops.py counts them, the same counted
+    from the module built on the meta device) of an LSTM LM."""
+    from moe_scale.accounting.flops import lstm_lm_accounting
+    from moe_scale.config import RunConfig
+    from moe_scale.models.meta_build import build_lstm_lm_on_meta, parameters_per_child
+
+    config = RunConfig.from_settings(**settings)
+    counted = lstm_lm_accounting(config, 1000)
+    module = parameters_per_child(build_lstm_lm_on_meta(config, 1000))
+    return (counted.ops_per_timestep, counted.params_excluding_embedding_softmax,
+            sum(module.values()) - module["embedding"] - module["softmax"])
+
+
+def _moe(d: int, experts: int, k: int, hidden: int, groups: int = 0) -> dict:
+    """An MoE LSTM LM's settings: flat top-k, or hierarchical with `groups` groups and k = 2 x (k // 2)."""
+    settings = {"d_model": d, "num_experts": experts, "top_k": k, "expert_hidden": hidden}
+    if groups:
+        settings.update(gate="hierarchical", num_groups=groups, top_k=2, top_k_secondary=k // 2)
+    return settings
+
+
+def dense_width(experts: int, k: int, hidden: int, groups: int = 0, same: str = "compute") -> int:
+    """docs/capacity.md's formulas: the dense FFN width with an MoE's ops/timestep or its parameters."""
+    if same == "compute":
+        return k * hidden + (groups + 2 * experts // groups if groups else experts)   # k_p = 2 chosen groups
+    return experts * hidden + (groups + experts if groups else experts)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("experts, k, hidden, groups", [(4, 4, 255, 0), (32, 4, 248, 0), (16, 2, 96, 0),
+                                                        (256, 4, 244, 16), (64, 4, 40, 8)])
+def test_capacity_dense_width_formulas_match_the_counts(d, experts, k, hidden, groups):
+    moe = _counts(_moe(d, experts, k, hidden, groups))
+    for same, index in (("compute", 0), ("parameters", 1)):
+        width = dense_width(experts, k, hidden, groups, same)
+        dense = _counts({"d_model": d, "layout": "lstm-ffn-lstm", "expert_hidden": width})
+        assert dense[index] == moe[index], (same, width, dense, moe)
+        if same == "parameters":
+            assert dense[2] == moe[2], (width, dense, moe)   # the modules' own parameters too
+
+
+def test_capacity_table_is_the_formula_and_the_counts():
+    """Each row of capacity.md's table at d = 128 (dense FFN 1024 wide): the experts' width the compute formula
+    gives, and the parameters counted."""
+    rows = re.findall(r"^\| (dense \(lstm-ffn-lstm\)|4xlstm|MoE-\d+(?:-h)?) \| (\d+) \| ([\d,]+) \|$",
+                      section(REPO / "docs" / "capacity.md", "What it trains"), flags=re.M)
+    assert len(rows) == 9, rows
+    from moe_scale.accounting.flops import lstm_lm_accounting
+    from moe_scale.config import RunConfig
+
+    for name, width, params in rows:
+        if name.startswith("dense"):
+            settings = {"d_model": 128, "layout": "lstm-ffn-lstm", "expert_hidden": int(width)}
+            assert int(width) == 8 * 128
+        elif name == "4xlstm":
+            settings = {"d_model": 128, "layout": "4xlstm", "lstm_hidden": int(width)}
+        else:
+            experts = int(name.split("-")[1])
+            groups = round(experts ** 0.5) if name.endswith("-h") else 0
+            assert int(width) == round((1024 - dense_width(experts, 4, 0, groups)) / 4), name   # solved for h_e
+            settings = _moe(128, experts, 4, int(width), groups)
+        counted = lstm_lm_accounting(RunConfig.from_settings(**settings), 1000)
+        assert counted.params_excluding_embedding_softmax == int(params.replace(",", "")), name
+
+
+def test_the_run_start_line_says_experts_per_layer_times_layers_as_training_md_shows():
+    """training.md's start line: `(… in 8 experts × 2 layers)`, never the product (16 experts) for 2 layers of 8."""
+    from moe_scale.config import RunConfig
+    from moe_scale.models.build import build_model
+    from moe_scale.models.build import describe_parameters
+
+    shown = section(REPO / "docs" / "training.md", "The log line and efficiency numbers")
+    experts, layers = map(int, re.search(r"`training [\d.]+M parameters \([\d.]+M in (\d+) experts × (\d+) layers\) "
+                                         r"on 1 process\(es\), \.\.\.`", shown).groups())
+    config = RunConfig.from_settings(model="transformer", ffn="moe", num_layers=layers, num_experts=experts,
+                                     d_model=16, expert_hidden=16, num_heads=2)
+    line = describe_parameters(build_model(config, 50, ep_size=1, ep_rank=0, seed=1))
+    assert line.endswith(f"in {experts} experts × {layers} layers)") and f"in {experts * layers} " not in line, line
+    moa = RunConfig.from_settings(model="transformer", attention="moa", moa_num_experts=4, moa_top_k=2, ffn="moe",
+                                  num_layers=2, num_experts=8, d_model=16, expert_hidden=16)
+    line = describe_parameters(build_model(moa, 50, ep_size=1, ep_rank=0, seed=1))
+    assert line.endswith("in 4 attention experts × 2 layers + 8 experts × 2 layers)"), line
+    lstm = describe_parameters(build_model(RunConfig.from_settings(d_model=16, expert_hidden=16), 50, ep_size=1,
+                                           ep_rank=0, seed=1))
+    assert lstm.endswith("in 16 experts)"), lstm   # one layer: as tools/table6.py reads it

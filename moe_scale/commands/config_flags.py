@@ -13,13 +13,41 @@ from moe_scale.errors import UserError
 from moe_scale.run_files import RunFiles
 
 
+# --help's groups, in this order: what the model is, its experts, what it reads, how it is spread, the run itself
+# (a section not named here would come last). Within a group the flags most runs set come first (FIRST), then the
+# rest in the config tree's order.
+SECTION_ORDER = ("model", "moe", "attention", "softmax", "data", "train", "parallel", "run")
+FIRST = {"model": ("model", "d_model", "layout", "num_layers", "ffn", "block"),
+         "moe": ("num_experts", "top_k", "expert_hidden", "gate", "shared_experts", "dispatch"),
+         "attention": ("attention", "num_heads", "head_dim"),
+         "data": ("data", "tokenizer", "vocab_size", "seq_len", "valid_data", "test_data"),
+         "train": ("batch_size", "max_steps", "lr", "preset", "seed"),
+         "parallel": ("ep_size", "ds_config"),
+         "run": ("out", "resume", "overwrite")}
+
+
+def help_order() -> list[str]:
+    """The config keys in --help's order: by SECTION_ORDER, and within a section FIRST's keys first."""
+    leaves = RunConfig.leaves()
+    sections = sorted({leaf.section for leaf in leaves.values()},
+                      key=lambda s: SECTION_ORDER.index(s) if s in SECTION_ORDER else len(SECTION_ORDER))
+    order = []
+    for section in sections:
+        keys = [key for key, leaf in leaves.items() if leaf.section == section]
+        first = [key for key in FIRST.get(section, ()) if key in keys]
+        order += first + [key for key in keys if key not in first]
+    return order
+
+
 def add_config_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = (),
                       unlisted: tuple[str, ...] = ()) -> None:
     """One flag per setting of the config tree; defaults are suppressed so we can tell which flags were given.
     `leave_out`: sections without flags (a command that makes no run leaves out "run"); `unlisted`: keys still
-    parsed (to be refused with advice) but not shown in --help."""
+    parsed (to be refused with advice) but not shown in --help. The groups and flags come in `help_order()`."""
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for key, leaf in RunConfig.leaves().items():
+    leaves = RunConfig.leaves()
+    for key in help_order():
+        leaf = leaves[key]
         if leaf.section in leave_out and key not in unlisted:
             continue
         if leaf.section not in groups:
@@ -45,7 +73,7 @@ DEST = "setting:"
 # report numbers of a run that never happened.
 RESUMABLE_CHANGES = ("max_steps", "token_budget", "log_interval", "eval_interval", "eval_max_batches",
                      "checkpoint_interval", "keep_checkpoints", "resume_from", "ep_size", "vocab_exchange",
-                     "accept_changed_data", "record_routes", "replay_routes")
+                     "accept_changed_data", "record_routes", "replay_routes", "a2a_chunks")
 
 
 def given_settings(args: argparse.Namespace) -> dict:

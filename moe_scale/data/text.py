@@ -19,6 +19,11 @@ SPLITS = ("train", "valid", "test")
 # `heldout` is lm1b's name for its test shards (Shazeer et al. 2017 evaluate on them).
 _SPLIT_WORDS = {"train": "train", "training": "train", "valid": "valid", "validation": "valid", "dev": "valid",
                 "test": "test", "heldout": "test"}
+# The rule as every refusal states it (docs/data.md#data says the same).
+SPLIT_RULE = ("a file or directory belongs to a split when its name, cut at '.', '_' and '-' (any case), holds the "
+              "word train or training (train), valid, validation or dev (valid), or test or heldout (test): "
+              "train.txt, kjv.train.txt, dev-00.txt, news.en.heldout-00000-of-00050; a word, not a prefix "
+              "(trainset.txt is in no split)")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
@@ -80,10 +85,10 @@ def split_files(spec: str) -> dict[str, list[Path]]:
     """Train/valid/test files for a --data spec (missing splits are []; see `load_splits`).
 
     - "embedded": the embedded corpus;
-    - a directory whose files or subdirectories are named train*/valid*/test* (also training*, validation*,
-      dev*, heldout*): those (wikitext: train.txt valid.txt test.txt; lm1b: training/ heldout/); held-out
-      files without training files, or files beside them that follow no rule, are refused (no text may be read
-      as the wrong split);
+    - a directory whose files or subdirectories are named by SPLIT_RULE (a word of the name, cut at . _ -, is
+      train/training, valid/validation/dev or test/heldout): those (wikitext: train.txt valid.txt test.txt;
+      kjv.train.txt; lm1b: training-monolingual.../ heldout-monolingual.../); held-out files without training
+      files, or files beside them that follow no rule, are refused (no text may be read as the wrong split);
     - anything else (file, directory of shards, glob): all training files.
     """
     if spec == EMBEDDED_NAME:
@@ -106,13 +111,12 @@ def split_files(spec: str) -> dict[str, list[Path]]:
                          and not _is_documentation(p.name))
         if named and not out["train"]:
             raise UserError(f"--data {spec}: held-out files ({', '.join(f.name for f in named[:3])}) but no training "
-                            f"files; the rule: files or directories named train*/training* train, valid*/dev* "
-                            f"validate, test*/heldout* test. Name the training text train*, or pass it as --data and "
-                            f"these as --valid-data/--test-data")
+                            f"files; the rule: {SPLIT_RULE}. Name the training text by it (train.txt), or pass it "
+                            f"as --data and these as --valid-data/--test-data")
         if named and unnamed:
-            raise UserError(f"--data {spec}: some files follow the split rule (train*/valid*/test*) and some do not "
-                            f"({', '.join(unnamed[:3])}); move those away or rename them (train*, valid*, test*) so "
-                            f"no text is read as the wrong split")
+            raise UserError(f"--data {spec}: some files follow the split rule and some do not "
+                            f"({', '.join(unnamed[:3])}); move those away or rename them by the rule so no text is "
+                            f"read as the wrong split (the rule: {SPLIT_RULE})")
         if out["train"]:
             if not any(_has_words(f) for f in out["train"]):
                 raise UserError(f"--data {spec}: the training files are empty; provide text, one sentence per line")

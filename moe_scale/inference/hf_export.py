@@ -138,7 +138,7 @@ def _write(target: Path, config, vocab, model, run: Path, tag: str, max_shard_by
         _save_tensors(target, hf_native.export_tensors(model, config), max_shard_bytes)
         hf_config = {**hf_native.hf_config(config, len(vocab), vocab.BOS_ID, vocab.EOS_ID), **provenance}
         (target / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        _write_tokenizer(target, vocab, config.data.seq_len)
+        _write_tokenizer(target, vocab, hf_native.ROTARY_MAX_POSITIONS)   # rotary: no position table
         (target / "README.md").write_text(_model_card(config, vocab, tag, hf_config["architectures"][0]))
         return
     state = {f"lm.{name}": t.detach().cpu().clone().contiguous() for name, t in _tensors_by_module_path(model)}

@@ -61,8 +61,18 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 
 
 def describe_parameters(model: nn.Module) -> str:
+    """The run-start line's '0.33M parameters (0.03M in 8 experts × 2 layers)': the experts of a layer and the
+    layers that have them, never their product (16 experts reads as one layer's choice among 16); MoA's attention
+    experts apart from the FFN's ('4 attention experts × 2 layers + 8 experts × 2 layers')."""
     counts = parameter_counts(model)
-    experts = sum(layer.num_experts for layer in model.moe_layers())
-    if not experts:
+    layers = model.moe_layers()
+    if not layers:
         return f"{counts['total'] / 1e6:.2f}M parameters"
-    return f"{counts['total'] / 1e6:.2f}M parameters ({counts['experts'] / 1e6:.2f}M in {experts} experts)"
+    attention = {id(module) for module in getattr(model, "attention_layers", list)()}
+    groups: dict[tuple[str, int], int] = {}
+    for layer in layers:
+        kind = "attention " if id(layer) in attention else ""
+        groups[kind, layer.num_experts] = groups.get((kind, layer.num_experts), 0) + 1
+    parts = [f"{experts} {kind}experts" + (f" × {n} layers" if n > 1 else "")
+             for (kind, experts), n in groups.items()]
+    return f"{counts['total'] / 1e6:.2f}M parameters ({counts['experts'] / 1e6:.2f}M in {' + '.join(parts)})"

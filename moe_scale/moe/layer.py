@@ -1,7 +1,7 @@
 """The MoE layer: router ─▶ dispatcher ─▶ experts ─▶ dispatcher, wired into DeepSpeed.
 
 Legend (docs/shapes.md): N tokens, D model width, E experts over all ranks, K experts per token, C (token,
-expert) pairs, R rows that arrive here.
+expert) pairs, R rows that arrive here, M pairs that arrive here.
 
 How DeepSpeed sees the layer (expert parameters, their process groups, their checkpoint keys) lives in
 moe/deepspeed_adapter.py; once the groups exist, `connect` hands them to the router (the data-parallel sum of

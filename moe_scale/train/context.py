@@ -12,6 +12,7 @@ from moe_scale.config import RunConfig
 from moe_scale.distributed.launch import DistEnv
 from moe_scale.moe.route_tape import RouteTape
 from moe_scale.moe.router import GlobalTokenNoise, Router
+from moe_scale.train.busy_machine import BusyMachineNotice
 from moe_scale.train.data_setup import LMData
 from moe_scale.train.engine import TrainingEngine
 from moe_scale.train.mae_bcd import MAEBlockCoordinateDescent
@@ -32,3 +33,4 @@ class TrainContext:
     stop_requests: StopRequests
     balancers: list[Router] = field(default_factory=list)   # gates told of each step (aux_free's routing biases)
     tape: RouteTape | None = None   # --record-routes / --replay-routes (moe/route_tape.py)
+    busy_notice: BusyMachineNotice | None = None   # a CPU run slowed by other processes says so (busy_machine.py)

@@ -16,6 +16,7 @@ from moe_scale.data import (LMWindows, Vocab, load_sentences, load_splits, resol
 from moe_scale.data.eval_windows import EvalWindows
 from moe_scale.data.shards import LineReader, plan_pieces
 from moe_scale.data.source import TrainingSource
+from moe_scale.data.text import SPLIT_RULE
 from moe_scale.data.stream import StreamBatches
 from moe_scale.data.subwords import SubwordTokenizer, load_run_tokenizer
 from moe_scale.data.vocab import WordCounts, unigram_perplexity
@@ -120,7 +121,8 @@ def stream_files(config: DataConfig) -> tuple[list[Path], object]:
         valid = load_sentences(files["valid"] or files["test"])
     else:
         raise UserError(f"--stream needs a validation split it does not have to cut from the training text: "
-                        f"valid*/heldout* files beside --data {config.data}, or --valid-data")
+                        f"files the split rule names valid or test beside --data {config.data} ({SPLIT_RULE}), or "
+                        f"--valid-data")
     return files["train"], valid
 
 

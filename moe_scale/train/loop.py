@@ -24,6 +24,7 @@ from moe_scale.models.build import build_model
 from moe_scale.moe.router import GlobalTokenNoise, Router
 from moe_scale.run_files import RunFiles
 from moe_scale.train.memory_check import check_model_fits
+from moe_scale.train.busy_machine import BusyMachineNotice
 from moe_scale.train.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from moe_scale.data.fingerprint import DATA_FILES, check_resumed_data, fingerprint, read_record
 from moe_scale.data.source import TrainingSource
@@ -168,6 +169,7 @@ def _train(ctx: TrainContext, state: TrainState) -> dict:
     """The steps from the state's to the end of its schedule, each followed by its points (_points); the summary,
     or what stopped the run early."""
     report = RunReport(ctx, state)
+    ctx.busy_notice = BusyMachineNotice(ctx.env.device, report.peak[0], report.peak[1].startswith("measured"))
     while state.step < state.max_steps:
         _step(ctx, state, report)
         stop = ctx.stop_requests.agreed()   # SIGTERM / SIGINT / SIGUSR1 on any rank: checkpoint and stop
@@ -231,6 +233,10 @@ def _points(ctx: TrainContext, state: TrainState, report: RunReport, stop: str |
     report.read_steps()
     if log_now:
         report.log_point(state)
+        busy = ctx.busy_notice.check(report.last_perf["tokens_per_s"]) if ctx.busy_notice and ctx.env.rank == 0 \
+            else None
+        if busy:
+            print(busy, file=sys.stderr, flush=True)
     if eval_now:
         report.eval_point(state)
     if checkpoint_now:

@@ -94,7 +94,7 @@ class RunReport:
         self.logger.expert_loads(done, self.interval_moe.relative_loads())
         self.interval.reset()
         self.interval_moe.reset()
-        perf = self._throughput(self.timer.take_interval(), state)
+        perf = self.last_perf = self._throughput(self.timer.take_interval(), state)
         train_ppl = _word_ppl(last_train["nll"], self.ctx.data)
         self.logger.scalars(done, {"train/loss": last_train["nll"], "train/ppl": train_ppl,
                                    "train/aux_loss": last_train["aux_loss"], "train/lr": self.last_record["lr"],

@@ -50,6 +50,12 @@ _RELEASED = {"mixtral": (_LEGACY, "w1", "w3", "w2"), "qwen2_moe": (_FUSED, "gate
 _INSTEAD = {"mixtral": "--ffn moe without --shared-experts or --qk-norm", "llama": "--ffn dense without --qk-norm",
             "qwen2_moe": "--ffn moe --shared-experts 1 --shared-expert-gate", "qwen3_moe": "--ffn moe --qk-norm",
             "qwen3": "--ffn dense --qk-norm"}
+# The positions a native export accepts: its rotary positions have no table (no learned one, none precomputed), each
+# is rotated by an angle computed from its index as a float32 (attention/rotary.py, transformers alike), which holds
+# every index below 2^24 exactly. config.json's `max_position_embeddings` and the tokenizer's `model_max_length`
+# say so, rather than the trained --seq-len (past which transformers warns, and its default `generate` length
+# stops); how well the model does past its trained context is another matter (docs/transformers.md).
+ROTARY_MAX_POSITIONS = 2 ** 24
 
 
 def is_native(config) -> bool:
@@ -87,7 +93,7 @@ def hf_config(config, vocab_size: int, bos_id: int, eos_id: int) -> dict:
         "num_hidden_layers": transformer.num_layers, "num_attention_heads": attention.num_heads,
         "num_key_value_heads": attention.num_heads, "head_dim": attention.head_width(d),
         "hidden_act": expert_kind(config.expert_kind).hf_act if config.has_moe_ffn else "silu",
-        "max_position_embeddings": config.data.seq_len, "initializer_range": LLAMA_INIT_STD,
+        "max_position_embeddings": ROTARY_MAX_POSITIONS, "initializer_range": LLAMA_INIT_STD,
         "rms_norm_eps": transformer.rms_norm_eps, "rope_theta": theta, "rope_parameters": {"rope_type": "default",
                                                                                 "rope_theta": theta},
         "attention_dropout": 0.0, "tie_word_embeddings": transformer.tie_embeddings, "use_cache": True,

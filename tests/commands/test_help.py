@@ -69,3 +69,26 @@ def test_defaults_are_added_only_where_they_say_something():
     assert entries["--noise"].endswith("noisy gates (default: True)")
     assert entries["--rate"].endswith("a share of 50% (default: 0.5)")
     assert re.search(r"\(default", entries["--run"] + entries["--json"]) is None
+
+
+def test_train_help_groups_its_flags_model_moe_data_parallel_run_the_common_ones_first():
+    """`moe-scale train --help`: the config sections in the order a user reads a run (moe_scale/commands/
+    config_flags.py's SECTION_ORDER), each opening with the flags most runs set, every setting once."""
+    from moe_scale.cli import build_parser
+    from moe_scale.config import RunConfig
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    page = subparsers.choices["train"].format_help()
+    sections = re.findall(r"^(\w+) settings:$", page, flags=re.M)
+    assert sections == ["model", "moe", "attention", "softmax", "data", "train", "parallel", "run"], sections
+    groups = {title: re.findall(r"^  (--[\w-]+)", body, flags=re.M)
+              for title, body in re.findall(r"^(\w+) settings:\n(.*?)(?=^\S|\Z)", page, flags=re.M | re.S)}
+    opening = {"model": ["--model", "--d-model", "--layout", "--num-layers"],
+               "moe": ["--num-experts", "--top-k", "--expert-hidden", "--gate"],
+               "data": ["--data", "--tokenizer", "--vocab-size", "--seq-len"],
+               "train": ["--batch-size", "--max-steps", "--lr"],
+               "parallel": ["--ep-size", "--ds-config"], "run": ["--out", "--resume", "--overwrite"]}
+    for section, flags in opening.items():
+        assert groups[section][:len(flags)] == flags, (section, groups[section])
+    listed = [flag for flags in groups.values() for flag in flags]
+    assert sorted(listed) == sorted(leaf.flag for leaf in RunConfig.leaves().values())

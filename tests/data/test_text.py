@@ -131,6 +131,40 @@ def test_files_beside_the_split_rule_are_refused_but_documentation_is_not(tmp_pa
         split_files(str(d))
 
 
+@pytest.mark.parametrize("names, expected", [
+    (["kjv.train.txt", "kjv.valid.txt", "kjv.test.txt"], ("kjv.train.txt", "kjv.valid.txt", "kjv.test.txt")),
+    (["Train_A.txt", "dev-00.txt", "HELDOUT.txt"], ("Train_A.txt", "dev-00.txt", "HELDOUT.txt")),
+    (["training", "validation.txt", "news.en.heldout-00000-of-00050"],
+     ("training", "validation.txt", "news.en.heldout-00000-of-00050")),
+])
+def test_the_split_rule_is_a_word_of_the_name(tmp_path, names, expected):
+    """What docs/data.md and the refusals state: a word of the name (cut at . _ -, any case), not a prefix."""
+    d = tmp_path / "corpus"
+    for name in names:
+        _write(d / name / "part.txt" if "." not in name else d / name, "a b .\n")
+    found = split_files(str(d))
+    assert tuple((found[s][0].parent if found[s][0].parent != d else found[s][0]).name
+                 for s in ("train", "valid", "test")) == expected
+
+
+def test_a_prefix_is_not_the_split_rule_and_the_refusal_says_so(tmp_path):
+    d = tmp_path / "corpus"
+    _write(d / "trainset.txt", "a b .\n")
+    _write(d / "test.txt", "c d .\n")
+    refusals = []
+    for start in ("held-out files (test.txt) but no training files; the rule: a file or directory belongs",
+                  "some files follow the split rule and some do not (trainset.txt)"):
+        with pytest.raises(UserError) as refused:
+            split_files(str(d))
+        refusals.append(str(refused.value))
+        assert start in refusals[-1], refusals[-1]
+        _write(d / "train.txt", "e f .\n")   # the second: a training file beside a name no rule takes
+    for message in refusals:
+        for part in ("cut at '.', '_' and '-'", "kjv.train.txt", "valid, validation or dev", "test or heldout",
+                     "not a prefix (trainset.txt is in no split)"):
+            assert part in message, message
+
+
 def _layouts(root: Path, lm1b_shards: Path, lm1b_benchmark: Path) -> dict[str, dict]:
     """Every --data layout the docs list, as DataConfig settings."""
     wiki = root / "wikitext"

@@ -110,6 +110,31 @@ def test_transformers_loads_it_without_remote_code_with_the_same_logits_and_gree
         ("" if ended else " ...") + "\n"
 
 
+def test_it_accepts_positions_past_the_trained_context_and_its_config_says_so(exported):
+    """Rotary positions have no table: config.json's max_position_embeddings and the tokenizer's model_max_length
+    are 2^24 (every float32 position index exact: moe_scale/weights/hf_native.py), not the trained --seq-len 16,
+    and 40 positions give moe_scale's own logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moe_scale.weights.hf_native import ROTARY_MAX_POSITIONS
+
+    _, run, out = exported
+    assert ROTARY_MAX_POSITIONS == 2 ** 24
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 2 ** 24
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 2 ** 24
+    assert json.loads((out / "config.json").read_text())["run_config"]["data"]["seq_len"] == 16
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert tokenizer.model_max_length == model.config.max_position_embeddings == 2 ** 24
+    text = " ".join(" ".join(wikitext_sentences("test")[:8]).split()[:39])
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert ids.shape[1] == 40
+    ours = _open(run)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits.log_softmax(-1), ours.model.decode(ids)[0], rtol=1e-4,
+                                   atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", [arch for arch in KINDS if arch != "Qwen3MoeForCausalLM"])   # (Qwen3-MoE's: from
 def test_init_from_hf_then_export_gives_the_same_tensors(arch, request, embedded_cache, tmp_path):   # its shards)
     """--lr 0: the imported weights go through one optimizer step unchanged, so the round trip is exact."""

@@ -149,7 +149,7 @@ def test_a_run_that_beats_its_cached_peak_raises_it(tmp_path, embedded_cache, mo
     monkeypatch.setenv("MOE_SCALE_CACHE", str(cache))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)             # the run's: OMP_NUM_THREADS=1
     path = perf.peak_cache_path(perf.peak_cache_key(torch.device("cpu"), torch.float32, 1))
-    perf.store_peak(perf.peak_cache_key(torch.device("cpu"), torch.float32, 1), 1e-9)
+    perf.store_peak(perf.peak_cache_key(torch.device("cpu"), torch.float32, 1), 1e-9, busy=False)
     proc = run_train([*TINY, "--max-steps", "4", "--eval-interval", "4", "--checkpoint-interval", "0",
                       "--out", str(tmp_path / "run")], cwd=tmp_path, cache=cache)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
