@@ -1,21 +1,28 @@
 #!/usr/bin/env python
-"""Tokens/s of a multi-process training run under the deepspeed launcher, with torch's old thread count per
-process and moe_scale's, in one run (moe_scale/distributed/threads.py; docs/clusters.md#threads).
+"""Tokens/s of a training run with torch's old thread count and moe_scale's, in one run
+(moe_scale/distributed/threads.py; docs/clusters.md#threads, docs/training.md#a-busy-machine).
 
+Several processes (--procs P >= 2, under the deepspeed launcher):
     before: OMP_NUM_THREADS = the cores this process may use, set explicitly for every rank: what each rank's
             torch pool took before moe_scale chose (every core);
     after:  OMP_NUM_THREADS unset: moe_scale gives each rank cores // local ranks threads.
+One process (--procs 1, `moe-scale train`), usually beside --load N spinning processes (a busy machine):
+    before:  OMP_NUM_THREADS = the cores (torch's own count);
+    after:   OMP_NUM_THREADS unset: moe_scale takes the cores other processes leave free at start;
+    passive: the cores, with OpenMP's passive wait (OMP_WAIT_POLICY=PASSIVE: idle threads sleep, not spin);
+    one:     OMP_NUM_THREADS=1.
 
     python tools/bench_threads.py --out bench_threads.json             # 2 processes, the default LSTM-MoE
     python tools/bench_threads.py --procs 2 --max-steps 30 --repeats 2 --extra --d-model 256
+    python tools/bench_threads.py --procs 1 --load 3 --max-steps 100   # the quickstart on a busy machine
 
-Each run is the README's multi-process command, `deepspeed --log_level warning --num_gpus P --module moe_scale
-train --ep-size P --ds-config ds_configs/zero2_ep.json`, for --max-steps steps (no checkpoints, one validation
-batch); its tokens/s is the run's summary (the steps after 3 warm-up steps). The two settings alternate, before
-first, --repeats times each; the JSON (stdout, and --out) holds every run, each setting's median and
-ratio = after / before. The threads of each run are read from its log ("moe-scale: threads: N per process").
-A run that takes longer than --timeout seconds is killed with its ranks. Exit status: 0 done; 1 a run failed or
-was killed; 2 a bad flag.
+Each multi-process run is the README's multi-process command, `deepspeed --log_level warning --num_gpus P --module
+moe_scale train --ep-size P --ds-config ds_configs/zero2_ep.json`, for --max-steps steps (no checkpoints, one
+validation batch); one process runs `moe-scale train` the same way; its tokens/s is the run's summary (the steps
+after 3 warm-up steps). The settings alternate, --repeats times each; the JSON (stdout, and --out) holds every run,
+each setting's median and ratio = after / before. The threads of each run are read from its log ("moe-scale:
+threads: N"). A run that takes longer than --timeout seconds is killed with its ranks. Exit status: 0 done; 1 a run
+failed or was killed; 2 a bad flag.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 from json_lines import emit_report
-from tool_args import OneLineParser, check_out_file, positive_int
+from tool_args import OneLineParser, check_out_file, non_negative_int, positive_int
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))   # as its runs see it (PYTHONPATH below): a checkout without moe_scale installed
@@ -43,12 +50,15 @@ LAUNCHER_FLAGS = ["--log_level", "warning"]   # as the README's command
 DS_CONFIG = "ds_configs/zero2_ep.json"
 FIXED = ["--eval-interval", "1000000", "--eval-max-batches", "1", "--checkpoint-interval", "0"]
 OWN_FLAGS = {"--ep-size", "--ds-config", "--out", "--max-steps", "--overwrite", "--resume"}
-THREADS_LINE = re.compile(r"moe-scale: threads: (\d+) per process")
+THREADS_LINE = re.compile(r"moe-scale: threads: (\d+)")
 
 
 def parse_args(argv: list[str]):
     parser = OneLineParser(prog="bench_threads.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--procs", type=positive_int, default=2, help="processes (the launcher's --num_gpus)")
+    parser.add_argument("--procs", type=positive_int, default=2, help="processes (the launcher's --num_gpus; 1: "
+                                                                      "moe-scale train alone)")
+    parser.add_argument("--load", type=non_negative_int, default=0,
+                        help="other processes spinning on the cores while every run goes (a busy machine)")
     parser.add_argument("--max-steps", type=positive_int, default=60, help="training steps per run")
     parser.add_argument("--repeats", type=positive_int, default=1, help="runs of each setting, alternating")
     parser.add_argument("--timeout", type=positive_int, default=600, help="seconds a run may take before it and "
@@ -56,8 +66,6 @@ def parse_args(argv: list[str]):
     parser.add_argument("--out", type=Path, help="also write the JSON to this file")
     parser.add_argument("--extra", nargs="...", default=[], help="the rest goes to `moe-scale train`")
     args = parser.parse_args(argv)
-    if args.procs < 2:
-        parser.error("--procs must be at least 2: one process alone keeps torch's own thread count")
     if args.max_steps < 5:
         parser.error("--max-steps must be at least 5 (3 warm-up steps are not timed)")
     refused = OWN_FLAGS & {a.split("=")[0] for a in args.extra}
@@ -67,21 +75,33 @@ def parse_args(argv: list[str]):
     return args
 
 
-def settings(cores: int) -> dict[str, str | None]:
-    """OMP_NUM_THREADS of each setting (None: unset)."""
-    return {"before": str(cores), "after": None}
+def settings(cores: int, procs: int) -> dict[str, dict[str, str | None]]:
+    """The environment of each setting (None: unset)."""
+    unset = {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None}
+    both = {"before": {**unset, "OMP_NUM_THREADS": str(cores)}, "after": unset}
+    if procs > 1:
+        return both
+    return {**both, "passive": {"OMP_NUM_THREADS": str(cores), "OMP_WAIT_POLICY": "PASSIVE"},
+            "one": {**unset, "OMP_NUM_THREADS": "1"}}
 
 
-def launch(args, omp_threads: str | None, run_dir: Path) -> dict:
+def command(args, run_dir: Path) -> list[str]:
+    train = ["train", "--max-steps", str(args.max_steps), *FIXED, "--out", str(run_dir), *args.extra]
+    if args.procs == 1:
+        return [sys.executable, "-m", "moe_scale", *train]
+    return [sys.executable, "-m", "deepspeed.launcher.runner", *LAUNCHER_FLAGS, "--num_gpus", str(args.procs),
+            "--master_port", str(free_port()), "--module", "moe_scale", train[0], "--ep-size", str(args.procs),
+            "--ds-config", DS_CONFIG, *train[1:]]
+
+
+def launch(args, setting: dict[str, str | None], run_dir: Path) -> dict:
     """One run; its tokens/s, the threads its ranks logged, and its command."""
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", *LAUNCHER_FLAGS, "--num_gpus", str(args.procs),
-           "--master_port", str(free_port()), "--module", "moe_scale", "train", "--ep-size", str(args.procs),
-           "--ds-config", DS_CONFIG, "--max-steps", str(args.max_steps), *FIXED, "--out", str(run_dir),
-           *args.extra]
+    cmd = command(args, run_dir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    env.pop("OMP_NUM_THREADS", None)
-    if omp_threads is not None:
-        env["OMP_NUM_THREADS"] = omp_threads
+    for name, value in setting.items():
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)   # its own process group: the launcher and its ranks
     try:
@@ -99,7 +119,7 @@ def launch(args, omp_threads: str | None, run_dir: Path) -> dict:
     logged = THREADS_LINE.findall(log)
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"tokens_per_s": summary["tokens_per_s"], "threads_per_process": int(logged[0]) if logged else None,
-            "omp_num_threads": omp_threads}
+            "omp_num_threads": setting["OMP_NUM_THREADS"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,22 +127,32 @@ def main(argv: list[str] | None = None) -> int:
     from moe_scale.distributed.threads import usable_cores   # imports torch: after the flags are checked
 
     cores = usable_cores()
-    runs: dict[str, list[dict]] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory(prefix="bench_threads-") as work:
-        for repeat in range(args.repeats):
-            for name, omp_threads in settings(cores).items():
-                print(f"[{name} {repeat + 1}/{args.repeats}] OMP_NUM_THREADS={omp_threads or '(unset)'}",
-                      file=sys.stderr, flush=True)
-                runs[name].append(launch(args, omp_threads, Path(work) / f"{name}-{repeat}"))
+    chosen = settings(cores, args.procs)
+    runs: dict[str, list[dict]] = {name: [] for name in chosen}
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_threads-") as work:
+            for repeat in range(args.repeats):
+                for name, setting in chosen.items():
+                    shown = " ".join(f"{k}={v}" for k, v in setting.items() if v is not None) or "(unset)"
+                    print(f"[{name} {repeat + 1}/{args.repeats}] {shown}", file=sys.stderr, flush=True)
+                    runs[name].append(launch(args, setting, Path(work) / f"{name}-{repeat}"))
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
     median = {name: statistics.median(r["tokens_per_s"] for r in rows) for name, rows in runs.items()}
+    train = f"train --max-steps {args.max_steps} {' '.join(FIXED)} {' '.join(args.extra)}"
+    launcher = f"deepspeed {' '.join(LAUNCHER_FLAGS)} --num_gpus {args.procs} --module moe_scale "
     report = {
-        "procs": args.procs, "cores": cores, "max_steps": args.max_steps, "repeats": args.repeats,
-        "extra": args.extra, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "command": (f"deepspeed {' '.join(LAUNCHER_FLAGS)} --num_gpus {args.procs} --module moe_scale train "
-                    f"--ep-size {args.procs} --ds-config {DS_CONFIG} --max-steps {args.max_steps} {' '.join(FIXED)} "
-                    f"{' '.join(args.extra)}").strip(),
-        **{name: {"omp_num_threads": settings(cores)[name], "runs": rows, "tokens_per_s": median[name],
-                  "threads_per_process": rows[0]["threads_per_process"]} for name, rows in runs.items()},
+        "procs": args.procs, "cores": cores, "load": args.load, "max_steps": args.max_steps,
+        "repeats": args.repeats, "extra": args.extra, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "command": (f"moe-scale {train}" if args.procs == 1 else
+                    launcher + train.replace("train ", f"train --ep-size {args.procs} --ds-config {DS_CONFIG} ", 1))
+        .strip(),
+        **{name: {"omp_num_threads": chosen[name]["OMP_NUM_THREADS"], "env": chosen[name], "runs": rows,
+                  "tokens_per_s": median[name], "threads_per_process": rows[0]["threads_per_process"]}
+           for name, rows in runs.items()},
         "ratio": median["after"] / median["before"],
     }
     emit_report(report, args.out)

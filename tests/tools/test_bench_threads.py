@@ -1,4 +1,5 @@
-"""tools/bench_threads.py: both thread settings of a 2-process run at a tiny size, end to end; flag errors."""
+"""tools/bench_threads.py: both thread settings of a 2-process run at a tiny size, end to end; one process's four
+settings; flag errors."""
 
 from __future__ import annotations
 
@@ -39,8 +40,22 @@ def test_before_and_after_on_2_processes(tmp_path):
                                         "--ep-size 2 --ds-config ds_configs/zero2_ep.json --max-steps 5 ")
 
 
+def test_one_process_compares_four_settings():
+    """--procs 1 (the quickstart on a busy machine): torch's count, moe_scale's, passive wait, one thread."""
+    import bench_threads
+
+    got = bench_threads.settings(2, 1)
+    assert got == {"before": {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": None},
+                   "after": {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None},
+                   "passive": {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
+                   "one": {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": None}}
+    assert bench_threads.settings(2, 2).keys() == {"before", "after"}
+    args = bench_threads.parse_args(["--procs", "1", "--load", "3", "--max-steps", "7"])
+    assert bench_threads.command(args, bench_threads.Path("r"))[1:5] == ["-m", "moe_scale", "train", "--max-steps"]
+
+
 @pytest.mark.parametrize("flags, message", [
-    (["--procs", "1"], "at least 2"),
+    (["--load", "-1"], "expected an integer >= 0"),
     (["--max-steps", "3"], "at least 5"),
     (["--extra", "--ep-size", "4"], "must not set ['--ep-size']"),
     (["--out", "no/such/dir/x.json"], "does not exist"),
