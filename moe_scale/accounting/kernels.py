@@ -176,22 +176,24 @@ def product_rows(model, layout, tokens_per_micro_batch: float) -> dict[str, floa
 
 def compute_seconds(model, layout, gpu: GPU, tokens_per_gpu: float, efficiency: float) -> dict:
     """The FLOPs' time on one GPU with each product at its width's efficiency: {"seconds", "efficiency" (the
-    FLOPs' average share of the peak), "full_width" (s_full), "narrow": the parts below it, by width}."""
+    FLOPs' average share of the peak), "full_width" (s_full), "narrow": the parts below it, by width, "by_part":
+    the seconds of each part (the experts' are what an overlapped exchange hides behind)}."""
     config, peak = model.config, gpu.peak_tflops(layout.precision) * 1e12
     full = saturation_width(gpu, layout.precision, efficiency)
     rows = product_rows(model, layout, tokens_per_gpu / config.train.grad_accum)
-    seconds, flops, narrow = 0.0, 0.0, {}
+    seconds, flops, narrow, by_part = 0.0, 0.0, {}, {}
     recompute = model.recompute_flops_per_token if layout.recompute else 0.0
     for group in model.gemms:
         width = min(rows[group.rows], *group.widths)
         share = gemm_efficiency(width, efficiency, full)
         part_flops = tokens_per_gpu * (6 * group.macs + (recompute if group.part == "experts" else 0.0))
         seconds += part_flops / (peak * share)
+        by_part[group.part] = by_part.get(group.part, 0.0) + part_flops / (peak * share)
         flops += part_flops
         if share < efficiency:
             narrow[group.part] = width
     return {"seconds": seconds, "efficiency": flops / (seconds * peak) if seconds else efficiency,
-            "full_width": full, "narrow": narrow}
+            "full_width": full, "narrow": narrow, "by_part": by_part}
 
 
 def recurrent_steps_per_timestep(config) -> int:

@@ -39,10 +39,11 @@ Optimizer: memory-bound; bytes read and written per parameter this rank updates 
 with its master copy 30 + 2, factored 20 + 4) at the device's memory bandwidth; never less than the launches made
 once per step (clipping, the optimizer, the loop's bookkeeping) x the cost of one launch.
 
-What overlaps: nothing (every collective above is blocking), except that with ZeRO-1/2 and `"overlap_comm": true`
-in the DeepSpeed JSON the gradients' reduce-scatter runs during the backward (2/3 of the compute) and only what
-exceeds it is paid. The all-to-alls are blocking (the experts need their rows), and the stage-0 reduce runs after
-the backward.
+What overlaps: with ZeRO-1/2 and `"overlap_comm": true` in the DeepSpeed JSON the gradients' reduce-scatter runs
+during the backward (2/3 of the compute) and only what exceeds it is paid; with --a2a-chunks C > 1 each MoE FFN
+layer's row moves run in C pieces beside its experts' compute (layer_all_to_all: the hidden part is bounded by the
+compute of the other pieces). Nothing else: one piece's all-to-alls are blocking (the experts need their rows), and
+the stage-0 reduce runs after the backward.
 
 TFLOPS/GPU counts the model's FLOPs (no recompute), as `train` and the paper do; MFU divides it by the peak.
 """
@@ -101,22 +102,29 @@ def _exchange(net: Network, layout: Layout, nbytes: float) -> float:
 
 
 def layer_all_to_all(net: Network, layout: Layout, layer: ExpertLayer, tokens_per_gpu: float, d: int,
-                     value: int, units_per_rank: int) -> float:
-    """Seconds of one expert-parallel layer's exchanges in one step (forward and backward)."""
+                     value: int, units_per_rank: int, chunks: int = 1, experts_s: float = 0.0) -> tuple[float, float]:
+    """(exposed seconds, hidden seconds) of one expert-parallel layer's exchanges in one micro-batch (forward and
+    backward). In `chunks` pieces (--a2a-chunks) the row moves overlap the layer's expert compute (`experts_s`,
+    forward and backward): a pipeline of pieces takes max(A, X) + min(A, X) / C for A of moves and X of compute,
+    plus a latency per move and extra piece; what exceeds X is exposed. The counts' exchange is never hidden."""
     if layout.ep_size == 1:
-        return 0.0
+        return 0.0, 0.0
     rows = tokens_per_gpu * layer.distinct_ranks(layout.ep_size)
     pairs = tokens_per_gpu * layer.picks
     row_bytes = rows * d * value
-    moves = [layout.ep_size * (units_per_rank + 1) * COUNT_BYTES,      # the counts
-             row_bytes, pairs * INDEX_BYTES, pairs * GATE_BYTES, row_bytes,          # forward
+    counts = _exchange(net, layout, layout.ep_size * (units_per_rank + 1) * COUNT_BYTES)
+    moves = [row_bytes, pairs * INDEX_BYTES, pairs * GATE_BYTES, row_bytes,          # forward
              row_bytes, row_bytes, pairs * GATE_BYTES]                               # backward
     seconds = sum(_exchange(net, layout, nbytes) for nbytes in moves)
     if layer.kind == "moa":
         seconds += _exchange(net, layout, rows * INDEX_BYTES)
         kv = layout.ep_size * tokens_per_gpu * layer.kv_width * value    # P copies of this rank's K/V
         seconds += 2 * net.all_to_all(kv, layout.ep_size, min(layout.gpus_per_node, layout.ep_size))
-    return seconds
+    if chunks == 1 or layer.kind == "moa":
+        return counts + seconds, 0.0
+    pieces = seconds + (chunks - 1) * len(moves) * _exchange(net, layout, 0.0)
+    exposed = max(pieces, experts_s) + min(pieces, experts_s) / chunks - experts_s
+    return counts + exposed, max(0.0, seconds - exposed)
 
 
 def gradient_sync(net: Network, model: PlannedModel, layout: Layout) -> tuple[float, float]:
@@ -186,8 +194,13 @@ def step_time(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_c
     launch_floor = (kernels["operations"] + kernels["recurrence"]) * gpu.launch_s
     compute = max(flops_s, launch_floor)
     d, accum = model.config.model.d_model, model.config.train.grad_accum
-    all_to_all = accum * sum(layer_all_to_all(net, layout, layer, tokens_per_gpu / accum, d, value,
-                                              layer.units // layout.ep_size) for layer in model.expert_layers)
+    chunks = model.config.moe.dispatch.a2a_chunks if model.config.has_moe_ffn else 1
+    ffn_layers = sum(layer.kind != "moa" for layer in model.expert_layers)
+    experts_s = products["by_part"].get("experts", 0.0) / max(ffn_layers, 1) / accum   # a layer's, a micro-batch's
+    exchanges = [layer_all_to_all(net, layout, layer, tokens_per_gpu / accum, d, value, layer.units // layout.ep_size,
+                                  chunks, experts_s) for layer in model.expert_layers]
+    all_to_all = accum * sum(exposed for exposed, _ in exchanges)
+    all_to_all_hidden = accum * sum(hidden for _, hidden in exchanges)
     vocab = accum * vocab_exchange_seconds(net, model, layout, tokens_per_gpu / accum, value)
     reduce, gather = gradient_sync(net, model, layout)
     if layout.zero_stage == 2:
@@ -210,4 +223,7 @@ def step_time(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_c
             "gemm_efficiency": products["efficiency"], "gemm_full_width": products["full_width"],
             "narrow_products": products["narrow"],
             "efficiency": efficiency, "peak_tflops": peak, "tokens_per_s": tokens / step,
-            "tflops_per_gpu": tflops, "mfu": tflops / peak, "all_to_all_share": all_to_all / step}
+            "tflops_per_gpu": tflops, "mfu": tflops / peak, "all_to_all_share": all_to_all / step,
+            "a2a_chunks": chunks, "all_to_all_hidden_s": all_to_all_hidden,
+            "all_to_all_hidden_share": all_to_all_hidden / (all_to_all + all_to_all_hidden)
+            if all_to_all + all_to_all_hidden else 0.0}

@@ -58,7 +58,9 @@ def format_plan(r: dict, smallest: dict | None) -> str:
     lines += ["  step time",
               f"    compute                   {_time(s['compute'])}   ({compute_note})",
               *([f"    waiting for stragglers    {_time(s['waiting'])}"] if s["waiting"] else []),
-              f"    {'all-to-all (' + r['all_to_all'] + ')':<26}{_time(s['all_to_all'])}",
+              f"    {'all-to-all (' + r['all_to_all'] + ')':<26}{_time(s['all_to_all'])}"
+              + (f"   (in {t['a2a_chunks']} pieces beside the experts: {seconds_text(t['all_to_all_hidden_s'])}, "
+                 f"{t['all_to_all_hidden_share']:.0%} of the exchange, hidden)" if t.get("a2a_chunks", 1) > 1 else ""),
               *([f"    vocabulary rows exchanged {_time(s['vocab_exchange'])}"] if s["vocab_exchange"] else []),
               f"    router and norm sums      {_time(s['sync'])}",
               f"    gradient sync             {_time(s['gradient_sync'])}   "

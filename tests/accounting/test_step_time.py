@@ -37,8 +37,8 @@ def test_the_volume_of_one_moe_layer_by_hand():
     rows = tokens * layer.distinct_ranks(8)
     assert rows < tokens * 4                       # a token's experts on one rank share its row
     volume = 4 * rows * d * value + tokens * 4 * (8 + 4 + 4) + 8 * (64 // 8 + 1) * 8
-    seconds = layer_all_to_all(Network(GPU, 8), layout, layer, tokens, d, value, 64 // 8)
-    assert seconds == pytest.approx(8 * 1e-5 + volume * 7 / 8 / INTRA)
+    seconds, hidden = layer_all_to_all(Network(GPU, 8), layout, layer, tokens, d, value, 64 // 8)
+    assert seconds == pytest.approx(8 * 1e-5 + volume * 7 / 8 / INTRA) and hidden == 0.0
 
 
 def test_hierarchical_against_flat_by_hand():
@@ -52,12 +52,50 @@ def test_hierarchical_against_flat_by_hand():
     # flat: 7/32 of each message inside the node, 24/32 across; hierarchical: 7/8 inside, then 3/4 across
     by_hand_flat = sum(1e-4 + max(m * 7 / 32 / INTRA, m * 24 / 32 / INTER) for m in moves)
     by_hand_hierarchical = sum(1e-5 + m * 7 / 8 / INTRA + 1e-4 + m * 3 / 4 / INTER for m in moves)
-    assert layer_all_to_all(net, flat, layer, tokens, d, value, 1) == pytest.approx(by_hand_flat)
-    assert layer_all_to_all(net, hierarchical, layer, tokens, d, value, 1) == pytest.approx(by_hand_hierarchical)
+    assert layer_all_to_all(net, flat, layer, tokens, d, value, 1)[0] == pytest.approx(by_hand_flat)
+    assert layer_all_to_all(net, hierarchical, layer, tokens, d, value, 1)[0] == pytest.approx(by_hand_hierarchical)
     # with a per-peer cost, many small messages favour the two hops (8 + 4 peers instead of 32)
     chatty = Network(dataclasses.replace(GPU, per_peer_latency_s=2e-5), 8)
-    assert layer_all_to_all(chatty, hierarchical, layer, 64, d, value, 1) < \
-        layer_all_to_all(chatty, flat, layer, 64, d, value, 1)
+    assert layer_all_to_all(chatty, hierarchical, layer, 64, d, value, 1)[0] < \
+        layer_all_to_all(chatty, flat, layer, 64, d, value, 1)[0]
+
+
+def test_pieces_hide_the_row_moves_behind_the_experts_by_hand():
+    """--a2a-chunks C: the 7 row moves (A) beside the layer's expert compute (X) take max(A, X) + min(A, X) / C,
+    with a latency per move and extra piece; exposed = that - X, hidden = A - exposed; the counts stay exposed."""
+    layer = ExpertLayer("moe", units=64, picks=4, active=4, hidden=1024)
+    layout, net = Layout(1, 8, ep_size=8), Network(GPU, 8)
+    tokens, d, value = 4096, 512, 4
+    whole, _ = layer_all_to_all(net, layout, layer, tokens, d, value, 8)
+    counts = 1e-5 + 8 * 9 * 8 * 7 / 8 / INTRA
+    moves = whole - counts
+    for chunks, compute in ((2, 10 * moves), (4, 10 * moves), (4, moves / 3)):
+        pieces = moves + (chunks - 1) * 7 * 1e-5
+        exposed = max(pieces, compute) + min(pieces, compute) / chunks - compute
+        got, hidden = layer_all_to_all(net, layout, layer, tokens, d, value, 8, chunks, compute)
+        assert got == pytest.approx(counts + exposed) and hidden == pytest.approx(moves - exposed)
+    # ample compute: all but a C-th of the moves (and the pieces' latencies) hide
+    got, hidden = layer_all_to_all(net, layout, layer, tokens, d, value, 8, 4, 10 * moves)
+    assert got == pytest.approx(counts + (moves + 3 * 7 * 1e-5) / 4)
+    assert layer_all_to_all(net, layout, ExpertLayer("moa", 8, 2, 2, 16, kv_width=32), tokens, d, value, 1, 4,
+                            moves) == layer_all_to_all(net, layout, ExpertLayer("moa", 8, 2, 2, 16, kv_width=32),
+                                                       tokens, d, value, 1)   # MoA's exchange is not in pieces
+
+
+def test_the_plan_reports_how_much_of_the_exchange_the_pieces_hide():
+    """Experts wide enough that their products, not the launches, set the compute (a d-32 model's experts take
+    microseconds: nothing to hide behind)."""
+    def planned(**settings):
+        config = RunConfig.from_settings(vocab_size=500, d_model=1024, expert_hidden=4096, num_experts=8, top_k=2,
+                                         ep_size=8, **settings)
+        config.validate()
+        return planned_model(config)
+    one = step_time(planned(), Layout(1, 8, ep_size=8), GPU, 8 * 8192, {})
+    four = step_time(planned(a2a_chunks=4), Layout(1, 8, ep_size=8), GPU, 8 * 8192, {})
+    assert (one["a2a_chunks"], one["all_to_all_hidden_s"], one["all_to_all_hidden_share"]) == (1, 0.0, 0.0)
+    assert four["a2a_chunks"] == 4 and 0 < four["all_to_all_hidden_share"] < 1
+    assert four["seconds"]["all_to_all"] < one["seconds"]["all_to_all"]
+    assert four["seconds"]["all_to_all"] > one["seconds"]["all_to_all"] / 4   # the counts, the pieces' latencies
 
 
 def _model(**settings):
