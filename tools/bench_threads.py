@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Tokens/s of a training run with torch's old thread count and moe_scale's, in one run
-(moe_scale/distributed/threads.py; docs/clusters.md#threads, docs/training.md#a-busy-machine).
+(moe_scale/distributed/threads.py; docs/clusters.md#threads, docs/clusters.md#a-busy-machine).
 
 Several processes (--procs P >= 2, under the deepspeed launcher):
     before: OMP_NUM_THREADS = the cores this process may use, set explicitly for every rank: what each rank's

@@ -11,8 +11,8 @@ processes on this node (LOCAL_WORLD_SIZE: torchrun, accelerate; LOCAL_SIZE: the 
 
 A process alone on its node takes the cores other processes leave free when it starts: /proc/stat sampled over
 0.2 s gives the cores others keep busy, and the process takes the rest, rounded, at least 1 and at most torch's
-own choice. torch's pool spins on every core it takes; on 2 cores with 3 other busy processes the default LSTM-MoE
-ran at 1.6k tokens/s with 2 threads and 10.8k with 1 (docs/training.md#a-busy-machine, tools/bench_threads.py
+own choice. torch's pool spins on every core it takes; on 2 cores beside 3 spinning processes the default LSTM-MoE
+ran at 2.2k tokens/s with 2 threads and 15.0k with 1 (docs/clusters.md#a-busy-machine, tools/bench_threads.py
 --load). Set before the command runs a torch op (cli.main).
 """
 

@@ -2,8 +2,8 @@
 
 At a log point, where the machine is busy (its 1-minute load average above its cores, metrics/perf.py), a short
 matmul is timed against the peak this machine measured: where it runs at under half of that, other processes are
-taking this run's cores, and one line says so with the numbers and the remedy. On a busy 2-core machine the default
-LSTM-MoE ran 20x slower than idle with torch's 2 spinning threads (docs/training.md#a-busy-machine).
+taking this run's cores, and one line says so with the numbers and the remedy. On a 2-core machine beside 3 spinning
+processes the default LSTM-MoE ran 12x slower than idle with torch's 2 threads (docs/clusters.md#a-busy-machine).
 """
 
 from __future__ import annotations
