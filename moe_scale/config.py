@@ -373,12 +373,23 @@ class ExpertsConfig:
                             needs=_SHARED)
     shared_gate: bool = _f(False, "scale the shared experts' output per token by sigmoid(x·w_g), a learned gate "
                                   "(Qwen2-MoE)", key="shared_expert_gate", needs=_SHARED)
+    tensor_parallel: int = _f(1, "expert tensor parallelism: each expert's hidden units split over this many ranks "
+                                 "(its first layer by columns, its second by rows), beside --ep-size: experts live "
+                                 "on groups of ep-size x etp-size ranks, so 8 experts can use 16 GPUs "
+                                 "(docs/routing.md#expert-tensor-parallelism)", key="etp_size",
+                              needs=Needs(lambda c: c.has_moe_ffn and c.moe.router.gate != "hierarchical"
+                                          and not (c.model.kind == "transformer" and c.attention.kind == "moa"),
+                                          "an MoE layer with a flat gate (not --gate hierarchical), without "
+                                          "--attention moa"))
     grad_reuse: bool = _f(True, "CPU: write the expert weights' gradients into the memory of the last ones, not "
                                 "onto fresh pages the kernel must zero first (faster; that memory, one gradient "
                                 "per expert weight, stays allocated between steps)", key="expert_grad_reuse")
 
     def validate(self, ep_size: int) -> None:
-        _positive(num_experts=self.num_experts, expert_hidden=self.hidden)
+        _positive(num_experts=self.num_experts, expert_hidden=self.hidden, etp_size=self.tensor_parallel)
+        if self.hidden % self.tensor_parallel:
+            raise UserError(f"--etp-size {self.tensor_parallel} does not divide --expert-hidden {self.hidden}: each "
+                            f"of the {self.tensor_parallel} ranks holds an equal share of an expert's hidden units")
         if self.shared < 0 or self.shared_hidden < 0:
             raise UserError(f"--shared-experts and --shared-expert-hidden must not be negative (got {self.shared}, "
                             f"{self.shared_hidden}); 0 shared experts is the plain MoE layer")
@@ -772,6 +783,11 @@ class RunConfig:
         return "swiglu" if llama else "relu"
 
     @property
+    def expert_ranks(self) -> int:
+        """The ranks one copy of every expert spans: --ep-size x --etp-size (the expert-model-parallel group)."""
+        return self.parallel.ep_size * (self.moe.experts.tensor_parallel if self.has_moe_ffn else 1)
+
+    @property
     def has_moe_ffn(self) -> bool:
         """Whether the model has MoE feed-forward layers (the LSTM LM's middle, or the transformer's FFNs)."""
         if self.model.kind == "transformer":
@@ -806,6 +822,10 @@ class RunConfig:
                 raise UserError("--mae-g-unit epoch needs epochs, and streamed data (--stream) is one pass; "
                                 "pass --mae-g-unit step")
         self.softmax.validate(self.data.vocab_size)
+        if (self.train.init_from_hf or self.train.upcycle_from) and self.expert_ranks > ep:
+            flag = "--init-from-hf" if self.train.init_from_hf else "--upcycle-from"
+            raise UserError(f"{flag} with --etp-size > 1 is not supported yet (the whole experts would have to be "
+                            f"cut into shards); start it with --etp-size 1")
         if self.softmax.kind == "sampled" and self.softmax.sampler == "unigram" and self.data.tokenizer != "words":
             raise UserError(UNIGRAM_NEEDS_WORD_COUNTS)   # before a BPE is learned: only the word vocabulary counts
         self.data.validate()

@@ -169,7 +169,7 @@ def product_rows(model, layout, tokens_per_micro_batch: float) -> dict[str, floa
     if config.has_moe_ffn:
         from moe_scale.accounting.flops import active_experts
 
-        rows["expert"] = (tokens_per_micro_batch * layout.ep_size * active_experts(config)
+        rows["expert"] = (tokens_per_micro_batch * layout.expert_ranks * active_experts(config)
                           / config.moe.experts.num_experts)
     return rows
 
@@ -184,7 +184,8 @@ def compute_seconds(model, layout, gpu: GPU, tokens_per_gpu: float, efficiency: 
     seconds, flops, narrow, by_part = 0.0, 0.0, {}, {}
     recompute = model.recompute_flops_per_token if layout.recompute else 0.0
     for group in model.gemms:
-        width = min(rows[group.rows], *group.widths)
+        widths = group.widths if group.part != "experts" else (group.widths[0], group.widths[1] / layout.etp_size)
+        width = min(rows[group.rows], *widths)   # (--etp-size: an expert shard's hidden units)
         share = gemm_efficiency(width, efficiency, full)
         part_flops = tokens_per_gpu * (6 * group.macs + (recompute if group.part == "experts" else 0.0))
         seconds += part_flops / (peak * share)
@@ -225,7 +226,7 @@ def launches(model, layout) -> dict:
         elif layout_kind == "lstm-ffn-lstm":
             operations += LSTM_FFN + PER_FFN_LAYER * (config.model.lstm.ffn_layers - 1)
         recurrence = n * config.data.seq_len * recurrent_steps_per_timestep(config)
-    if layout.ep_size > 1:
+    if layout.expert_ranks > 1:
         operations += EXPERT_EXCHANGE * len(model.expert_layers)
     if model.vocab_split(layout.world):
         operations += VOCAB_EXCHANGE

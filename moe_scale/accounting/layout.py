@@ -29,17 +29,24 @@ class Layout:
     precision: str = "fp32"
     recompute: bool = False         # --expert-recompute
     all_to_all: str = "flat"        # --all-to-all
+    etp_size: int = 1               # --etp-size: each expert's hidden units over this many ranks
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
 
     @property
+    def expert_ranks(self) -> int:
+        """The ranks one copy of every expert spans: ep x etp (the exchange's group)."""
+        return self.ep_size * self.etp_size
+
+    @property
     def expert_data_parallel(self) -> int:
-        return self.world // self.ep_size
+        return self.world // self.expert_ranks
 
     def describe(self) -> str:
-        return (f"{self.nodes} node(s) x {self.gpus_per_node}, ep {self.ep_size}, ZeRO-{self.zero_stage}, "
+        return (f"{self.nodes} node(s) x {self.gpus_per_node}, ep {self.ep_size}"
+                f"{f', etp {self.etp_size}' if self.etp_size > 1 else ''}, ZeRO-{self.zero_stage}, "
                 f"{self.optimizer}, {self.precision}{', recompute' if self.recompute else ''}, "
                 f"{self.all_to_all} all-to-all")
 
@@ -69,6 +76,8 @@ def checked_config(config: RunConfig, base_ds: dict, layout: Layout, batch_token
         raise UserError(f"--precision {layout.precision}: the planner counts fp32 or bf16")
     planned = copy.deepcopy(config)
     planned.parallel.ep_size = layout.ep_size
+    if planned.has_moe_ffn:
+        planned.moe.experts.tensor_parallel = layout.etp_size
     planned.train.batch_size = batch_sequences(config, layout, batch_tokens)
     planned.train.optimizer = layout.optimizer
     if planned.has_moe_ffn:

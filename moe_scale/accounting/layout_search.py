@@ -34,13 +34,24 @@ def candidate_layouts(planner: Planner, base: Layout, nodes: list[int]) -> list[
     layouts = []
     for n in nodes:
         world = n * base.gpus_per_node
-        for ep, zero, optimizer, recompute, exchange in itertools.product(
-                expert_parallel_sizes(planner, world), (0, 1, 2), optimizers, recomputes, exchanges):
-            if exchange == "hierarchical" and ep == 1:
-                continue     # nothing to exchange: the same layout as flat
-            layouts.append(dataclasses.replace(base, nodes=n, ep_size=ep, zero_stage=zero, optimizer=optimizer,
-                                               recompute=recompute, all_to_all=exchange))
+        for ep, etp, zero, optimizer, recompute, exchange in itertools.product(
+                expert_parallel_sizes(planner, world), tensor_parallel_sizes(config), (0, 1, 2), optimizers,
+                recomputes, exchanges):
+            if exchange == "hierarchical" and ep * etp == 1 or world % (ep * etp):
+                continue     # nothing to exchange (the same layout as flat), or more expert ranks than GPUs fit
+            layouts.append(dataclasses.replace(base, nodes=n, ep_size=ep, etp_size=etp, zero_stage=zero,
+                                               optimizer=optimizer, recompute=recompute, all_to_all=exchange))
     return layouts
+
+
+def tensor_parallel_sizes(config) -> list[int]:
+    """--etp-size values worth trying: 1, 2, 4 and 8 where they divide an expert's hidden units (a flat gate's MoE
+    layer only: the hierarchical gate and MoA attention experts are never split)."""
+    experts = config.moe.experts
+    if not config.has_moe_ffn or config.moe.router.gate == "hierarchical" or \
+            config.model.kind == "transformer" and config.attention.kind == "moa":
+        return [experts.tensor_parallel]
+    return [t for t in (1, 2, 4, 8) if experts.hidden % t == 0]
 
 
 def search(planner: Planner, base: Layout, nodes: list[int]) -> dict:

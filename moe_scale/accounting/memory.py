@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from moe_scale.accounting.gpus import GPU
 from moe_scale.accounting.layout import Layout
-from moe_scale.accounting.model_shape import PlannedModel
+from moe_scale.accounting.model_shape import PlannedModel, sharded
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5
@@ -50,7 +50,7 @@ def model_state_bytes(model: PlannedModel, layout: Layout) -> dict[str, float]:
     half = layout.precision == "bf16"
     weight, grad, master = (2, 2, 4) if half else (4, 4, 0)
     stage, world, edp = layout.zero_stage, layout.world, layout.expert_data_parallel
-    dense, experts = model.dense_params, model.sharded_params / layout.ep_size
+    dense, experts = model.dense_params, model.sharded_params / layout.expert_ranks
     split = model.vocab_split(world)
     tables = model.vocab_params / world if split else model.vocab_params
     table_group = 1 if split else world   # each split row lives on one rank: nothing to partition
@@ -59,7 +59,7 @@ def model_state_bytes(model: PlannedModel, layout: Layout) -> dict[str, float]:
         return n / group if partitioned else n
 
     if layout.optimizer == "factored":
-        expert_state = model.factored_state / layout.ep_size * 4 + experts * master
+        expert_state = model.factored_state / layout.expert_ranks * 4 + experts * master
     else:
         expert_state = experts * (8 + master)
     return {"parameters": (dense + experts + tables) * weight,
@@ -78,31 +78,32 @@ def dispatch_load(model: PlannedModel, layout: Layout, dropless_load: float) -> 
         return min(dispatch.capacity_factor, layout.ep_size)
     if dispatch.rank_capacity_factor and model.config.has_moe_ffn:   # the budget bounds what a rank receives
         return min(dispatch.rank_capacity_factor, layout.ep_size)
-    return min(dropless_load, layout.ep_size)
+    return min(dropless_load, layout.ep_size)   # (the expert-parallel ranks: a shard receives its experts' rows)
 
 
 def dispatch_bytes(model: PlannedModel, layout: Layout, tokens_per_gpu: float, load: float) -> float:
     """Stored buffers of every expert-parallel layer plus the largest transient of one, at `load`."""
     value = 2 if layout.precision == "bf16" else 4
-    d, P, T = model.config.model.d_model, layout.ep_size, model.config.data.seq_len
+    d, P, T = model.config.model.d_model, layout.expert_ranks, model.config.data.seq_len
     stored = transient = 0.0
-    for layer in model.expert_layers:
+    for layer in sharded(model.expert_layers, layout.etp_size):
         rows = tokens_per_gpu * layer.distinct_ranks(P)
-        pairs = load * tokens_per_gpu * layer.active
+        pairs = load * tokens_per_gpu * layer.active * layer.shards   # --etp-size: a pair per shard, its share
+        width = layer.hidden // layer.shards                           # of the hidden units
         if layer.kind == "moa":
             stored += (P * tokens_per_gpu * layer.kv_width + pairs * (2 * layer.hidden + T)) * value
         else:
-            hidden = 0 if layout.recompute else layer.hidden
+            hidden = 0 if layout.recompute else width
             stored += pairs * ((hidden + d) * value + GATE_BYTES + INDEX_BYTES)
         stored += load * rows * d * value
-        recomputed = pairs * layer.hidden * value if layout.recompute and layer.kind == "moe" else 0
+        recomputed = pairs * width * value if layout.recompute and layer.kind == "moe" else 0
         transient = max(transient, 2 * rows * d * value + recomputed)
     return stored + transient
 
 
 def communicators(layout: Layout, model: PlannedModel) -> int:
     """NCCL communicators a rank uses: data-parallel, expert-parallel, expert-data-parallel, hierarchical hops."""
-    P, edp, W = layout.ep_size, layout.expert_data_parallel, layout.world
+    P, edp, W = layout.expert_ranks, layout.expert_data_parallel, layout.world
     count = 1 if W > 1 else 0
     if model.expert_layers and P > 1:
         count += 1 + (1 if edp > 1 else 0)
@@ -122,7 +123,7 @@ def reserve_bytes(model: PlannedModel, layout: Layout, gpu: GPU, ds_config: dict
     if layout.zero_stage >= 1:
         zero = ds_config.get("zero_optimization", {})
         grad = 2 if layout.precision == "bf16" else 4
-        local = model.params_per_gpu(layout.ep_size, layout.world)
+        local = model.params_per_gpu(layout.expert_ranks, layout.world)
         buckets = grad * (min(zero.get("reduce_bucket_size", DEEPSPEED_BUCKET_ELEMENTS), local)
                           + min(zero.get("allgather_bucket_size", DEEPSPEED_BUCKET_ELEMENTS), local))
     return {"cuda_context": CUDA_CONTEXT_GIB * GIB, "nccl_buffers": nccl * GIB, "deepspeed_buckets": buckets,
@@ -144,6 +145,6 @@ def memory(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_conf
     usable = gpu.memory_gib * GIB * (1 - margin)
     return {"bytes": {**parts, "total": total}, "gpu_mem_bytes": gpu.memory_gib * GIB, "usable_bytes": usable,
             "margin": margin, "dispatch_load": load,
-            "all_to_one_bytes": dispatch_bytes(model, layout, tokens_per_gpu, float(layout.ep_size)),
+            "all_to_one_bytes": dispatch_bytes(model, layout, tokens_per_gpu, float(layout.ep_size)),   # ep: a shard
             "fits": total <= usable}
 

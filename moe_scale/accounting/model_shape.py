@@ -28,6 +28,8 @@ product, 3f) or the MoE gate logits, two sub-layer outputs d with their masks; M
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 
@@ -50,14 +52,18 @@ class ExpertLayer:
     active: int            # experts that compute per token (hierarchical: primary k x secondary k)
     hidden: int            # an expert's hidden width (MoA: the head width)
     kv_width: int = 0      # MoA: K and V values per token gathered over the expert-parallel group
+    shards: int = 1        # --etp-size: each unit's hidden units over this many ranks (a pair per shard; the
+                           # layout's: sharded())
 
-    def distinct_ranks(self, ep_size: int) -> float:
+    def distinct_ranks(self, ranks: int) -> float:
         """Expected ranks a token sends a row to, its `picks` units drawn without replacement from `units`
-        spread evenly over `ep_size` ranks (balanced routing): P (1 - C(n - n/P, k) / C(n, k))."""
+        spread evenly over `ranks` / shards expert-parallel ranks (balanced routing): P (1 - C(n - n/P, k) /
+        C(n, k)), times the shards (each picked unit's shards live on that many ranks)."""
+        ep_size = ranks // self.shards
         if ep_size == 1:
-            return 1.0
+            return float(self.shards)
         n, per_rank, k = self.units, self.units // ep_size, self.picks
-        return ep_size * (1 - math.comb(n - per_rank, k) / math.comb(n, k))
+        return self.shards * ep_size * (1 - math.comb(n - per_rank, k) / math.comb(n, k))
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,11 @@ def factored_state_numel(shape: torch.Size) -> int:
     if len(shape) < 2:
         return math.prod(shape)
     return math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+
+
+def sharded(layers: list[ExpertLayer], etp_size: int) -> list[ExpertLayer]:
+    """The MoE feed-forward layers split into `etp_size` shards each (--etp-size; MoA's are never split)."""
+    return [dataclasses.replace(layer, shards=etp_size) if layer.kind == "moe" else layer for layer in layers]
 
 
 def _expert_layers(config: RunConfig) -> list[ExpertLayer]:

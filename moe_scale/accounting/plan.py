@@ -74,7 +74,8 @@ class Planner:
                 "batch_sequences": config.train.batch_size,
                 "tokens_per_step": tokens, "tokens_per_gpu": tokens / layout.world,
                 "params_total": self.model.total_params,
-                "params_per_gpu": round(self.model.params_per_gpu(layout.ep_size, layout.world)),
+                "params_per_gpu": round(self.model.params_per_gpu(layout.expert_ranks, layout.world)),
+                "etp_size": layout.etp_size,
                 "flops_per_token": self.model.flops_per_token, **mem, "time": time,
                 "tokens_per_s": time["tokens_per_s"], "tflops_per_gpu": time["tflops_per_gpu"], "mfu": time["mfu"],
                 "warnings": time_warnings(time)}
@@ -99,7 +100,7 @@ class Planner:
 
     def fits(self, layout: Layout) -> bool:
         """Whether the layout's memory fits (no checks: `plan` makes them)."""
-        if layout.world % layout.ep_size:
+        if layout.world % layout.expert_ranks:
             return False
         tokens = batch_sequences(self.model.config, layout, self.batch_tokens) * self.model.config.data.seq_len
         return memory(self.model, layout, self.gpu, tokens, ds_config_for(self.base_ds, layout), self.margin,

@@ -53,7 +53,7 @@ from __future__ import annotations
 from moe_scale.accounting.gpus import GPU
 from moe_scale.accounting.kernels import compute_seconds, launches
 from moe_scale.accounting.layout import Layout
-from moe_scale.accounting.model_shape import ExpertLayer, PlannedModel
+from moe_scale.accounting.model_shape import ExpertLayer, PlannedModel, sharded
 from moe_scale.accounting.vocab_exchange import exchanges
 
 OPTIMIZER_BYTES = {("adam", "fp32"): 32, ("adam", "bf16"): 32, ("factored", "fp32"): 24}
@@ -94,7 +94,7 @@ class Network:
 
 def _exchange(net: Network, layout: Layout, nbytes: float) -> float:
     """One row exchange over the expert-parallel group, flat or in two hops."""
-    P, G = layout.ep_size, layout.gpus_per_node
+    P, G = layout.expert_ranks, layout.gpus_per_node
     W = min(G, P)     # the group's ranks in one node (groups are consecutive ranks)
     if layout.all_to_all == "hierarchical":
         return net.all_to_all(nbytes, W, W) + net.all_to_all(nbytes, P // W, 1)
@@ -107,12 +107,12 @@ def layer_all_to_all(net: Network, layout: Layout, layer: ExpertLayer, tokens_pe
     backward). In `chunks` pieces (--a2a-chunks) the row moves overlap the layer's expert compute (`experts_s`,
     forward and backward): a pipeline of pieces takes max(A, X) + min(A, X) / C for A of moves and X of compute,
     plus a latency per move and extra piece; what exceeds X is exposed. The counts' exchange is never hidden."""
-    if layout.ep_size == 1:
+    if layout.expert_ranks == 1:
         return 0.0, 0.0
-    rows = tokens_per_gpu * layer.distinct_ranks(layout.ep_size)
-    pairs = tokens_per_gpu * layer.picks
+    rows = tokens_per_gpu * layer.distinct_ranks(layout.expert_ranks)   # (--etp-size: each shard's rank too)
+    pairs = tokens_per_gpu * layer.picks * layer.shards
     row_bytes = rows * d * value
-    counts = _exchange(net, layout, layout.ep_size * (units_per_rank + 1) * COUNT_BYTES)
+    counts = _exchange(net, layout, layout.expert_ranks * (units_per_rank + 1) * COUNT_BYTES)
     moves = [row_bytes, pairs * INDEX_BYTES, pairs * GATE_BYTES, row_bytes,          # forward
              row_bytes, row_bytes, pairs * GATE_BYTES]                               # backward
     seconds = sum(_exchange(net, layout, nbytes) for nbytes in moves)
@@ -131,7 +131,7 @@ def gradient_sync(net: Network, model: PlannedModel, layout: Layout) -> tuple[fl
     """(seconds of the reduce-scatter or all-reduce, seconds of the ZeRO all-gather of weights)."""
     grad = weight = 2 if layout.precision == "bf16" else 4
     world, edp, G = layout.world, layout.expert_data_parallel, layout.gpus_per_node
-    experts = model.sharded_params / layout.ep_size
+    experts = model.sharded_params / layout.expert_ranks
     # split tables: each row lives on one rank, which has every rank's contribution to it: nothing to reduce
     groups = [(model.dense_params + (0 if model.vocab_split(world) else model.vocab_params), world, world > G)]
     if experts and edp > 1:
@@ -159,7 +159,7 @@ def optimizer_seconds(model: PlannedModel, layout: Layout, gpu: GPU) -> float:
     partitioned = layout.zero_stage >= 1
     split = model.vocab_split(layout.world)
     dense = (model.dense_params + (0 if split else model.vocab_params)) / (layout.world if partitioned else 1)
-    experts = model.sharded_params / layout.ep_size / (layout.expert_data_parallel if partitioned else 1)
+    experts = model.sharded_params / layout.expert_ranks / (layout.expert_data_parallel if partitioned else 1)
     tables = model.vocab_params / layout.world if split else 0.0
     adam = OPTIMIZER_BYTES[("adam", layout.precision)]
     expert_bytes = OPTIMIZER_BYTES[("factored", "fp32")] if layout.optimizer == "factored" else adam
@@ -197,8 +197,9 @@ def step_time(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_c
     chunks = model.config.moe.dispatch.a2a_chunks if model.config.has_moe_ffn else 1
     ffn_layers = sum(layer.kind != "moa" for layer in model.expert_layers)
     experts_s = products["by_part"].get("experts", 0.0) / max(ffn_layers, 1) / accum   # a layer's, a micro-batch's
-    exchanges = [layer_all_to_all(net, layout, layer, tokens_per_gpu / accum, d, value, layer.units // layout.ep_size,
-                                  chunks, experts_s) for layer in model.expert_layers]
+    exchanges = [layer_all_to_all(net, layout, layer, tokens_per_gpu / accum, d, value,
+                                  layer.units * layer.shards // layout.expert_ranks, chunks, experts_s)
+                 for layer in sharded(model.expert_layers, layout.etp_size)]
     all_to_all = accum * sum(exposed for exposed, _ in exchanges)
     all_to_all_hidden = accum * sum(hidden for _, hidden in exchanges)
     vocab = accum * vocab_exchange_seconds(net, model, layout, tokens_per_gpu / accum, value)

@@ -137,7 +137,8 @@ def planner_from_args(args: argparse.Namespace) -> tuple[Planner, Layout, bool]:
     planner = Planner(planned_model(config), gpu, base_ds, batch_tokens, args.inter_node_gbs, args.efficiency,
                       args.margin, args.dropless_load, name)
     layout = Layout(1, args.gpus_per_node or gpu.gpus_per_node, config.parallel.ep_size, zero,
-                    config.train.optimizer, precision, config.moe.experts.recompute, config.moe.dispatch.all_to_all)
+                    config.train.optimizer, precision, config.moe.experts.recompute, config.moe.dispatch.all_to_all,
+                    config.moe.experts.tensor_parallel if config.has_moe_ffn else 1)
     return planner, layout, "ep_size" in given
 
 

@@ -28,11 +28,16 @@ def _hours(hours: float) -> str:
     return f"{hours:,.0f}" if hours >= 1000 else f"{hours:.3g}"
 
 
+def _etp(r: dict) -> str:
+    """' x etp T' where each expert's hidden units are split over T ranks."""
+    return f" x etp {r['etp_size']}" if r.get("etp_size", 1) > 1 else ""
+
+
 def format_plan(r: dict, smallest: dict | None) -> str:
     t = r["time"]
     s = t["seconds"]
     lines = [f"{r['preset']} on {r['nodes']} node(s) x {r['gpus_per_node']} {r['gpu']} ({r['world']} GPUs, "
-             f"{r['gpu_mem_bytes'] / GIB:.2f} GiB each), ep {r['ep_size']}, ZeRO-{r['zero_stage']}, "
+             f"{r['gpu_mem_bytes'] / GIB:.2f} GiB each), ep {r['ep_size']}{_etp(r)}, ZeRO-{r['zero_stage']}, "
              f"{r['optimizer']} expert optimizer, {r['precision']}, {r['all_to_all']} all-to-all"
              f"{', expert recompute' if r['recompute'] else ''}"
              f"{', routing forced balanced (--force-balanced-routing)' if r['force_balanced_routing'] else ''}",
@@ -86,10 +91,11 @@ def format_search(found: dict) -> str:
     wall = f"  {count_text(tokens) + ' tokens':>12}" if tokens else ""
     lines = [f"layouts that fit, by predicted tokens/s ({len(found['ranked'])} shown; {found['considered']} "
              f"considered, {found['too_large']} too large, {sum(found['refused'].values())} refused by train)",
-             "  rank nodes GPUs   ep ZeRO optimizer recompute a2a      GiB/GPU       step    tokens/s  TFLOPS/GPU"
+             "  rank nodes GPUs   ep etp ZeRO optimizer recompute a2a      GiB/GPU       step    tokens/s  TFLOPS/GPU"
              f"   MFU{wall}"]
     for i, r in enumerate(found["ranked"], 1):
-        lines.append(f"  {i:4} {r['nodes']:5} {r['world']:4} {r['ep_size']:4} {r['zero_stage']:4} "
+        lines.append(f"  {i:4} {r['nodes']:5} {r['world']:4} {r['ep_size']:4} {r.get('etp_size', 1):3} "
+                     f"{r['zero_stage']:4} "
                      f"{r['optimizer']:<9} {'yes' if r['recompute'] else 'no':<9} {r['all_to_all'][:4]:<6} "
                      f"{r['bytes']['total'] / GIB:9.2f} {_time(r['time']['seconds']['step'])} "
                      f"{r['tokens_per_s']:11,.0f} {r['tflops_per_gpu']:11.3g} {r['mfu']:5.1%}"

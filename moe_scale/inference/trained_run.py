@@ -56,6 +56,7 @@ def open_trained_run(run: Path | str, checkpoint: str | None, command: str, *, e
     from moe_scale.models.build import build_model
     from moe_scale.models.vocab_parallel import connect_vocabulary
     from moe_scale.train.checkpoint import load_weights
+    from moe_scale.train.sharded_experts import shards_of, whole_experts
 
     env = init_distributed()
     if not experts_over_processes and env.world_size != 1:
@@ -63,6 +64,9 @@ def open_trained_run(run: Path | str, checkpoint: str | None, command: str, *, e
     if config.moe.experts.num_experts % env.world_size:
         raise UserError(f"{config.moe.experts.num_experts} experts cannot be split over {env.world_size} processes; "
                         f"launch a number of processes that divides it")
+    trained = config
+    if shards_of(config) > 1:   # --etp-size: read back as whole experts
+        config = whole_experts(config)
     torch.manual_seed(config.train.seed)
     model = build_model(config, len(tokenizer), ep_size=env.world_size, ep_rank=env.rank, seed=config.train.seed,
                         world=env.world_size, rank=env.rank,
@@ -70,5 +74,5 @@ def open_trained_run(run: Path | str, checkpoint: str | None, command: str, *, e
     connect_vocabulary(model)   # (deepspeed.initialize connects the expert layers, not the vocabulary tables)
     engine, *_ = deepspeed.initialize(model=model.to(env.device), dist_init_required=False,
                                       config={"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
-    load_weights(engine, run, tag, module_only=True)
+    load_weights(engine, run, tag, module_only=True, sharded_from=trained if trained is not config else None)
     return TrainedRun(run, config, tag, tokenizer, model.eval(), env)

@@ -24,7 +24,11 @@ def check_world_layout(config: RunConfig, world: int, ranks_per_node: Callable[[
     """What does: --ep-size against the processes, the hierarchical all-to-all against the nodes, the batch.
     `ranks_per_node()` is asked only where it matters (a hierarchical all-to-all over several ranks).
     Returns the micro-batch (sequences per rank per micro-step)."""
-    t, ep_size, dispatch = config.train, config.parallel.ep_size, config.moe.dispatch
+    t, ep_size, dispatch = config.train, config.expert_ranks, config.moe.dispatch
+    if world % ep_size and ep_size != config.parallel.ep_size:
+        raise UserError(f"--ep-size {config.parallel.ep_size} x --etp-size {ep_size // config.parallel.ep_size} = "
+                        f"{ep_size} does not divide the {world} processes (each copy of the experts spans that "
+                        f"many); launch a multiple of {ep_size} processes or change --ep-size or --etp-size")
     if world % ep_size:
         raise UserError(f"--ep-size {ep_size} does not divide the {world} processes (the processes split into "
                         f"expert-parallel groups of --ep-size each); launch a multiple of {ep_size} processes or "

@@ -137,7 +137,8 @@ class MoEMetrics:
         for index, summed in enumerate(self._over_ranks()):
             if summed is not None:
                 out.update({self._prefix(index) + name: value
-                            for name, value in balance_metrics(*summed, self.layers[index].ep_size).items()})
+                            for name, value in balance_metrics(*summed,
+                                                               self.layers[index].expert_parallel_size).items()})
             if self.load[index] is not None:   # the router's load: already over the whole batch
                 cv, max_over_mean = load_balance(self.load[index])
                 out.update({self._prefix(index) + "cv_router_load": cv,

@@ -69,17 +69,39 @@ class ExpertParallelModule(DeepSpeedMoE):
     attention experts). Subclasses call `init_expert_parallel` in their __init__, build `self.experts`, call
     `mark_expert_parameters`, and implement `connect(groups)`."""
 
-    def init_expert_parallel(self, num_experts: int, ep_size: int, ep_rank: int) -> None:
+    def init_expert_parallel(self, num_experts: int, ep_size: int, ep_rank: int, tensor_parallel: int = 1) -> None:
+        """`ep_size` ranks hold one copy of every expert, this one at `ep_rank` among them; with `tensor_parallel`
+        T > 1 (--etp-size) each expert's hidden units are split over T consecutive ranks, so the ep_size / T
+        expert-parallel ranks' experts each span T of them (`expert_rank`, `hidden_shard`). DeepSpeed sees the
+        whole group of ep_size ranks (its checkpoint names each (expert, shard) as an expert of its own)."""
         nn.Module.__init__(self)   # DeepSpeed's MoE.__init__ would build its own gate and experts
-        if num_experts % ep_size:
-            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        if ep_size % tensor_parallel:
+            raise ValueError(f"ep_size={ep_size} ranks do not split into tensor-parallel groups of {tensor_parallel}")
+        if num_experts % (ep_size // tensor_parallel):
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size // tensor_parallel}")
         self.num_experts, self.ep_size, self.ep_rank = num_experts, ep_size, ep_rank
-        self.num_local_experts = num_experts // ep_size
+        self.tensor_parallel = tensor_parallel
+        self.num_local_experts = num_experts // (ep_size // tensor_parallel)
         self.expert_group_name = f"ep_size_{ep_size}"
         self.groups: ParallelGroups | None = None
         self._checkpoint_key_hooks = (
             self._register_state_dict_hook(_stacked_to_per_expert_keys),
             self._register_load_state_dict_pre_hook(_per_expert_to_stacked_keys, with_module=True))
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks holding different experts (--ep-size): the balance per rank counts over these."""
+        return self.ep_size // self.tensor_parallel
+
+    @property
+    def expert_rank(self) -> int:
+        """Which of the expert_parallel_size ranks' experts this rank holds (a shard of, with --etp-size)."""
+        return self.ep_rank // self.tensor_parallel
+
+    @property
+    def hidden_shard(self) -> int:
+        """Which of the tensor_parallel shards of its experts' hidden units this rank holds."""
+        return self.ep_rank % self.tensor_parallel
 
     def use_module_path_keys(self) -> None:
         """State-dict keys by module path (experts.w_in, stacked), not DeepSpeed's per-expert checkpoint names:

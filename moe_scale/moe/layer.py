@@ -40,21 +40,24 @@ class MoELayer(RoutedLayer):
 
     def __init__(self, config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
                  kind: str = "relu", router: Router | None = None):
-        """The layer at width `d_model` holding expert-parallel rank `ep_rank`'s experts (of `ep_size`)."""
+        """The layer at width `d_model` holding rank `ep_rank`'s experts of the `ep_size` ranks that hold one copy
+        of every expert: with --etp-size T, ep_size / T expert-parallel ranks x T shards of each expert's hidden
+        units (moe/deepspeed_adapter.py)."""
         experts, dispatch = config.experts, config.dispatch
+        shards = experts.tensor_parallel
         if dispatch.all_to_all not in ALL_TO_ALL:
             raise ValueError(f"all_to_all must be one of {ALL_TO_ALL}, got {dispatch.all_to_all!r}")
         if router is None:
-            router = build_router(config.router, d_model, experts.num_experts, ep_size, ep_rank)
+            router = build_router(config.router, d_model, experts.num_experts, ep_size // shards, ep_rank // shards)
         if router.routes_around_the_exchange != self.routes_around_the_exchange:
             raise ValueError("the hierarchical gate routes around the exchange: build HierarchicalMoELayer with it "
                              "(and MoELayer with a flat gate)")
-        self.init_routed(experts.num_experts, ep_size, ep_rank, router)
+        self.init_routed(experts.num_experts, ep_size, ep_rank, router, shards)
         self.k = config.router.top_k
         self.experts = GroupedExperts(self.num_local_experts, d_model, experts.hidden,
-                                      first_global_expert=ep_rank * self.num_local_experts, seed=seed,
+                                      first_global_expert=self.expert_rank * self.num_local_experts, seed=seed,
                                       recompute=experts.recompute, reuse_grad_buffers=experts.grad_reuse,
-                                      activation=kind)
+                                      activation=kind, shard=self.hidden_shard, shards=shards)
         self.dispatcher = build_dispatcher(*self.dispatch_units(), dispatch, slots=self.experts_read_slots)
         self.mark_expert_parameters()
         self.all_to_all, self.node_size = dispatch.all_to_all, dispatch.node_size
@@ -66,8 +69,23 @@ class MoELayer(RoutedLayer):
         self.a2a_chunks = dispatch.a2a_chunks
 
     def dispatch_units(self) -> tuple[int, int]:
-        """(what the dispatcher sends tokens to, how many of them live here): the experts."""
-        return self.num_experts, self.num_local_experts
+        """(what the dispatcher sends tokens to, how many of them live here): the experts, or with --etp-size T
+        their T shards each (`shard_pairs`)."""
+        return self.num_experts * self.tensor_parallel, self.num_local_experts
+
+    def shard_pairs(self, token_C: torch.Tensor, expert_C: torch.Tensor, gate_C: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """--etp-size T: each (token, expert) pair becomes T pairs, one per shard of the expert, each sent to the
+        rank holding that shard: unit (e // L) T L + s L + e % L lives on rank (e // L) T + s as local unit e % L.
+        The shards' outputs, each of its hidden units' share, add up in the combine to the whole expert's; a
+        token's pairs stay together (token-major), so the exchange can still go in pieces."""
+        T, L = self.tensor_parallel, self.num_local_experts
+        if T == 1:
+            return token_C, expert_C, gate_C
+        shards = torch.arange(T, device=expert_C.device)[None, :]
+        units = (expert_C // L * (T * L) + expert_C % L)[:, None] + shards * L   # [pairs, shards]
+        return (token_C[:, None].expand(-1, T).reshape(-1), units.reshape(-1),
+                gate_C[:, None].expand(-1, T).reshape(-1))
 
     def connect(self, parallel: ParallelGroups) -> None:
         """The one place the layer's parts meet the process groups."""
@@ -85,9 +103,9 @@ class MoELayer(RoutedLayer):
         with a per-sequence loss reads it; None: one sequence)."""
         self.require_groups()
         route = self.route(x_ND, seq_len)
-        token_C, expert_C, gate_C = self.real_pairs(route.pairs(), x_ND.shape[0])
+        token_C, expert_C, gate_C = self.shard_pairs(*self.real_pairs(route.pairs(), x_ND.shape[0]))
         if self.a2a_chunks > 1 and self.dispatcher.exchanges and route.top_k is not None \
-                and expert_C.shape[0] == x_ND.shape[0] * route.top_k:   # every token's k pairs, token-major
+                and expert_C.shape[0] == x_ND.shape[0] * route.top_k * self.tensor_parallel:   # token-major
             return self.overlapped(x_ND, token_C, expert_C, gate_C), route.aux_loss
         # (every_token matters in dropless mode only, where real_pairs leaves the pairs whole)
         rows_RD, state = self.dispatcher.dispatch_rows(x_ND, token_C, expert_C, gate_C,

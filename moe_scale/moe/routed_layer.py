@@ -74,8 +74,9 @@ def real_tokens(layers: Iterable["RoutedLayer"], real_N: torch.Tensor | None) ->
 class RoutedLayer(ExpertParallelModule):
     """An expert-parallel layer with a router. Subclasses call `init_routed` first in their __init__."""
 
-    def init_routed(self, num_experts: int, ep_size: int, ep_rank: int, router: Router) -> None:
-        self.init_expert_parallel(num_experts, ep_size, ep_rank)
+    def init_routed(self, num_experts: int, ep_size: int, ep_rank: int, router: Router,
+                    tensor_parallel: int = 1) -> None:
+        self.init_expert_parallel(num_experts, ep_size, ep_rank, tensor_parallel)
         self.router = router
         self.stats: MoEStats | None = None
         self.record_routes = False   # True: forward keeps its pairs in `routes` (one process)

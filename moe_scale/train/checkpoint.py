@@ -33,7 +33,8 @@ from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
 from moe_scale.models.vocab_parallel import names_of, vocabulary_shards
 from moe_scale.run_files import RunFiles
-from moe_scale.train.reshard import has_portable, load_portable, load_vocabulary_rows, save_portable
+from moe_scale.train.reshard import PORTABLE, has_portable, load_portable, load_vocabulary_rows, save_portable
+from moe_scale.train.sharded_experts import sharded_state
 from moe_scale.train.state import TrainState
 
 MANIFEST = "manifest.json"
@@ -269,7 +270,7 @@ def choose_checkpoint(run: Path, tag: str | None, flag: str, config=None, resume
         _check_same_model(run, tag, config)
     if resume_world is not None:
         split = resume_world > 1 and config.parallel.vocab_exchange == "rows"
-        _check_layout(run, tag, resume_world, config.parallel.ep_size, split, config.data.stream)
+        _check_layout(run, tag, resume_world, config.expert_ranks, split, config.data.stream)
     return tag, int(tag.removeprefix("step"))
 
 
@@ -303,6 +304,10 @@ def _check_layout(run: Path, tag: str, world_size: int, ep_size: int, vocab_spli
     if not has_portable(checkpoint):
         raise UserError(f"checkpoint {tag} was written by {was} before checkpoints carried a portable copy of "
                         f"the state; resume it with that layout")
+    if any((checkpoint / PORTABLE).glob("experts_ep*_etp*of*.pt")):
+        raise UserError(f"checkpoint {tag} was written by {was} (--etp-size > 1: ep-size is expert-parallel x "
+                        f"tensor-parallel ranks); moving expert shards to another layout is not supported yet: "
+                        f"resume it with that layout")
 
 
 def saved_layout(checkpoint: Path) -> dict | None:
@@ -338,17 +343,24 @@ def _ep_size(model) -> int:
     return next((m.ep_size for m in model.modules() if isinstance(m, ExpertParallelModule)), 1)
 
 
-def load_weights(engine, run: Path, tag: str, module_only: bool = False) -> dict:
+def load_weights(engine, run: Path, tag: str, module_only: bool = False, sharded_from=None) -> dict:
     """DeepSpeed's load of checkpoint `tag` (weights only where `module_only`), and the rows of the vocabulary
     tables the checkpoint kept split (whole or split here, as the model holds them); returns its client state. A
-    checkpoint that does not fit the model (a file edited by hand) is one line, not a traceback."""
+    checkpoint that does not fit the model (a file edited by hand) is one line, not a traceback. `sharded_from`:
+    the RunConfig of an --etp-size run, whose experts' shards load whole (train/sharded_experts.py; weights only)."""
     saved = saved_layout(RunFiles(run).checkpoint(tag))
     vocab_rows = set(saved["vocab_rows"]) if saved else set()
     try:
-        _, client_state = engine.load_checkpoint(str(RunFiles(run).checkpoints), tag=tag, load_module_only=module_only,
-                                                 load_optimizer_states=not module_only,
-                                                 load_lr_scheduler_states=not module_only,
-                                                 load_module_strict=not vocab_rows)
+        if sharded_from is not None:
+            engine.module.load_state_dict(sharded_state(engine.module, RunFiles(run).checkpoint(tag), sharded_from),
+                                          strict=not vocab_rows)
+            client_state = {}
+        else:
+            _, client_state = engine.load_checkpoint(str(RunFiles(run).checkpoints), tag=tag,
+                                                     load_module_only=module_only,
+                                                     load_optimizer_states=not module_only,
+                                                     load_lr_scheduler_states=not module_only,
+                                                     load_module_strict=not vocab_rows)
         if vocab_rows:   # DeepSpeed's files lack them (train/reshard.py), so its load could not be strict
             _check_keys(engine.module, RunFiles(run).checkpoint(tag), vocab_rows)
             load_vocabulary_rows(engine.module, RunFiles(run).checkpoint(tag), vocab_rows)

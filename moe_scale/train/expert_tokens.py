@@ -73,7 +73,7 @@ class ExpertTokenStats:
                     words = Counter(self.vocab.words[int(self.tokens[p])] for p in pos.tolist())
                     entry["top_words"] = [[w, c] for w, c in words.most_common(self.top_n)]
                 experts.append(entry)
-            out[f"layer{index}"] = {**balance_metrics(importance_E, load_E, layer.ep_size),
+            out[f"layer{index}"] = {**balance_metrics(importance_E, load_E, layer.expert_parallel_size),
                                     "tokens": int(load_E.sum()), "experts": experts}
         return out
 

@@ -48,7 +48,7 @@ def run_training(config: RunConfig) -> dict:
     """Builds the run (every input checked before the run directory is touched: a bad flag leaves nothing
     half-written), then trains it; `config` is left as it was given."""
     config.validate()
-    t, run_dir, ep_size = config.train, config.run, config.parallel.ep_size
+    t, run_dir, ep_size = config.train, config.run, config.expert_ranks   # --ep-size x --etp-size
     ds_source = f"--ds-config {config.parallel.ds_config or '(built-in)'}"
     user_ds_config = load_ds_config(config.parallel.ds_config)
     check_run_layout(config, user_ds_config, ds_source)   # the checks `moe-scale plan` shares (layout/checks.py)

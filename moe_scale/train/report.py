@@ -56,7 +56,8 @@ class RunReport:
         self.peak = _peak(env, self.half_precision, self.ranks_on_machine)
         self.last_train, self.valid, self.last_record = {}, {}, {}
         self.logger.line(f"training {describe_parameters(model)} on {env.world_size} process(es), "
-                         f"ep_size={config.parallel.ep_size}, {data.train.describe()}; MFU against a peak of "
+                         f"ep_size={config.parallel.ep_size}{_etp_text(config)}, {data.train.describe()}; MFU "
+                         f"against a peak of "
                          f"{self.peak[0]:.4g} TFLOPS per device ({self.peak[1]})")
         if config.data.tokenizer != "words":
             self.logger.line(f"tokenizer {config.data.tokenizer}: {len(data.vocab)} tokens, "
@@ -170,6 +171,8 @@ class RunReport:
             "steps": state.max_steps,
             "world_size": self.ctx.env.world_size,
             "ep_size": config.parallel.ep_size,
+            **({"etp_size": config.expert_ranks // config.parallel.ep_size}
+               if config.expert_ranks > config.parallel.ep_size else {}),
             **({"gate": config.moe.router.gate} if config.has_moe_ffn else {}),
             **({"force_balanced_routing": True} if config.has_moe_ffn and config.moe.router.force_balanced_routing
                else {}),
@@ -188,6 +191,11 @@ class RunReport:
             **train_moe,
             **valid_moe,
         }
+
+
+def _etp_text(config) -> str:
+    shards = config.expert_ranks // config.parallel.ep_size
+    return f", etp_size={shards}" if shards > 1 else ""
 
 
 def _stop_if_diverged(record: dict, run, logger) -> None:

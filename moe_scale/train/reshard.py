@@ -57,12 +57,18 @@ def split_parameters(model: torch.nn.Module) -> dict[str, _Split]:
         if isinstance(module, ExpertParallelModule):
             for name, shard in module.expert_shards().items():
                 found[f"{prefix}.{name}" if prefix else name] = _Split(
-                    module.ep_rank * shard.per_rank, shard.per_rank, shard.total, f"experts_ep{module.ep_rank}.pt",
+                    module.expert_rank * shard.per_rank, shard.per_rank, shard.total,
+                    _experts_file(module.expert_rank, module.hidden_shard, module.tensor_parallel),
                     module.expert_group_name)
     for name, shard in vocabulary_shards(model).items():
         found[name] = _Split(shard.first, shard.param.shape[0], shard.total, f"{VOCAB_PREFIX}{shard.rank}.pt",
                              shard.param.group_name)
     return found
+
+
+def _experts_file(expert_rank: int, shard: int, shards: int) -> str:
+    """experts_ep<r>.pt; with --etp-size T, experts_ep<r>_etp<s>of<T>.pt: shard s of rank r's experts."""
+    return f"experts_ep{expert_rank}.pt" if shards == 1 else f"experts_ep{expert_rank}_etp{shard}of{shards}.pt"
 
 
 def save_portable(engine, directory: Path, rank: int) -> None:

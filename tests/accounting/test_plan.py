@@ -10,7 +10,7 @@ import pytest
 from moe_scale.accounting.gpus import get_gpu
 from moe_scale.accounting.layout import Layout, checked_config
 from moe_scale.accounting.layout_search import candidate_layouts, search
-from moe_scale.accounting.model_shape import planned_model
+from moe_scale.accounting.model_shape import planned_model, sharded
 from moe_scale.accounting.plan import Planner
 from moe_scale.accounting.presets import get_preset, preset_config
 from moe_scale.config import RunConfig
@@ -87,7 +87,7 @@ def test_the_search_ranks_only_what_train_accepts_and_fits_fastest_first():
     assert [r["tokens_per_s"] for r in ranked] == sorted((r["tokens_per_s"] for r in ranked), reverse=True)
     for r in ranked:      # train accepts every ranked layout, and it fits
         layout = Layout(r["nodes"], 4, r["ep_size"], r["zero_stage"], r["optimizer"], r["precision"], r["recompute"],
-                        r["all_to_all"])
+                        r["all_to_all"], r["etp_size"])
         checked_config(config, DEFAULT_DS_CONFIG, layout, None)
         assert r["fits"] and r["bytes"]["total"] <= r["usable_bytes"]
         assert not (r["optimizer"] == "factored" and r["zero_stage"] > 0)
@@ -109,6 +109,27 @@ def test_the_search_keeps_axes_a_dense_model_does_not_have():
     layouts = candidate_layouts(planner, Layout(1, 8), [1, 2])
     assert {(x.ep_size, x.optimizer, x.recompute, x.all_to_all) for x in layouts} == {(1, "adam", False, "flat")}
     assert {(x.nodes, x.zero_stage) for x in layouts} == {(n, z) for n in (1, 2) for z in (0, 1, 2)}
+
+
+def test_expert_tensor_parallelism_splits_the_experts_and_multiplies_the_rows():
+    """--etp-size 2 at ep 4 on 8 GPUs: the experts' parameters over 8 ranks, not 4; each token's row goes to both
+    shards of each expert rank it picks (2 x 4 (1 - C(6, 2) / C(8, 2)) ranks); the search tries etp 1, 2, 4, 8 (each
+    dividing the hidden units), and only 1 for the hierarchical gate."""
+    config = RunConfig.from_settings(num_experts=8, d_model=64, expert_hidden=256, vocab_size=2000, batch_size=64)
+    config.validate()
+    model = planned_model(config)
+    planner = Planner(model, get_gpu("h100-sxm"), DEFAULT_DS_CONFIG)
+    whole, split = planner.plan(Layout(1, 8, ep_size=4)), planner.plan(Layout(1, 8, ep_size=4, etp_size=2))
+    assert whole["params_per_gpu"] - split["params_per_gpu"] == pytest.approx(model.sharded_params / 8, abs=1)
+    assert split["etp_size"] == 2 and split["bytes"]["parameters"] < whole["bytes"]["parameters"]
+    layer = sharded(model.expert_layers, 2)[0]
+    assert layer.distinct_ranks(8) == pytest.approx(2 * 4 * (1 - 15 / 28))
+    assert split["time"]["seconds"]["all_to_all"] > whole["time"]["seconds"]["all_to_all"]
+    assert {x.etp_size for x in candidate_layouts(planner, Layout(1, 8), [1])} == {1, 2, 4, 8}
+    hierarchical = RunConfig.from_settings(gate="hierarchical", num_groups=2, num_experts=8, expert_hidden=256,
+                                           vocab_size=2000)
+    assert {x.etp_size for x in candidate_layouts(Planner(planned_model(hierarchical), get_gpu("h100-sxm"),
+                                                          DEFAULT_DS_CONFIG), Layout(1, 8), [1])} == {1}
 
 
 def test_grad_accum_splits_activations_and_multiplies_the_exchanges():

@@ -15,7 +15,7 @@ from moe_scale.moe.routed_layer import MoEStats, real_tokens
 
 
 def fake_layer():
-    return SimpleNamespace(stats=None, ep_size=1)
+    return SimpleNamespace(stats=None, ep_size=1, expert_parallel_size=1)
 
 
 def test_cv_is_taken_over_the_summed_interval():

@@ -47,6 +47,8 @@ MOE_SETTINGS = [
     ("node_size", 2, {}, lambda layer: layer.node_size),
     ("rank_capacity_factor", 2.0, {}, lambda layer: layer.dispatcher.rank_capacity_factor),
     ("force_balanced_routing", True, {}, lambda layer: layer.force_balanced),
+    ("a2a_chunks", 3, {}, lambda layer: layer.a2a_chunks),
+    ("etp_size", 2, {}, lambda layer: layer.tensor_parallel == layer.experts.shards == 2 and 2),
     ("expert_groups", 2, {"gate": "node_limited"}, lambda layer: layer.router.groups),
     ("group_top_k", 2, {"gate": "node_limited", "expert_groups": 4}, lambda layer: layer.router.group_top_k),
     ("normalize", False, {"gate": "node_limited"}, lambda layer: layer.router.normalize),
@@ -60,7 +62,8 @@ def _model(*groups: dict, **settings):
     for group in (*groups, settings):
         merged.update(group)
     torch.manual_seed(0)
-    return build_model(RunConfig.from_settings(**merged), V, seed=0)
+    config = RunConfig.from_settings(**merged)   # (built as rank 0 of the ranks one copy of the experts spans)
+    return build_model(config, V, ep_size=config.expert_ranks, ep_rank=0, seed=0)
 
 
 def test_the_table_covers_every_moe_setting():

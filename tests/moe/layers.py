@@ -11,6 +11,7 @@ _SETTINGS = {   # keyword -> (section, field) of MoEConfig
     "dispatch_mode": ("dispatch", "mode"), "capacity_factor": ("dispatch", "capacity_factor"),
     "all_to_all": ("dispatch", "all_to_all"), "node_size": ("dispatch", "node_size"),
     "rank_capacity_factor": ("dispatch", "rank_capacity_factor"), "a2a_chunks": ("dispatch", "a2a_chunks"),
+    "etp_size": ("experts", "tensor_parallel"),
     "recompute": ("experts", "recompute"), "reuse_grad_buffers": ("experts", "grad_reuse"),
     "shared_experts": ("experts", "shared"), "shared_hidden": ("experts", "shared_hidden"),
     "shared_gate": ("experts", "shared_gate"), "w_importance": ("router", "w_importance"),

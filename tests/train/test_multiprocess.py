@@ -153,3 +153,29 @@ def test_llama_block_two_processes_expert_parallel_equal_one_process_and_import_
     assert exported.keys() == again.keys() and "lm_head.weight" not in exported   # tied
     for name, tensor in exported.items():
         assert torch.equal(again[name], tensor), name
+
+
+def test_expert_tensor_parallelism_equals_one_process_and_evaluates_whole(tmp_path, embedded_cache):
+    """--etp-size 2: each SwiGLU expert's hidden units over 2 ranks. 2 processes (ep 1 x etp 2, clipping active,
+    ZeRO-2) and 4 (ep 2 x etp 2, ZeRO-1) take the steps of one process with whole experts; the 2-process run's
+    sharded checkpoint evaluates in one process, as whole experts, as the one-process run does."""
+    common = [*TINY, "--expert-kind", "swiglu", "--noise-rng", "global", "--dropout", "0", "--lr", "0.01",
+              "--warmup-steps", "0", "--max-steps", "3", "--eval-interval", "3", "--checkpoint-interval", "3"]
+    zero2, zero1 = (str(_clip_config(tmp_path, name, clip=0.5)) for name in ("zero2_ep", "zero1_ep"))
+    runs = {"one": (["--ds-config", zero2], 1),
+            "etp2": (["--etp-size", "2", "--ds-config", zero2], 2),
+            "ep2_etp2": (["--ep-size", "2", "--etp-size", "2", "--ds-config", zero1], 4)}
+    logs = {}
+    for name, (flags, nprocs) in runs.items():
+        run_train([*common, *flags, "--out", str(tmp_path / name)], cwd=tmp_path, cache=embedded_cache, nprocs=nprocs)
+        logs[name] = step_log(tmp_path / name)
+    for name in ("etp2", "ep2_etp2"):
+        for a, b in zip(logs["one"], logs[name], strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (name, a, b)
+            assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-7), (name, a, b)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (name, a, b)
+    assert all(r["grad_norm"] > 0.5 for r in logs["one"])   # clipping was active on every step
+    summary = json.loads((tmp_path / "etp2" / "summary.json").read_text())
+    assert (summary["world_size"], summary["ep_size"], summary["etp_size"]) == (2, 1, 2)
+    assert run_eval(["--run", str(tmp_path / "etp2")], cwd=tmp_path, cache=embedded_cache)["ppl"] == \
+        pytest.approx(run_eval(["--run", str(tmp_path / "one")], cwd=tmp_path, cache=embedded_cache)["ppl"], rel=1e-4)

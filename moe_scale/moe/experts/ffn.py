@@ -177,15 +177,20 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, num_local_experts: int, d_model: int, d_hidden: int, first_global_expert: int = 0,
                  seed: int = 0, recompute: bool = False, reuse_grad_buffers: bool = True,
-                 activation: str | ExpertKind = "relu"):
+                 activation: str | ExpertKind = "relu", shard: int = 0, shards: int = 1):
+        """`shard` of `shards` (--etp-size): this rank holds hidden units [shard F / shards, (shard + 1) F / shards)
+        of every local expert (the first layer's rows, the second's rows), drawn as the whole expert draws them;
+        the output scale is the whole expert's. Summed over the shards, the outputs are the whole expert's."""
         super().__init__()
+        if d_hidden % shards:
+            raise ValueError(f"an expert's hidden width {d_hidden} does not split into {shards} shards")
         self.kind = expert_kind(activation)
         self.recompute = recompute
         self.grad_buffers = GradientBuffers() if reuse_grad_buffers else None
-        self.num_local_experts, self.d_model, self.d_hidden = num_local_experts, d_model, d_hidden
-        self.first_global_expert, self.seed = first_global_expert, seed
-        self.w_in = nn.Parameter(torch.empty(num_local_experts, self.kind.first_width(d_hidden), d_model))
-        self.w_out = nn.Parameter(torch.empty(num_local_experts, d_hidden, d_model))
+        self.num_local_experts, self.d_model, self.d_hidden = num_local_experts, d_model, d_hidden // shards
+        self.first_global_expert, self.seed, self.shard, self.shards = first_global_expert, seed, shard, shards
+        self.w_in = nn.Parameter(torch.empty(num_local_experts, self.kind.first_width(self.d_hidden), d_model))
+        self.w_out = nn.Parameter(torch.empty(num_local_experts, self.d_hidden, d_model))
         self.output_scale = self.kind.output_scale(d_model, d_hidden)
         self.reset_parameters()
 
@@ -201,7 +206,15 @@ class GroupedExperts(nn.Module):
             for local_id in range(self.num_local_experts):
                 generator = torch.Generator(device).manual_seed(
                     self.seed * 1_000_003 + self.first_global_expert + local_id)
-                self.kind.init_expert(self.w_in[local_id], self.w_out[local_id], generator)
+                if self.shards == 1:
+                    self.kind.init_expert(self.w_in[local_id], self.w_out[local_id], generator)
+                    continue
+                whole_in = self.w_in.new_empty(self.w_in.shape[1] * self.shards, self.d_model)
+                whole_out = self.w_out.new_empty(self.d_hidden * self.shards, self.d_model)
+                self.kind.init_expert(whole_in, whole_out, generator)
+                self.w_in[local_id].copy_(self.kind.hidden_slice(whole_in, self.shard, self.shards))
+                per = self.d_hidden
+                self.w_out[local_id].copy_(whole_out[self.shard * per:(self.shard + 1) * per])
 
     def forward(self, rows_RD: torch.Tensor, tokens_per_expert: Counts, row_of_pair_M: torch.Tensor | None = None,
                 gate_M: torch.Tensor | None = None) -> torch.Tensor:

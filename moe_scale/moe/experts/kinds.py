@@ -55,6 +55,22 @@ class ExpertKind:
     def init_expert(self, w_in_XD: torch.Tensor, w_out_FD: torch.Tensor, generator: torch.Generator) -> None:
         raise NotImplementedError
 
+    def hidden_slice(self, w_in_XD: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
+        """Shard `shard` of `shards` of the first layer's rows (--etp-size): its hidden units' rows, and for a
+        gated kind the matching rows of the gate and of the up projection, stacked as the kind stacks them."""
+        if not self.gated:
+            return _rows(w_in_XD, shard, shards)
+        gate_FD, up_FD = w_in_XD.chunk(2, dim=0)
+        return torch.cat([_rows(gate_FD, shard, shards), _rows(up_FD, shard, shards)])
+
+    def join_hidden(self, w_in_shards_LXD: list[torch.Tensor]) -> torch.Tensor:
+        """The whole experts' first layers [L, X, D] from their shards' (hidden_slice's inverse, stacked experts)."""
+        if not self.gated:
+            return torch.cat(w_in_shards_LXD, dim=1)
+        halves = [w.chunk(2, dim=1) for w in w_in_shards_LXD]
+        return torch.cat([torch.cat([gate for gate, _ in halves], dim=1), torch.cat([up for _, up in halves], dim=1)],
+                         dim=1)
+
     # ---- the autograd Function's middle (moe/experts/ffn.py): grouped products in, grouped products out
 
     def first_layer(self, rows_RD, w_in_LXD, layout: GroupLayout, row_of_pair_M) -> torch.Tensor:
@@ -226,3 +242,8 @@ def _relu_hidden_gradient(grad_out, row_of_pair_M, w_out_LFD, hidden_MF, coef_M,
 def per_pair(t_RD: torch.Tensor, row_of_pair_M: torch.Tensor | None) -> torch.Tensor:
     """t[row_of_pair[m]] for each pair m ([M, D], a copy), or t itself when its rows are the pairs."""
     return t_RD.contiguous() if row_of_pair_M is None else t_RD.index_select(0, row_of_pair_M)
+
+
+def _rows(w: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
+    per = w.shape[0] // shards
+    return w[shard * per:(shard + 1) * per]

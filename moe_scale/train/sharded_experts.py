@@ -1,0 +1,65 @@
+"""A run trained with --etp-size read back as whole experts (eval, generate, export, prune-heads, upcycling).
+
+DeepSpeed's checkpoint keeps each (expert, shard) as an expert file of its own: rank (r T + s) of the
+expert-model-parallel group, which holds shard s of expert-parallel rank r's L experts, names its local expert l
+unit (r T + s) L + l (moe/layer.py's shard_pairs). A model of whole experts (any --ep-size, one shard) takes expert
+e = r L + l as its shards joined along the hidden units: the first layer's rows by the kind's join_hidden (a gated
+kind's gate and up rows apart), the second layer's rows in order. The non-expert weights are DeepSpeed's module
+file's, the vocabulary rows a split run kept in its portable files as a plain checkpoint's.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from moe_scale.config import RunConfig
+from moe_scale.deepspeed_internals import MODEL_STATES_FILE
+from moe_scale.moe.deepspeed_adapter import DS_EXPERT_PREFIX, ExpertParallelModule
+
+WEIGHTS = ("w_in", "w_out")
+
+
+def shards_of(config: RunConfig) -> int:
+    """The hidden shards each expert of the run was trained in (1: whole experts)."""
+    return config.moe.experts.tensor_parallel if config.has_moe_ffn else 1
+
+
+def whole_experts(config: RunConfig) -> RunConfig:
+    """The run's config with whole experts: what one process (or any --ep-size) builds to read it."""
+    whole = copy.deepcopy(config)
+    whole.moe.experts.tensor_parallel = 1
+    return whole
+
+
+def expert_file(checkpoint: Path, layer: int, unit: int) -> Path:
+    """DeepSpeed's file of one expert of one MoE layer (DeepSpeedEngine._get_expert_ckpt_name's naming)."""
+    return checkpoint / f"layer_{layer}_expert_{unit}_mp_rank_00_model_states.pt"
+
+
+def sharded_state(model: torch.nn.Module, checkpoint: Path, run: RunConfig) -> dict[str, torch.Tensor]:
+    """The state dict of `model` (whole experts, any expert-parallel rank) from `run`'s sharded checkpoint: the
+    module file's entries, and each local expert joined from its shards."""
+    shards, experts_per_rank = shards_of(run), run.moe.experts.num_experts // run.parallel.ep_size
+    state = dict(torch.load(checkpoint / MODEL_STATES_FILE, map_location="cpu", weights_only=False)["module"])
+    layer_id = 0
+    for prefix, module in model.named_modules():
+        if not isinstance(module, ExpertParallelModule):
+            continue
+        kind = module.experts.kind
+        for local in range(module.num_local_experts):
+            expert = module.expert_rank * module.num_local_experts + local
+            rank, index = divmod(expert, experts_per_rank)
+            parts: dict[str, list[torch.Tensor]] = {weight: [] for weight in WEIGHTS}
+            for shard in range(shards):
+                unit = (rank * shards + shard) * experts_per_rank + index
+                saved = torch.load(expert_file(checkpoint, layer_id, unit), map_location="cpu", weights_only=False)
+                for weight in WEIGHTS:
+                    parts[weight].append(saved[f"{prefix}.{DS_EXPERT_PREFIX}{unit}.{weight}"])
+            key = f"{prefix}.{DS_EXPERT_PREFIX}{local}."
+            state[key + "w_in"] = kind.join_hidden([w[None] for w in parts["w_in"]])[0]
+            state[key + "w_out"] = torch.cat(parts["w_out"])
+        layer_id += 1
+    return state

@@ -1,0 +1,127 @@
+"""Expert tensor parallelism (--etp-size): each expert's hidden units split over T ranks. A shard is the whole
+expert's slice (gated kinds: the gate's and the up projection's rows apart) and joins back; 2 ranks (EP 1 x ETP 2)
+and 4 ranks (EP 2 x ETP 2) equal one process with whole experts: outputs, input and router gradients, and each
+shard's weight gradients the slice of the whole gradient; dropless, capacity and in overlapped pieces."""
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import pytest
+import torch
+
+from moe_scale.moe.experts.kinds import expert_kind
+from tests.moe.layers import moe_layer
+from tests.multiproc import run_ranks
+
+D, H, E, K, N = 8, 16, 4, 2, 12
+CASES = {"relu": {}, "swiglu": {}, "capacity": {"dispatch_mode": "capacity", "capacity_factor": 0.75},
+         "pieces": {"a2a_chunks": 2}}
+
+
+@pytest.mark.parametrize("kind", ["relu", "swiglu", "geglu"])
+def test_shards_are_slices_of_the_whole_expert_and_join_back(kind):
+    whole = moe_layer(D, H, E, K, seed=3, activation=kind).experts
+    shards = [moe_layer(D, H, E, K, ep_size=2, ep_rank=s, seed=3, activation=kind, etp_size=2).experts
+              for s in range(2)]
+    expert = expert_kind(kind)
+    for s, shard in enumerate(shards):
+        assert shard.w_in.shape[1] == whole.w_in.shape[1] // 2 and shard.output_scale == whole.output_scale
+        for e in range(E):
+            assert torch.equal(shard.w_in[e], expert.hidden_slice(whole.w_in[e], s, 2))
+            assert torch.equal(shard.w_out[e], whole.w_out[e, s * H // 2:(s + 1) * H // 2])
+    assert torch.equal(expert.join_hidden([shard.w_in.detach() for shard in shards]), whole.w_in.detach())
+
+
+def _layer(world, rank, case, shards):
+    kind = "swiglu" if case == "swiglu" else "relu"
+    layer = moe_layer(D, H, E, K, ep_size=world, ep_rank=rank, seed=3, activation=kind, etp_size=shards,
+                      **{k: v for k, v in CASES[case].items()}).double()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        layer.router.w_gate.copy_(torch.randn(D, E, generator=gen, dtype=torch.float64))
+    layer.eval()
+    return layer
+
+
+def _batch(world):
+    gen = torch.Generator().manual_seed(5)
+    return (torch.randn(world * N, D, generator=gen, dtype=torch.float64),
+            torch.randn(world * N, D, generator=gen, dtype=torch.float64))
+
+
+def _run(layer, x, upstream, ranks=1, aux_weight=1.0):
+    """Forward and backward; each of `ranks` ranks carries 1/ranks of the (global) aux loss."""
+    x = x.clone().requires_grad_(True)
+    y, aux = layer(x)
+    ((y * upstream).sum() + aux * aux_weight / ranks).backward()
+    return {"y": y.detach(), "x_grad": x.grad, "grads": {n: p.grad for n, p in layer.named_parameters()}}
+
+
+def _reference(case, world):
+    """One process with whole experts. Capacity is per sending rank (GShard's): there each rank's tokens go
+    through it on their own, the weights' gradients summed, and the loss without the aux loss (a rank's own
+    batch would give another one)."""
+    x_all, up_all = _batch(world)
+    single = _layer(1, 0, case, 1)
+    if case != "capacity":
+        return single, _run(single, x_all, up_all)
+    parts = [_run(single, x_all[r * N:(r + 1) * N], up_all[r * N:(r + 1) * N], aux_weight=0.0) for r in range(world)]
+    return single, {"y": torch.cat([p["y"] for p in parts]), "x_grad": torch.cat([p["x_grad"] for p in parts]),
+                    "grads": parts[-1]["grads"]}   # (accumulated over the ranks' backward passes)
+
+
+def _worker(rank, world, shards):
+    x_all, up_all = _batch(world)
+    mine = slice(rank * N, (rank + 1) * N)
+    got = {}
+    for case in CASES:
+        layer = _layer(world, rank, case, shards)
+        layer.set_deepspeed_parallelism()
+        aux_weight = 0.0 if case == "capacity" else 1.0
+        got[case] = {**_run(layer, x_all[mine], up_all[mine], world, aux_weight),
+                     "rank": (layer.expert_rank, layer.hidden_shard)}
+    return got
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4], ids=["ep1xetp2", "ep2xetp2"])
+def test_expert_tensor_parallel_ranks_equal_one_process(world):
+    results = run_ranks(_worker, world_size=world, args=(2,), deepspeed=True, timeout=120)
+    for case in CASES:
+        single, want = _reference(case, world)
+        kind = single.experts.kind
+        local = E // (world // 2)
+        for rank, got in enumerate(results):
+            got, where = got[case], f"{case}, rank {rank}"
+            mine = slice(rank * N, (rank + 1) * N)
+            torch.testing.assert_close(got["y"], want["y"][mine], msg=lambda m: f"{where}: {m}")
+            torch.testing.assert_close(got["x_grad"], want["x_grad"][mine], msg=lambda m: f"{where}: {m}")
+            expert_rank, shard = got["rank"]
+            experts = range(expert_rank * local, (expert_rank + 1) * local)
+            w_in = torch.stack([kind.hidden_slice(want["grads"]["experts.w_in"][e], shard, 2) for e in experts])
+            w_out = want["grads"]["experts.w_out"][experts.start:experts.stop, shard * H // 2:(shard + 1) * H // 2]
+            torch.testing.assert_close(got["grads"]["experts.w_in"], w_in, msg=lambda m: f"{where} w_in: {m}")
+            torch.testing.assert_close(got["grads"]["experts.w_out"], w_out, msg=lambda m: f"{where} w_out: {m}")
+        router = sum(got[case]["grads"]["router.w_gate"] for got in results)   # data-parallel: the ranks' sum
+        torch.testing.assert_close(router, want["grads"]["router.w_gate"], msg=lambda m: f"{case} router: {m}")
+
+
+def test_a_sharded_checkpoint_resumes_only_on_its_own_layout(tmp_path):
+    """Moving expert shards to another layout is not built: the resume says so in one line, and resumes with the
+    layout that wrote it."""
+    import json
+
+    from moe_scale.errors import UserError
+    from moe_scale.run_files import RunFiles
+    from moe_scale.train.checkpoint import LAYOUT, _check_layout
+
+    checkpoint = RunFiles(tmp_path).checkpoint("step00000004")
+    (checkpoint / "portable").mkdir(parents=True)
+    (checkpoint / LAYOUT).write_text(json.dumps({"world_size": 2, "ep_size": 2, "vocab_rows": []}))
+    for shard in range(2):
+        (checkpoint / "portable" / f"experts_ep0_etp{shard}of2.pt").write_bytes(b"")
+    (checkpoint / "portable" / "dense.pt").write_bytes(b"")
+    _check_layout(tmp_path, "step00000004", 2, 2, False, False)   # its own layout: nothing to move
+    with pytest.raises(UserError, match=r"--etp-size > 1.*not supported yet: resume it with that layout"):
+        _check_layout(tmp_path, "step00000004", 4, 2, False, False)
