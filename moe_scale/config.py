@@ -822,6 +822,10 @@ class RunConfig:
                 raise UserError("--mae-g-unit epoch needs epochs, and streamed data (--stream) is one pass; "
                                 "pass --mae-g-unit step")
         self.softmax.validate(self.data.vocab_size)
+        if self.train.optimizer == "factored" and self.expert_ranks > ep:
+            raise UserError("--optimizer factored with --etp-size > 1: each shard would factor its own slice of the "
+                            "expert matrices' second moment, not the whole expert's; use --optimizer adam, or "
+                            "--etp-size 1")
         if (self.train.init_from_hf or self.train.upcycle_from) and self.expert_ranks > ep:
             flag = "--init-from-hf" if self.train.init_from_hf else "--upcycle-from"
             raise UserError(f"{flag} with --etp-size > 1 is not supported yet (the whole experts would have to be "

@@ -151,6 +151,8 @@ CASES = [
                                          *FAST], ["--etp-size", "not --gate hierarchical"]),
     ("etp-upcycle", lambda w: ["train", "--etp-size", "2", "--upcycle-from", str(w.root / "dense"), "--out", w.out(),
                                *FAST], ["--upcycle-from with --etp-size > 1 is not supported yet"]),
+    ("etp-factored", lambda w: ["train", "--etp-size", "2", "--optimizer", "factored", "--out", w.out(), *FAST],
+     ["--optimizer factored with --etp-size > 1"]),
     ("a2a-chunks-zero", lambda w: ["train", "--a2a-chunks", "0", "--out", w.out(), *FAST], ["--a2a-chunks must be"]),
     ("mae-epochs-while-streaming", lambda w: ["train", "--model", "transformer", "--attention", "mae", "--stream",
                                               "--out", w.out(), *FAST], ["--mae-g-unit epoch needs epochs"]),
