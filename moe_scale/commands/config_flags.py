@@ -73,7 +73,7 @@ DEST = "setting:"
 # report numbers of a run that never happened.
 RESUMABLE_CHANGES = ("max_steps", "token_budget", "log_interval", "eval_interval", "eval_max_batches",
                      "checkpoint_interval", "keep_checkpoints", "resume_from", "ep_size", "vocab_exchange",
-                     "accept_changed_data", "record_routes", "replay_routes", "a2a_chunks")
+                     "accept_changed_data", "record_routes", "replay_routes", "a2a_chunks", "etp_size")
 
 
 def given_settings(args: argparse.Namespace) -> dict:

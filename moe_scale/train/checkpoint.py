@@ -33,7 +33,7 @@ from moe_scale.errors import UserError
 from moe_scale.files import write_json_atomic
 from moe_scale.models.vocab_parallel import names_of, vocabulary_shards
 from moe_scale.run_files import RunFiles
-from moe_scale.train.reshard import PORTABLE, has_portable, load_portable, load_vocabulary_rows, save_portable
+from moe_scale.train.reshard import has_portable, load_portable, load_vocabulary_rows, save_portable
 from moe_scale.train.sharded_experts import sharded_state
 from moe_scale.train.state import TrainState
 
@@ -41,6 +41,7 @@ MANIFEST = "manifest.json"
 LAYOUT = "layout.json"
 # Settings that fix the weights' shapes and meaning: a checkpoint loads only into a model built with its values.
 _SHAPE_SECTIONS = ("model", "moe", "attention", "softmax")
+_LAYOUT_KEYS = ("etp_size",)   # in a shape section, but how the model is laid out: a resume may change it
 _CHUNK = 1 << 22
 
 
@@ -270,7 +271,8 @@ def choose_checkpoint(run: Path, tag: str | None, flag: str, config=None, resume
         _check_same_model(run, tag, config)
     if resume_world is not None:
         split = resume_world > 1 and config.parallel.vocab_exchange == "rows"
-        _check_layout(run, tag, resume_world, config.expert_ranks, split, config.data.stream)
+        _check_layout(run, tag, resume_world, config.expert_ranks, split, config.data.stream,
+                      config.expert_ranks // config.parallel.ep_size)
     return tag, int(tag.removeprefix("step"))
 
 
@@ -282,18 +284,19 @@ def _check_same_model(run: Path, tag: str, config) -> None:
         return
     trained = RunConfig.load(saved)
     for key, leaf in RunConfig.leaves().items():
-        if leaf.path[0] in _SHAPE_SECTIONS and trained.get(key) != config.get(key):
+        if leaf.path[0] in _SHAPE_SECTIONS and key not in _LAYOUT_KEYS and trained.get(key) != config.get(key):
             raise UserError(f"checkpoint {tag} was trained with {leaf.flag} {trained.get(key)}, but "
                             f"{run / 'config.json'} says {config.get(key)}; put the run's config back (the "
                             f"checkpoint keeps a copy: {saved})")
 
 
-def _check_layout(run: Path, tag: str, world_size: int, ep_size: int, vocab_split: bool, streamed: bool) -> None:
-    """A resume with another number of processes, --ep-size or --vocab-exchange needs the checkpoint's portable
-    state."""
+def _check_layout(run: Path, tag: str, world_size: int, ep_size: int, vocab_split: bool, streamed: bool,
+                  etp_size: int = 1) -> None:
+    """A resume with another number of processes, --ep-size, --etp-size or --vocab-exchange needs the checkpoint's
+    portable state (`ep_size`: the ranks one copy of the experts spans, ep x etp)."""
     checkpoint = RunFiles(run).checkpoint(tag)
     saved = saved_layout(checkpoint)
-    if _same_layout(saved, world_size, ep_size, vocab_split):
+    if _same_layout(saved, world_size, ep_size, vocab_split, etp_size):
         return
     was = f"{saved['world_size']} process{'es' if saved['world_size'] > 1 else ''} with --ep-size {saved['ep_size']}"
     if bool(saved["vocab_rows"]) != vocab_split and saved["world_size"] > 1:
@@ -304,10 +307,6 @@ def _check_layout(run: Path, tag: str, world_size: int, ep_size: int, vocab_spli
     if not has_portable(checkpoint):
         raise UserError(f"checkpoint {tag} was written by {was} before checkpoints carried a portable copy of "
                         f"the state; resume it with that layout")
-    if any((checkpoint / PORTABLE).glob("experts_ep*_etp*of*.pt")):
-        raise UserError(f"checkpoint {tag} was written by {was} (--etp-size > 1: ep-size is expert-parallel x "
-                        f"tensor-parallel ranks); moving expert shards to another layout is not supported yet: "
-                        f"resume it with that layout")
 
 
 def saved_layout(checkpoint: Path) -> dict | None:
@@ -324,23 +323,33 @@ def saved_layout(checkpoint: Path) -> dict | None:
         raise UserError(f"{checkpoint / LAYOUT} is not the JSON moe_scale writes; restore it or use another "
                         f"checkpoint")
     return {"world_size": saved["world_size"], "ep_size": saved.get("ep_size", 1),
-            "rows": saved.get("rows", "lines"), "vocab_rows": saved.get("vocab_rows", [])}
+            "rows": saved.get("rows", "lines"), "vocab_rows": saved.get("vocab_rows", []),
+            "etp_size": saved.get("etp_size", 1)}
 
 
-def _same_layout(saved: dict | None, world_size: int, ep_size: int, vocab_split: bool) -> bool:
-    return saved is None or (saved["world_size"], saved["ep_size"], bool(saved["vocab_rows"])) == \
-        (world_size, ep_size, vocab_split)
+def _same_layout(saved: dict | None, world_size: int, ep_size: int, vocab_split: bool, etp_size: int = 1) -> bool:
+    return saved is None or (saved["world_size"], saved["ep_size"], bool(saved["vocab_rows"]), saved["etp_size"]) \
+        == (world_size, ep_size, vocab_split, etp_size)
 
 
 def _model_layout(model) -> dict:
-    """What of the layout the model says: --ep-size, and the vocabulary tables it holds split by rows."""
-    return {"ep_size": _ep_size(model), "vocab_rows": sorted(vocabulary_shards(model))}
+    """What of the layout the model says: --ep-size (x --etp-size: the ranks one copy of the experts spans), the
+    vocabulary tables it holds split by rows, and --etp-size where it is more than 1."""
+    etp = _etp_size(model)
+    return {"ep_size": _ep_size(model), "vocab_rows": sorted(vocabulary_shards(model)),
+            **({"etp_size": etp} if etp > 1 else {})}
 
 
 def _ep_size(model) -> int:
     from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
 
     return next((m.ep_size for m in model.modules() if isinstance(m, ExpertParallelModule)), 1)
+
+
+def _etp_size(model) -> int:
+    from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
+
+    return next((m.tensor_parallel for m in model.modules() if isinstance(m, ExpertParallelModule)), 1)
 
 
 def load_weights(engine, run: Path, tag: str, module_only: bool = False, sharded_from=None) -> dict:
@@ -411,12 +420,18 @@ def load_checkpoint(engine, run: Path, tag: str, state: TrainState, source: Trai
     saved = saved_layout(directory / tag)
     world = dist.get_world_size() if dist.is_initialized() else 1
     split = vocabulary_shards(engine.module)
-    if _same_layout(saved, world, _ep_size(engine.module), bool(split)):
+    if _same_layout(saved, world, _ep_size(engine.module), bool(split), _etp_size(engine.module)):
         step = int(load_weights(engine, run, tag)["step"])
         if split:   # the tables' optimizer state: each rank's own, in the portable files
             load_portable(engine, directory / tag, only=set(split))
     else:   # another layout: weights by global expert from DeepSpeed's files, then the portable state
-        load_weights(engine, run, tag, module_only=True)
+        if saved is not None and max(saved["etp_size"], _etp_size(engine.module)) > 1:
+            # expert shards of another size: DeepSpeed's expert files do not fit; the buffers and non-expert weights
+            # from its module file, every parameter then from the portable state (shards joined and cut there)
+            module = torch.load(directory / tag / MODEL_STATES_FILE, map_location="cpu", weights_only=False)["module"]
+            engine.module.load_state_dict(module, strict=False)
+        else:
+            load_weights(engine, run, tag, module_only=True)
         load_portable(engine, directory / tag)
         step = int(tag.removeprefix("step"))
     _warn_if_rows_changed(tag, saved["rows"] if saved else "lines", source.row_layout, step)

@@ -19,6 +19,7 @@ Without ZeRO the optimizer's per-parameter state is copied as it is.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,13 +42,35 @@ VOCAB_FILES = VOCAB_PREFIX + "*.pt"
 class _Split:
     """Where a parameter split over ranks lies in the whole: entries [first, first + count) of `total` along dim 0
     (experts, or rows of a vocabulary table), kept in the portable file `file` (written by the first rank of the
-    parameter's expert-data-parallel group `group_name`)."""
+    parameter's expert-data-parallel group `group_name`). An expert weight under --etp-size is hidden shard
+    `shard` of `shards` of those experts (`hidden`: how its shards split and join)."""
 
     first: int
     count: int
     total: int
     file: str
     group_name: str
+    shard: int = 0
+    shards: int = 1
+    hidden: "_HiddenUnits | None" = None
+
+
+@dataclass(frozen=True)
+class _HiddenUnits:
+    """How a stacked expert weight [L, ., D] splits into hidden shards along dim 1 and joins back: the first layer's
+    rows by its kind (a gated kind's gate and up rows apart), the second layer's in order."""
+
+    kind: object        # moe/experts/kinds.py's ExpertKind
+    first_layer: bool
+
+    def join(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        return self.kind.join_hidden(shards) if self.first_layer else torch.cat(shards, dim=1)
+
+    def slice(self, whole: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
+        if self.first_layer:
+            return self.kind.hidden_slice(whole.transpose(0, 1), shard, shards).transpose(0, 1).contiguous()
+        per = whole.shape[1] // shards
+        return whole[:, shard * per:(shard + 1) * per].contiguous()
 
 
 def split_parameters(model: torch.nn.Module) -> dict[str, _Split]:
@@ -56,10 +79,12 @@ def split_parameters(model: torch.nn.Module) -> dict[str, _Split]:
     for prefix, module in model.named_modules():
         if isinstance(module, ExpertParallelModule):
             for name, shard in module.expert_shards().items():
+                hidden = _HiddenUnits(module.experts.kind, name.endswith("w_in")) \
+                    if name in ("experts.w_in", "experts.w_out") else None
                 found[f"{prefix}.{name}" if prefix else name] = _Split(
                     module.expert_rank * shard.per_rank, shard.per_rank, shard.total,
                     _experts_file(module.expert_rank, module.hidden_shard, module.tensor_parallel),
-                    module.expert_group_name)
+                    module.expert_group_name, module.hidden_shard, module.tensor_parallel, hidden)
     for name, shard in vocabulary_shards(model).items():
         found[name] = _Split(shard.first, shard.param.shape[0], shard.total, f"{VOCAB_PREFIX}{shard.rank}.pt",
                              shard.param.group_name)
@@ -148,7 +173,7 @@ def _saved_state(name: str, param, split: _Split | None, dense: dict, experts: "
     """The saved state of the part of parameter `name` this rank holds, from wherever the checkpoint kept it (the
     vocabulary files are read only for vocabulary tables, the experts' only for experts)."""
     if split is not None and not split.file.startswith(VOCAB_PREFIX):
-        return experts.slice(name, split.first, split.count, split.total)
+        return experts.shard_of(name, split)
     if name in dense:
         if split is None:
             return dense[name]
@@ -186,12 +211,39 @@ def _set_state(engine, param, state: dict, flat_step) -> None:
     set_optimizer_state(engine, param, state, flat_step)
 
 
-class _ExpertFiles:
-    """The experts_ep<r>.pt files (or the vocab_rows<r>.pt ones) of one checkpoint, read as needed."""
+_SHARD_FILE = re.compile(r"_etp(\d+)of(\d+)\.pt$")
 
-    def __init__(self, source: Path, pattern: str = "experts_ep*.pt"):
-        self.paths = sorted(source.glob(pattern))
+
+class _ExpertFiles:
+    """The experts_ep<r>.pt files (or the vocab_rows<r>.pt ones) of one checkpoint, read as needed; an --etp-size
+    run's experts_ep<r>_etp<s>of<T>.pt files are its shards, joined into whole experts when read."""
+
+    def __init__(self, source: Path, pattern: str = "experts_ep*.pt", paths: list[Path] | None = None):
+        self.paths = sorted(source.glob(pattern)) if paths is None else paths
         self._loaded: dict[Path, dict] = {}
+        self.shard_files: dict[int, list[Path]] = {}   # shard s -> its files (an --etp-size checkpoint)
+        for path in self.paths:
+            found = _SHARD_FILE.search(path.name)
+            if found:
+                self.shard_files.setdefault(int(found.group(1)), []).append(path)
+
+    def shard_of(self, name: str, split: _Split) -> dict:
+        """The state of shard split.shard (of split.shards) of experts [first, first + count) of expert weight
+        `name`: the saved shards joined into whole experts (when the checkpoint has them), then cut as asked."""
+        if not self.shard_files:
+            whole = self.slice(name, split.first, split.count, split.total)
+        elif split.hidden is None:   # (no expert weight without hidden units lives beside --etp-size's)
+            raise UserError(f"{name}: its shards cannot be joined; resume with the layout the checkpoint was "
+                            f"written with")
+        else:
+            parts = [_ExpertFiles(Path(), paths=paths).slice(name, split.first, split.count, split.total)
+                     for _, paths in sorted(self.shard_files.items())]
+            whole = {k: split.hidden.join([p[k] for p in parts]) if _stacked(parts[0][k], None) else parts[0][k]
+                     for k in parts[0]}
+        if split.shards == 1:
+            return whole
+        return {k: split.hidden.slice(v, split.shard, split.shards) if _stacked(v, None) else v
+                for k, v in whole.items()}
 
     def has(self, name: str) -> bool:
         return any(name in self._file(path) for path in self.paths)

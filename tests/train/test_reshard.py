@@ -24,9 +24,11 @@ SETTINGS = ["--d-model", "32", "--expert-hidden", "32", "--num-experts", "4", "-
 ADAPTIVE = ("--softmax", "adaptive", "--adaptive-cutoffs", "50,200")   # each tail cluster's rows split too
 
 
-def _resharded_run_matches(tmp_path, cache, before: tuple[int, int], after: tuple[int, int], ds: str,
+def _resharded_run_matches(tmp_path, cache, before: tuple[int, ...], after: tuple[int, ...], ds: str,
                            extra: tuple[str, ...] = (), resume_extra: tuple[str, ...] = ()) -> None:
-    (procs, ep), (new_procs, new_ep) = before, after
+    """`before` and `after`: (processes, --ep-size[, --etp-size])."""
+    (procs, ep, etp), (new_procs, new_ep, new_etp) = (*before, 1)[:3], (*after, 1)[:3]
+    extra, resume_extra = (*extra, "--etp-size", str(etp)), (*resume_extra, "--etp-size", str(new_etp))
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train([*SETTINGS, *extra, "--ds-config", str(CONFIGS / f"{ds}.json"), "--ep-size", str(ep), "--out",
                str(straight)], cwd=tmp_path, cache=cache, nprocs=procs)
@@ -44,7 +46,8 @@ def _resharded_run_matches(tmp_path, cache, before: tuple[int, int], after: tupl
     softmax = ["softmax.inner.tail.0.1.weight", "softmax.inner.tail.1.1.weight"] if ADAPTIVE[0] in extra else \
         ["softmax.proj.bias", "softmax.proj.weight"]
     tables = ["embedding.weight", *softmax] if split else []
-    assert layout == {"world_size": new_procs, "ep_size": new_ep, "rows": "tokens", "vocab_rows": tables}
+    assert layout == {"world_size": new_procs, "ep_size": new_ep * new_etp, "rows": "tokens", "vocab_rows": tables,
+                      **({"etp_size": new_etp} if new_etp > 1 else {})}
 
 
 @pytest.mark.multiprocess
@@ -97,9 +100,12 @@ def test_a_resume_may_keep_the_vocabulary_tables_whole_instead(tmp_path, embedde
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("before, after, extra", [((1, 1), (2, 2), ()), ((2, 2), (2, 1), ()),
-                                                  ((2, 2), (4, 4), ADAPTIVE)])
+@pytest.mark.parametrize("before, after, extra", [((1, 1), (2, 1, 2), ()), ((2, 1, 2), (2, 2), ()),
+                                                  ((2, 2), (4, 4), ADAPTIVE)],
+                         ids=["1_to_etp2", "etp2_to_ep2", "ep2_to_ep4"])
 def test_other_layout_changes(tmp_path, embedded_cache, before, after, extra):
+    """(processes, --ep-size[, --etp-size]): whole experts into shards on 2 ranks, shards into whole experts on 2
+    expert-parallel ranks (--etp-size is a change a resume may make), and 2 expert-parallel ranks into 4."""
     _resharded_run_matches(tmp_path, embedded_cache, before, after, "zero2_ep", extra)
 
 
