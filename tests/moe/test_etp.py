@@ -107,21 +107,24 @@ def test_expert_tensor_parallel_ranks_equal_one_process(world):
         torch.testing.assert_close(router, want["grads"]["router.w_gate"], msg=lambda m: f"{case} router: {m}")
 
 
-def test_a_sharded_checkpoint_resumes_only_on_its_own_layout(tmp_path):
-    """Moving expert shards to another layout is not built: the resume says so in one line, and resumes with the
-    layout that wrote it."""
-    import json
+def test_saved_shards_join_into_whole_experts_and_cut_anew(tmp_path):
+    """The portable state of an --etp-size 2 checkpoint (2 expert-parallel ranks x 2 shards, SwiGLU) read for
+    another layout: the whole experts' weights and moments, and any shard of them, each exactly."""
+    from moe_scale.train.reshard import _ExpertFiles, _HiddenUnits, _Split
 
-    from moe_scale.errors import UserError
-    from moe_scale.run_files import RunFiles
-    from moe_scale.train.checkpoint import LAYOUT, _check_layout
-
-    checkpoint = RunFiles(tmp_path).checkpoint("step00000004")
-    (checkpoint / "portable").mkdir(parents=True)
-    (checkpoint / LAYOUT).write_text(json.dumps({"world_size": 2, "ep_size": 2, "vocab_rows": []}))
-    for shard in range(2):
-        (checkpoint / "portable" / f"experts_ep0_etp{shard}of2.pt").write_bytes(b"")
-    (checkpoint / "portable" / "dense.pt").write_bytes(b"")
-    _check_layout(tmp_path, "step00000004", 2, 2, False, False)   # its own layout: nothing to move
-    with pytest.raises(UserError, match=r"--etp-size > 1.*not supported yet: resume it with that layout"):
-        _check_layout(tmp_path, "step00000004", 4, 2, False, False)
+    kind = expert_kind("swiglu")
+    whole = torch.randn(E, 2 * H, D, generator=torch.Generator().manual_seed(0))   # gate rows, then up rows
+    hidden = _HiddenUnits(kind, first_layer=True)
+    for rank in range(2):
+        for shard in range(2):
+            part = hidden.slice(whole[rank * 2:(rank + 1) * 2], shard, 2)
+            torch.save({"experts.w_in": {"first": rank * 2, "total": E,
+                                         "state": {"param": part, "exp_avg": 2 * part, "step": 3}}},
+                       tmp_path / f"experts_ep{rank}_etp{shard}of2.pt")
+    files = _ExpertFiles(tmp_path)
+    got = files.shard_of("experts.w_in", _Split(1, 2, E, "x", "g", 0, 1, hidden))   # experts 1 and 2, whole
+    assert torch.equal(got["param"], whole[1:3]) and torch.equal(got["exp_avg"], 2 * whole[1:3]) and got["step"] == 3
+    for shards in (2, 4):   # cut anew: into as many shards as saved, and into more
+        for shard in range(shards):
+            got = files.shard_of("experts.w_in", _Split(0, E, E, "x", "g", shard, shards, hidden))["param"]
+            assert torch.equal(got, torch.stack([kind.hidden_slice(whole[e], shard, shards) for e in range(E)]))
