@@ -28,6 +28,7 @@ product, 3f) or the MoE gate logits, two sub-layer outputs d with their masks; M
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import math
@@ -105,8 +106,10 @@ def planned_model(config: RunConfig) -> PlannedModel:
 
     vocab = config.data.vocab_size
     counts = [1] * vocab if config.softmax.kind == "sampled" and config.softmax.sampler == "unigram" else None
+    whole = copy.deepcopy(config)   # (whole experts: --etp-size is the layout's, planned in step_time and memory)
+    whole.moe.experts.tensor_parallel = 1
     with torch.device("meta"):
-        model = build_model(config, vocab, ep_size=1, ep_rank=0, counts=counts)
+        model = build_model(whole, vocab, ep_size=1, ep_rank=0, counts=counts)
     shards = [shard.param for layer in model.moe_layers() for shard in layer.expert_shards().values()]
     sharded = sum(p.numel() for p in shards)
     tables = sum(p.numel() for p in row_split_tables(model))

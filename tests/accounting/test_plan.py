@@ -126,6 +126,9 @@ def test_expert_tensor_parallelism_splits_the_experts_and_multiplies_the_rows():
     assert layer.distinct_ranks(8) == pytest.approx(2 * 4 * (1 - 15 / 28))
     assert split["time"]["seconds"]["all_to_all"] > whole["time"]["seconds"]["all_to_all"]
     assert {x.etp_size for x in candidate_layouts(planner, Layout(1, 8), [1])} == {1, 2, 4, 8}
+    given = RunConfig.from_settings(num_experts=8, d_model=64, expert_hidden=256, vocab_size=2000, batch_size=64,
+                                    etp_size=2)   # `plan --etp-size 2`: the same model, the layout's shards
+    assert planned_model(given).sharded_params == model.sharded_params
     hierarchical = RunConfig.from_settings(gate="hierarchical", num_groups=2, num_experts=8, expert_hidden=256,
                                            vocab_size=2000)
     assert {x.etp_size for x in candidate_layouts(Planner(planned_model(hierarchical), get_gpu("h100-sxm"),
