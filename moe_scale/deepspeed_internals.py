@@ -235,6 +235,12 @@ def set_optimizer_state(engine, param, state: dict, flat_step) -> None:
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"   # a checkpoint's non-expert weights (one model-parallel rank)
 
 
+def expert_states_file(checkpoint, moe_layer: int, expert: int):
+    """The file of one expert of one MoE layer in a DeepSpeed checkpoint (DeepSpeedEngine._get_expert_ckpt_name's
+    naming: the expert's global index in its expert-parallel group, the layer's index among the MoE modules)."""
+    return checkpoint / f"layer_{moe_layer}_expert_{expert}_mp_rank_00_model_states.pt"
+
+
 # ---------------------------------------------------------------- the CPU communication op, never built
 
 @contextlib.contextmanager

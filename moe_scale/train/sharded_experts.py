@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from moe_scale.config import RunConfig
-from moe_scale.deepspeed_internals import MODEL_STATES_FILE
+from moe_scale.deepspeed_internals import MODEL_STATES_FILE, expert_states_file
 from moe_scale.moe.deepspeed_adapter import DS_EXPERT_PREFIX, ExpertParallelModule
 
 WEIGHTS = ("w_in", "w_out")
@@ -32,11 +32,6 @@ def whole_experts(config: RunConfig) -> RunConfig:
     whole = copy.deepcopy(config)
     whole.moe.experts.tensor_parallel = 1
     return whole
-
-
-def expert_file(checkpoint: Path, layer: int, unit: int) -> Path:
-    """DeepSpeed's file of one expert of one MoE layer (DeepSpeedEngine._get_expert_ckpt_name's naming)."""
-    return checkpoint / f"layer_{layer}_expert_{unit}_mp_rank_00_model_states.pt"
 
 
 def sharded_state(model: torch.nn.Module, checkpoint: Path, run: RunConfig) -> dict[str, torch.Tensor]:
@@ -55,7 +50,8 @@ def sharded_state(model: torch.nn.Module, checkpoint: Path, run: RunConfig) -> d
             parts: dict[str, list[torch.Tensor]] = {weight: [] for weight in WEIGHTS}
             for shard in range(shards):
                 unit = (rank * shards + shard) * experts_per_rank + index
-                saved = torch.load(expert_file(checkpoint, layer_id, unit), map_location="cpu", weights_only=False)
+                saved = torch.load(expert_states_file(checkpoint, layer_id, unit), map_location="cpu",
+                                   weights_only=False)
                 for weight in WEIGHTS:
                     parts[weight].append(saved[f"{prefix}.{DS_EXPERT_PREFIX}{unit}.{weight}"])
             key = f"{prefix}.{DS_EXPERT_PREFIX}{local}."
