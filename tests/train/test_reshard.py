@@ -28,7 +28,8 @@ def _resharded_run_matches(tmp_path, cache, before: tuple[int, ...], after: tupl
                            extra: tuple[str, ...] = (), resume_extra: tuple[str, ...] = ()) -> None:
     """`before` and `after`: (processes, --ep-size[, --etp-size])."""
     (procs, ep, etp), (new_procs, new_ep, new_etp) = (*before, 1)[:3], (*after, 1)[:3]
-    extra, resume_extra = (*extra, "--etp-size", str(etp)), (*resume_extra, "--etp-size", str(new_etp))
+    extra = (*extra, "--etp-size", str(etp)) if etp > 1 else extra   # (a hierarchical gate refuses the flag)
+    resume_extra = (*resume_extra, "--etp-size", str(new_etp)) if new_etp != etp else resume_extra
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train([*SETTINGS, *extra, "--ds-config", str(CONFIGS / f"{ds}.json"), "--ep-size", str(ep), "--out",
                str(straight)], cwd=tmp_path, cache=cache, nprocs=procs)
