@@ -78,7 +78,7 @@ def dispatch_load(model: PlannedModel, layout: Layout, dropless_load: float) -> 
         return min(dispatch.capacity_factor, layout.ep_size)
     if dispatch.rank_capacity_factor and model.config.has_moe_ffn:   # the budget bounds what a rank receives
         return min(dispatch.rank_capacity_factor, layout.ep_size)
-    return min(dropless_load, layout.ep_size)   # (the expert-parallel ranks: a shard receives its experts' rows)
+    return min(dropless_load, layout.ep_size)
 
 
 def dispatch_bytes(model: PlannedModel, layout: Layout, tokens_per_gpu: float, load: float) -> float:
@@ -145,6 +145,6 @@ def memory(model: PlannedModel, layout: Layout, gpu: GPU, tokens: float, ds_conf
     usable = gpu.memory_gib * GIB * (1 - margin)
     return {"bytes": {**parts, "total": total}, "gpu_mem_bytes": gpu.memory_gib * GIB, "usable_bytes": usable,
             "margin": margin, "dispatch_load": load,
-            "all_to_one_bytes": dispatch_bytes(model, layout, tokens_per_gpu, float(layout.ep_size)),   # ep: a shard
+            "all_to_one_bytes": dispatch_bytes(model, layout, tokens_per_gpu, float(layout.ep_size)),
             "fits": total <= usable}
 

@@ -221,23 +221,23 @@ class _ExpertFiles:
     def __init__(self, source: Path, pattern: str = "experts_ep*.pt", paths: list[Path] | None = None):
         self.paths = sorted(source.glob(pattern)) if paths is None else paths
         self._loaded: dict[Path, dict] = {}
-        self.shard_files: dict[int, list[Path]] = {}   # shard s -> its files (an --etp-size checkpoint)
-        for path in self.paths:
+        shard_paths: dict[int, list[Path]] = {}   # shard s -> its files (an --etp-size checkpoint)
+        for path in self.paths if paths is None else ():   # (one shard's own files: read as they are)
             found = _SHARD_FILE.search(path.name)
             if found:
-                self.shard_files.setdefault(int(found.group(1)), []).append(path)
+                shard_paths.setdefault(int(found.group(1)), []).append(path)
+        self.shards = [_ExpertFiles(source, paths=shard_paths[s]) for s in sorted(shard_paths)]
 
     def shard_of(self, name: str, split: _Split) -> dict:
         """The state of shard split.shard (of split.shards) of experts [first, first + count) of expert weight
         `name`: the saved shards joined into whole experts (when the checkpoint has them), then cut as asked."""
-        if not self.shard_files:
+        if not self.shards:
             whole = self.slice(name, split.first, split.count, split.total)
         elif split.hidden is None:   # (no expert weight without hidden units lives beside --etp-size's)
             raise UserError(f"{name}: its shards cannot be joined; resume with the layout the checkpoint was "
                             f"written with")
         else:
-            parts = [_ExpertFiles(Path(), paths=paths).slice(name, split.first, split.count, split.total)
-                     for _, paths in sorted(self.shard_files.items())]
+            parts = [shard.slice(name, split.first, split.count, split.total) for shard in self.shards]
             whole = {k: split.hidden.join([p[k] for p in parts]) if _stacked(parts[0][k], None) else parts[0][k]
                      for k in parts[0]}
         if split.shards == 1:

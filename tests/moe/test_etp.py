@@ -36,7 +36,7 @@ def test_shards_are_slices_of_the_whole_expert_and_join_back(kind):
 def _layer(world, rank, case, shards):
     kind = "swiglu" if case == "swiglu" else "relu"
     layer = moe_layer(D, H, E, K, ep_size=world, ep_rank=rank, seed=3, activation=kind, etp_size=shards,
-                      **{k: v for k, v in CASES[case].items()}).double()
+                      **CASES[case]).double()
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         layer.router.w_gate.copy_(torch.randn(D, E, generator=gen, dtype=torch.float64))

@@ -87,6 +87,21 @@ def test_every_gate_two_processes_equal_one_process(tmp_path, embedded_cache, ga
         assert second["bias_spread"] == pytest.approx(first["bias_spread"], rel=1e-6) and first["bias_spread"] > 0
 
 
+def _runs_take_the_steps_of_one(tmp_path, embedded_cache, common: list[str], runs: dict, grad_norm: bool = False):
+    """`common` with each run's (flags, processes); every run's steps equal run "one"'s: loss and aux loss (and
+    the gradient norm); returns the step logs by run."""
+    logs = {}
+    for name, (flags, nprocs) in runs.items():
+        run_train([*common, *flags, "--out", str(tmp_path / name)], cwd=tmp_path, cache=embedded_cache, nprocs=nprocs)
+        logs[name] = step_log(tmp_path / name)
+    for name in set(runs) - {"one"}:
+        for a, b in zip(logs["one"], logs[name], strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (name, a, b)
+            assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-7), (name, a, b)
+            assert not grad_norm or b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (name, a, b)
+    return logs
+
+
 def test_four_processes_ep4_hierarchical_and_ep2_by_dp2_equal_one_process(tmp_path, embedded_cache):
     """ep_size 4 with the two-hop all-to-all (2 'nodes' of 2 ranks, ZeRO-2), and ep_size 2 x data-parallel 2
     (ZeRO-1), against one process on the same global batch."""
@@ -97,14 +112,7 @@ def test_four_processes_ep4_hierarchical_and_ep2_by_dp2_equal_one_process(tmp_pa
             "ep4_hier": (["--ep-size", "4", "--all-to-all", "hierarchical", "--node-size", "2",
                           "--ds-config", str(configs / "zero2_ep.json")], 4),
             "ep2_dp2": (["--ep-size", "2", "--ds-config", str(configs / "zero1_ep.json")], 4)}
-    logs = {}
-    for name, (flags, nprocs) in runs.items():
-        run_train([*common, *flags, "--out", str(tmp_path / name)], cwd=tmp_path, cache=embedded_cache, nprocs=nprocs)
-        logs[name] = step_log(tmp_path / name)
-    for name in ("ep4_hier", "ep2_dp2"):
-        for a, b in zip(logs["one"], logs[name], strict=True):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (name, a, b)
-            assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-7), (name, a, b)
+    _runs_take_the_steps_of_one(tmp_path, embedded_cache, common, runs)
     assert json.loads((tmp_path / "ep4_hier" / "summary.json").read_text())["world_size"] == 4
 
 
@@ -165,15 +173,7 @@ def test_expert_tensor_parallelism_equals_one_process_and_evaluates_whole(tmp_pa
     runs = {"one": (["--ds-config", zero2], 1),
             "etp2": (["--etp-size", "2", "--ds-config", zero2], 2),
             "ep2_etp2": (["--ep-size", "2", "--etp-size", "2", "--ds-config", zero1], 4)}
-    logs = {}
-    for name, (flags, nprocs) in runs.items():
-        run_train([*common, *flags, "--out", str(tmp_path / name)], cwd=tmp_path, cache=embedded_cache, nprocs=nprocs)
-        logs[name] = step_log(tmp_path / name)
-    for name in ("etp2", "ep2_etp2"):
-        for a, b in zip(logs["one"], logs[name], strict=True):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5), (name, a, b)
-            assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-7), (name, a, b)
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (name, a, b)
+    logs = _runs_take_the_steps_of_one(tmp_path, embedded_cache, common, runs, grad_norm=True)
     assert all(r["grad_norm"] > 0.5 for r in logs["one"])   # clipping was active on every step
     summary = json.loads((tmp_path / "etp2" / "summary.json").read_text())
     assert (summary["world_size"], summary["ep_size"], summary["etp_size"]) == (2, 1, 2)

@@ -326,16 +326,23 @@ class AllToAllDispatcher:
             self.exchange.move(values_N.index_select(0, state.unique_token_U), state.row_route)
         return arrived.index_select(0, state.arrived_row_M)
 
-    def _keep_highest_gates(self, expert_C: torch.Tensor, gate_C: torch.Tensor):
-        """(order: kept copies by expert, then the dropped ones; which of the ordered copies are dropped;
-        kept copies per expert)."""
+    def _ranked_within_experts(self, expert_C: torch.Tensor, gate_C: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(order: the copies by expert, then by gate, highest first (ties: the lower pair index); each ordered
+        copy's place within its expert; copies per expert): what capacity keeps, the first `capacity` places."""
         num_pairs = expert_C.shape[0]
         by_gate = torch.argsort(gate_C, descending=True, stable=True)
         order_C = by_gate.index_select(0, torch.argsort(expert_C.index_select(0, by_gate), stable=True))
         counts_E = count_per_bin(expert_C, self.num_experts)
         first_of_expert_C = torch.repeat_interleave(counts_E.cumsum(0) - counts_E, counts_E, output_size=num_pairs)
-        capacity = self.capacity(num_pairs)
-        dropped_C = torch.arange(num_pairs, device=expert_C.device) - first_of_expert_C >= capacity
+        return order_C, torch.arange(num_pairs, device=expert_C.device) - first_of_expert_C, counts_E
+
+    def _keep_highest_gates(self, expert_C: torch.Tensor, gate_C: torch.Tensor):
+        """(order: kept copies by expert, then the dropped ones; which of the ordered copies are dropped;
+        kept copies per expert)."""
+        order_C, place_C, counts_E = self._ranked_within_experts(expert_C, gate_C)
+        capacity = self.capacity(expert_C.shape[0])
+        dropped_C = place_C >= capacity
         to_end = torch.argsort(dropped_C.to(torch.uint8), stable=True)   # kept first, each in expert order
         return order_C.index_select(0, to_end), dropped_C.index_select(0, to_end), counts_E.clamp(max=capacity)
 
@@ -378,7 +385,7 @@ class AllToAllDispatcher:
         """Dropped copies / routed copies over the whole data-parallel batch: a device scalar (read with the
         other metrics at log intervals)."""
         counts = torch.empty(2, dtype=torch.float64, device=collective_device())
-        counts[0], counts[1] = state.dropped_pairs, state.num_pairs   # fills: no host-to-device copy
+        counts[0], counts[1] = state.dropped_pairs, state.num_pairs   # fills (a host int, or a device scalar)
         if data_parallel_group is not None and world_size(data_parallel_group) > 1:
             dist.all_reduce(counts, group=data_parallel_group)
         return counts[0] / counts[1].clamp(min=1)

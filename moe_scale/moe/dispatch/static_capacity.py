@@ -26,14 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from moe_scale.distributed.comm import collective_device, world_size
 from moe_scale.moe.dispatch.dispatcher import AllToAllDispatcher
 from moe_scale.moe.dispatch.exchange import InFlight, Route
 from moe_scale.moe.dispatch.pieces import chunk_bounds
 from moe_scale.moe.expert_counts import ExpertCounts
-from moe_scale.moe.kernel_policy import count_per_bin
 
 
 @dataclass
@@ -50,8 +47,7 @@ class StaticDispatchState:
     dropped_pairs: torch.Tensor     # device scalar: copies over capacity
 
     def expert_counts(self) -> ExpertCounts:
-        L, per = self.num_local_experts, self.slots_per_expert
-        return ExpertCounts(torch.full((L,), per, dtype=torch.long, device=self.token_of_slot_S.device), [per] * L)
+        return _slots_per_expert(self.num_local_experts, self.slots_per_expert, self.token_of_slot_S.device)
 
     def pair_rows(self) -> None:
         """Each arrived slot is its own row: None (the experts then return one output per slot)."""
@@ -81,12 +77,7 @@ class StaticCapacityDispatcher(AllToAllDispatcher):
             raise ValueError("capacity dispatch needs the gates to decide which copies to drop")
         num_tokens, num_pairs, E = x_ND.shape[0], expert_C.shape[0], self.num_experts
         cap, device = self.capacity(num_pairs), x_ND.device
-        # By expert, then by gate (highest first; ties: the lower pair index): a copy's place within its expert.
-        by_gate = torch.argsort(gate_C.detach(), descending=True, stable=True)
-        order_C = by_gate.index_select(0, torch.argsort(expert_C.index_select(0, by_gate), stable=True))
-        counts_E = count_per_bin(expert_C, E)
-        first_C = torch.repeat_interleave(counts_E.cumsum(0) - counts_E, counts_E, output_size=num_pairs)
-        place_C = torch.arange(num_pairs, device=device) - first_C
+        order_C, place_C, _ = self._ranked_within_experts(expert_C, gate_C.detach())
         kept_C = place_C < cap
         # Slot e * cap + place for a kept copy; a dropped one goes past the S slots (each to its own place).
         slot_C = torch.where(kept_C, expert_C.index_select(0, order_C) * cap + place_C,
@@ -136,16 +127,6 @@ class StaticCapacityDispatcher(AllToAllDispatcher):
         return back_SD.new_zeros(state.num_tokens + 1, back_SD.shape[1]).index_add(
             0, state.token_of_slot_S, back_SD)[:state.num_tokens]
 
-    def dropped_fraction(self, state: StaticDispatchState, data_parallel_group) -> torch.Tensor:
-        """As AllToAllDispatcher's, from the device's count of dropped copies (no read)."""
-        counts = torch.empty(2, dtype=torch.float64, device=collective_device())
-        counts[0] = state.dropped_pairs   # a device-to-device copy
-        counts[1] = state.num_pairs
-        if data_parallel_group is not None and world_size(data_parallel_group) > 1:
-            dist.all_reduce(counts, group=data_parallel_group)
-        return counts[0] / counts[1].clamp(min=1)
-
-
 @dataclass
 class _Slots:
     cap: int
@@ -164,9 +145,8 @@ class _SlotPiece:
         self.back: InFlight | None = None
 
     def land(self):
-        L, per = self.dispatcher.num_local_experts, self.slots_per_expert
         rows_MD = self._rows.land()
-        counts = ExpertCounts(torch.full((L,), per, dtype=torch.long, device=rows_MD.device), [per] * L)
+        counts = _slots_per_expert(self.dispatcher.num_local_experts, self.slots_per_expert, rows_MD.device)
         return rows_MD, counts, None, self._gates.land()[:, 0]
 
     def start_back(self, per_row_MD: torch.Tensor) -> None:
@@ -192,6 +172,12 @@ class SlotPieces:
         back_SD = torch.cat([b.view(self.num_experts, -1, D) for b in back], dim=1).view(-1, D)
         return back_SD.new_zeros(self.num_tokens + 1, D).index_add(0, self.slots.token_of_slot_S, back_SD)[
             :self.num_tokens]
+
+
+def _slots_per_expert(num_local_experts: int, slots: int, device: torch.device) -> ExpertCounts:
+    """Every local expert's rows: `slots`, on the device and known to the host."""
+    return ExpertCounts(torch.full((num_local_experts,), slots, dtype=torch.long, device=device),
+                        [slots] * num_local_experts)
 
 
 def route_slots(route: Route, cap: int) -> int:
