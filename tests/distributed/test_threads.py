@@ -118,7 +118,8 @@ def test_busy_cores_are_the_machines_busy_share_of_this_process_cores(cores, mon
 def test_a_loaded_machine_gives_a_process_fewer_threads(torch_threads):
     """Real load: as many spinning processes as this process's cores; it takes 1 thread, not torch's count."""
     cores = threads.usable_cores()
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    spinner = [sys.executable, "-S", "-c", "while True: pass"]   # -S: no site import, spinning at once
+    spinners = [subprocess.Popen(spinner) for _ in range(cores)]
     try:
         time.sleep(0.3)
         torch.set_num_threads(cores)
