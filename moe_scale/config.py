@@ -377,10 +377,10 @@ class ExpertsConfig:
                                  "(its first layer by columns, its second by rows), beside --ep-size: experts live "
                                  "on groups of ep-size x etp-size ranks, so 8 experts can use 16 GPUs "
                                  "(docs/routing.md#expert-tensor-parallelism)", key="etp_size",
-                              needs=Needs(lambda c: c.has_moe_ffn and c.moe.router.gate != "hierarchical"
+                              needs=Needs(lambda c: c.has_moe_ffn
                                           and not (c.model.kind == "transformer" and c.attention.kind == "moa"),
-                                          "an MoE layer with a flat gate (not --gate hierarchical), without "
-                                          "--attention moa"))
+                                          "an MoE layer without --attention moa (its attention experts are not "
+                                          "split)"))
     grad_reuse: bool = _f(True, "CPU: write the expert weights' gradients into the memory of the last ones, not "
                                 "onto fresh pages the kernel must zero first (faster; that memory, one gradient "
                                 "per expert weight, stays allocated between steps)", key="expert_grad_reuse")

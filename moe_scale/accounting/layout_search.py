@@ -45,11 +45,10 @@ def candidate_layouts(planner: Planner, base: Layout, nodes: list[int]) -> list[
 
 
 def tensor_parallel_sizes(config) -> list[int]:
-    """--etp-size values worth trying: 1, 2, 4 and 8 where they divide an expert's hidden units (a flat gate's MoE
-    layer only: the hierarchical gate and MoA attention experts are never split)."""
+    """--etp-size values worth trying: 1, 2, 4 and 8 where they divide an expert's hidden units (an MoE layer's
+    experts only: MoA's attention experts are never split)."""
     experts = config.moe.experts
-    if not config.has_moe_ffn or config.moe.router.gate == "hierarchical" or \
-            config.model.kind == "transformer" and config.attention.kind == "moa":
+    if not config.has_moe_ffn or config.model.kind == "transformer" and config.attention.kind == "moa":
         return [experts.tensor_parallel]
     return [t for t in (1, 2, 4, 8) if experts.hidden % t == 0]
 

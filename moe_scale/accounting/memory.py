@@ -50,7 +50,7 @@ def model_state_bytes(model: PlannedModel, layout: Layout) -> dict[str, float]:
     half = layout.precision == "bf16"
     weight, grad, master = (2, 2, 4) if half else (4, 4, 0)
     stage, world, edp = layout.zero_stage, layout.world, layout.expert_data_parallel
-    dense, experts = model.dense_params, model.sharded_params / layout.expert_ranks
+    dense, experts = model.dense_params, model.sharded_per_rank(layout.expert_ranks, layout.etp_size)
     split = model.vocab_split(world)
     tables = model.vocab_params / world if split else model.vocab_params
     table_group = 1 if split else world   # each split row lives on one rank: nothing to partition
@@ -123,7 +123,7 @@ def reserve_bytes(model: PlannedModel, layout: Layout, gpu: GPU, ds_config: dict
     if layout.zero_stage >= 1:
         zero = ds_config.get("zero_optimization", {})
         grad = 2 if layout.precision == "bf16" else 4
-        local = model.params_per_gpu(layout.expert_ranks, layout.world)
+        local = model.params_per_gpu(layout.expert_ranks, layout.world, layout.etp_size)
         buckets = grad * (min(zero.get("reduce_bucket_size", DEEPSPEED_BUCKET_ELEMENTS), local)
                           + min(zero.get("allgather_bucket_size", DEEPSPEED_BUCKET_ELEMENTS), local))
     return {"cuda_context": CUDA_CONTEXT_GIB * GIB, "nccl_buffers": nccl * GIB, "deepspeed_buckets": buckets,

@@ -81,6 +81,8 @@ class PlannedModel:
     activation_values_per_token: float
     masks_per_token: int              # 1-byte dropout masks per token
     gemms: tuple[Gemms, ...] = ()     # the forward MACs per token by product shape (accounting/kernels.py)
+    copied_params: int = 0            # of sharded_params, what --etp-size copies on each shard's rank, not splits
+                                      # (the hierarchical gate's secondary matrices)
 
     @property
     def total_params(self) -> int:
@@ -89,10 +91,15 @@ class PlannedModel:
     def vocab_split(self, world: int) -> bool:
         return rows_split(self.config, world)
 
-    def params_per_gpu(self, ep_size: int, world: int) -> float:
+    def params_per_gpu(self, expert_ranks: int, world: int, etp_size: int = 1) -> float:
         """The parameters one rank holds: the dense ones, its experts, the vocabulary tables or its rows of them."""
         tables = self.vocab_params / world if self.vocab_split(world) else self.vocab_params
-        return self.dense_params + self.sharded_params / ep_size + tables
+        return self.dense_params + self.sharded_per_rank(expert_ranks, etp_size) + tables
+
+    def sharded_per_rank(self, expert_ranks: int, etp_size: int = 1) -> float:
+        """The sharded parameters one rank holds: its share of the experts, split over the expert_ranks ranks
+        (--ep-size x --etp-size), and of what --etp-size copies, split over the --ep-size ranks only."""
+        return (self.sharded_params + (etp_size - 1) * self.copied_params) / expert_ranks
 
     @property
     def sharded_units(self) -> list[int]:
@@ -112,6 +119,7 @@ def planned_model(config: RunConfig) -> PlannedModel:
         model = build_model(whole, vocab, ep_size=1, ep_rank=0, counts=counts)
     shards = [shard.param for layer in model.moe_layers() for shard in layer.expert_shards().values()]
     sharded = sum(p.numel() for p in shards)
+    copied = sum(p.numel() for layer in model.moe_layers() for p in layer.shard_copies())
     tables = sum(p.numel() for p in row_split_tables(model))
     softmax_macs = model.softmax.forward_macs_per_token()
     macs = {**forward_macs_per_token(config, vocab, config.data.seq_len), "softmax": softmax_macs}
@@ -120,7 +128,7 @@ def planned_model(config: RunConfig) -> PlannedModel:
     values, masks = _activations_per_token(config, softmax_macs / config.model.d_model)
     return PlannedModel(config, vocab, sum(p.numel() for p in model.parameters()) - sharded - tables, sharded, tables,
                         sum(factored_state_numel(p.shape) for p in shards), tuple(layers),
-                        training_flops_per_token(macs), recompute, values, masks, gemm_groups(config, macs))
+                        training_flops_per_token(macs), recompute, values, masks, gemm_groups(config, macs), copied)
 
 
 def factored_state_numel(shape: torch.Size) -> int:

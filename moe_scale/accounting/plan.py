@@ -74,7 +74,7 @@ class Planner:
                 "batch_sequences": config.train.batch_size,
                 "tokens_per_step": tokens, "tokens_per_gpu": tokens / layout.world,
                 "params_total": self.model.total_params,
-                "params_per_gpu": round(self.model.params_per_gpu(layout.expert_ranks, layout.world)),
+                "params_per_gpu": round(self.model.params_per_gpu(layout.expert_ranks, layout.world, layout.etp_size)),
                 "etp_size": layout.etp_size,
                 "flops_per_token": self.model.flops_per_token, **mem, "time": time,
                 "tokens_per_s": time["tokens_per_s"], "tflops_per_gpu": time["tflops_per_gpu"], "mfu": time["mfu"],

@@ -131,7 +131,7 @@ def gradient_sync(net: Network, model: PlannedModel, layout: Layout) -> tuple[fl
     """(seconds of the reduce-scatter or all-reduce, seconds of the ZeRO all-gather of weights)."""
     grad = weight = 2 if layout.precision == "bf16" else 4
     world, edp, G = layout.world, layout.expert_data_parallel, layout.gpus_per_node
-    experts = model.sharded_params / layout.expert_ranks
+    experts = model.sharded_per_rank(layout.expert_ranks, layout.etp_size)
     # split tables: each row lives on one rank, which has every rank's contribution to it: nothing to reduce
     groups = [(model.dense_params + (0 if model.vocab_split(world) else model.vocab_params), world, world > G)]
     if experts and edp > 1:
@@ -147,11 +147,16 @@ def gradient_sync(net: Network, model: PlannedModel, layout: Layout) -> tuple[fl
 
 
 def small_syncs(net: Network, model: PlannedModel, layout: Layout) -> float:
-    """The routers' statistics (forward and backward, every micro-batch) and the gradient norm (once)."""
+    """The routers' statistics (forward and backward, every micro-batch), the gradients of what --etp-size copies
+    summed over each expert's shards (every micro-batch's backward) and the gradient norm (once)."""
     world, spans = layout.world, layout.world > layout.gpus_per_node
     if world == 1:
         return 0.0
     routers = sum(2 * net.reduce(2 * layer.units * 4, world, spans, 2) for layer in model.expert_layers)
+    T = layout.etp_size
+    if T > 1 and model.copied_params:
+        grad = 2 if layout.precision == "bf16" else 4
+        routers += net.reduce(model.copied_params / layout.ep_size * grad, T, T > layout.gpus_per_node, 2)
     return model.config.train.grad_accum * routers + net.reduce(2 * 8, world, spans, 2)
 
 
@@ -159,7 +164,8 @@ def optimizer_seconds(model: PlannedModel, layout: Layout, gpu: GPU) -> float:
     partitioned = layout.zero_stage >= 1
     split = model.vocab_split(layout.world)
     dense = (model.dense_params + (0 if split else model.vocab_params)) / (layout.world if partitioned else 1)
-    experts = model.sharded_params / layout.expert_ranks / (layout.expert_data_parallel if partitioned else 1)
+    experts = model.sharded_per_rank(layout.expert_ranks, layout.etp_size) / \
+        (layout.expert_data_parallel if partitioned else 1)
     tables = model.vocab_params / layout.world if split else 0.0
     adam = OPTIMIZER_BYTES[("adam", layout.precision)]
     expert_bytes = OPTIMIZER_BYTES[("factored", "fp32")] if layout.optimizer == "factored" else adam

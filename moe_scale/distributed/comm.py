@@ -34,6 +34,27 @@ class _SumOverGroup(torch.autograd.Function):
         return _SumOverGroup.apply(grad, ctx.group), None
 
 
+class _CopiesOverGroup(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the group: a tensor held as copies on the group's
+    ranks, each copy's gradient one share of the whole (Megatron's copy to the tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone(memory_format=torch.contiguous_format)   # (autograd may hand the same tensor elsewhere)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def copies_over(t: torch.Tensor, group) -> torch.Tensor:
+    """`t`, with its gradient summed over `group` in the backward (None or one rank: `t` itself)."""
+    return t if group is None or world_size(group) == 1 else _CopiesOverGroup.apply(t, group)
+
+
 class BatchCollectives:
     """What a gate needs from its data-parallel group (None: one process, where each is the identity).
 

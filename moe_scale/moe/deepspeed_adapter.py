@@ -14,6 +14,10 @@ only (none of DeepSpeed's gate or dispatch code runs) and provides what the engi
   the experts (the hierarchical gate's secondary matrices, [A/P, D, G]: column j of group i belongs to expert
   i*G + j) are `ExpertShard`s too, checkpointed in their experts' files the same way.
 
+A parameter held as copies on several ranks of an expert-parallel group (the hierarchical gate's secondary
+matrices under --etp-size) is flagged `ds_pipe_replicated` on every copy but the first (`mark_copies`): DeepSpeed's
+gradient norms (ZeRO, bf16, fp16, and train/clipping.py's) skip such parameters, so the norm counts it once.
+
 DeepSpeed's group helpers are private; moe_scale/deepspeed_internals.py holds them with every other private name.
 """
 
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
+from deepspeed.runtime.constants import PIPE_REPLICATED
 from torch import nn
 
 from moe_scale.deepspeed_internals import expert_parallel_groups
@@ -52,6 +57,13 @@ class ExpertShard:
             return per_expert
         rows = per_expert.shape[0] // self.experts_per_row
         return per_expert.reshape(rows, self.experts_per_row, *per_expert.shape[1:]).movedim(1, -1).contiguous()
+
+
+def mark_copies(params) -> None:
+    """These parameters are copies of another rank's: the gradient norm leaves them out (DeepSpeed's flag for
+    parameters pipeline parallelism replicates)."""
+    for param in params:
+        setattr(param, PIPE_REPLICATED, True)
 
 
 @dataclass
@@ -114,6 +126,11 @@ class ExpertParallelModule(DeepSpeedMoE):
         (subclasses add what else lives with them)."""
         return {STACKED_PREFIX + name: ExpertShard(param, self.num_local_experts, self.num_experts)
                 for name, param in self.experts.named_parameters()}
+
+    def shard_copies(self) -> list[nn.Parameter]:
+        """Those of expert_shards' parameters that each of the --etp-size ranks sharing an expert rank holds whole
+        (a copy, `mark_copies`): none here (HierarchicalMoELayer: its groups' secondary gates)."""
+        return []
 
     def mark_expert_parameters(self) -> None:
         for shard in self.expert_shards().values():

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_scale.moe.deepspeed_adapter import ExpertShard
+from moe_scale.distributed.subgroups import tensor_parallel_group
+from moe_scale.moe.deepspeed_adapter import ExpertShard, ParallelGroups, mark_copies
 from moe_scale.moe.expert_counts import BlockCounts, ExpertCounts
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.layer import MoELayer
@@ -34,16 +35,30 @@ class HierarchicalMoELayer(MoELayer):
     def __init__(self, config: MoEConfig, d_model: int, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
                  kind: str = "relu", router: HierarchicalRouter | None = None):
         """As MoELayer's; the router keeps only this rank's groups' secondary gates (a router built whole is
-        sharded here)."""
+        sharded here). With --etp-size T the T ranks holding shards of the same experts each hold a copy of their
+        groups' secondary gates (`HierarchicalRouter.copied`): DeepSpeed's norms count only the first."""
+        shards = config.experts.tensor_parallel
         if router is None:
-            router = build_router(config.router, d_model, config.experts.num_experts, ep_size, ep_rank)
+            router = build_router(config.router, d_model, config.experts.num_experts, ep_size // shards,
+                                  ep_rank // shards)
         if isinstance(router, HierarchicalRouter):   # MoELayer refuses any other router, in one line
-            router.shard(ep_size, ep_rank)
+            router.shard(ep_size // shards, ep_rank // shards)
         super().__init__(config, d_model, ep_size, ep_rank, seed, kind, router=router)
+        if self.hidden_shard:
+            mark_copies(self.shard_copies())
 
     def dispatch_units(self) -> tuple[int, int]:
-        """The groups: tokens travel once per chosen group, to the rank that holds it."""
-        return self.router.num_groups, self.router.num_local_groups
+        """The groups (their shards, with --etp-size): tokens travel once per chosen group, to the rank that holds
+        it (to each of the ranks holding its shards)."""
+        return self.router.num_groups * self.tensor_parallel, self.router.num_local_groups
+
+    def shard_copies(self) -> list[nn.Parameter]:
+        return list(self.router.sharded_parameters().values())
+
+    def connect(self, parallel: ParallelGroups) -> None:
+        super().connect(parallel)
+        self.router.copied(tensor_parallel_group(parallel.expert_parallel, self.tensor_parallel),
+                           counts_balance=self.hidden_shard == 0)
 
     def expert_shards(self) -> dict[str, ExpertShard]:
         shards = super().expert_shards()
@@ -61,17 +76,24 @@ class HierarchicalMoELayer(MoELayer):
         n, kp, ks = x_ND.shape[0], router.k_primary, router.k_secondary
         groups = router.route_groups(x_ND)
         token_J = torch.arange(n, device=x_ND.device).repeat_interleave(kp, output_size=n * kp)
-        keys_J = router.noise_keys(n, x_ND.device)
-        # capacity mode: padding's (token, group) rows are left out (MoELayer.real_pairs)
-        token_J, group_J, gate_J, *keys = self.real_pairs(
-            (token_J, groups.groups_J, groups.gates_J, *([] if keys_J is None else [keys_J])), n)
-        keys_J, padding_sent = (keys[0] if keys else None), token_J.shape[0] == n * kp
+        noise = [t for t in (router.noise_keys(n, x_ND.device), router.noise_to_send(n, x_ND.device))
+                 if t is not None]   # what of the noise travels with the rows (their keys, or the noise itself)
+        # capacity mode: padding's (token, group) rows are left out (MoELayer.real_pairs); --etp-size: a row per
+        # shard of the group
+        token_J, group_J, gate_J, *noise = self.shard_pairs(
+            *self.real_pairs((token_J, groups.groups_J, groups.gates_J, *noise), n), local=router.num_local_groups)
+        padding_sent = token_J.shape[0] == n * kp * self.tensor_parallel
         rows_RD, state = dispatcher.dispatch_rows(x_ND, token_J, group_J, gate_J, every_token=True)
         row_M = state.pair_rows()
+        keys_M, sent_M = None, None
+        for t in noise:
+            if t.dim() == 1:
+                keys_M = dispatcher.follow_pairs(t, state)
+            else:
+                sent_M = dispatcher.follow_pairs(t, state)
         within = router.route_within_groups(
             rows_RD, row_M, state.expert_counts(), state.pair_local_experts(),
-            dispatcher.follow_pairs(gate_J, state),
-            None if keys_J is None else dispatcher.follow_pairs(keys_J, state), n)
+            dispatcher.follow_pairs(gate_J, state), keys_M, n, sent_M)
         aux_loss, importance_E, load_E = router.balance(groups, within)
 
         # The experts read the (row, expert) pairs sorted by local expert.
@@ -81,9 +103,10 @@ class HierarchicalMoELayer(MoELayer):
         row_of_pair = row_M.repeat_interleave(ks, output_size=arrived * ks).index_select(0, by_expert)
         gate_of_pair = within.gates_MKs.reshape(-1).index_select(0, by_expert)
         counts_L = count_per_bin(expert_MKs, self.num_local_experts)
-        first = self.ep_rank * self.num_local_experts
+        first = self.expert_rank * self.num_local_experts
         self.keep_stats(importance_E, load_E, {}, *(
             nn.functional.pad(local_L, (first, self.num_experts - first - self.num_local_experts))
+            if self.hidden_shard == 0 else local_L.new_zeros(self.num_experts)   # (counted by shard 0's rank)
             for local_L in self._routed_balance(within, state, n, padding_sent)))
         self.keep_dropped_fraction(state)
         self.keep_routes(lambda: (state.local_row_tokens().index_select(0, row_of_pair),   # one process: arrived
@@ -104,7 +127,7 @@ class HierarchicalMoELayer(MoELayer):
         weight_MKs = None
         if real_N is not None and padding_sent:
             kp = self.router.k_primary
-            real_J = real_N.float().repeat_interleave(kp, output_size=num_tokens * kp)   # token_J's order
+            real_J = self.per_shard(real_N.float().repeat_interleave(kp, output_size=num_tokens * kp))
             weight_MKs = self.dispatcher.follow_pairs(real_J, state)[:, None].expand_as(within.gates_MKs).reshape(-1)
         return routed_balance(within.experts_MKs.reshape(-1), within.gates_MKs.reshape(-1), weight_MKs,
                               self.num_local_experts)

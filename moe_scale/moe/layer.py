@@ -73,19 +73,26 @@ class MoELayer(RoutedLayer):
         their T shards each (`shard_pairs`)."""
         return self.num_experts * self.tensor_parallel, self.num_local_experts
 
-    def shard_pairs(self, token_C: torch.Tensor, expert_C: torch.Tensor, gate_C: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def shard_pairs(self, token_C: torch.Tensor, expert_C: torch.Tensor, *values_C: torch.Tensor,
+                    local: int | None = None) -> tuple[torch.Tensor, ...]:
         """--etp-size T: each (token, expert) pair becomes T pairs, one per shard of the expert, each sent to the
-        rank holding that shard: unit (e // L) T L + s L + e % L lives on rank (e // L) T + s as local unit e % L.
-        The shards' outputs, each of its hidden units' share, add up in the combine to the whole expert's; a
-        token's pairs stay together (token-major), so the exchange can still go in pieces."""
-        T, L = self.tensor_parallel, self.num_local_experts
+        rank holding that shard: unit (e // L) T L + s L + e % L lives on rank (e // L) T + s as local unit e % L
+        (L: `local`, the units a rank holds; its experts by default). The shards' outputs, each of its hidden units'
+        share, add up in the combine to the whole expert's; a token's pairs stay together (token-major), so the
+        exchange can still go in pieces. `values_C` (the gates, ...) are copied to each of a pair's shards."""
+        T, L = self.tensor_parallel, local or self.num_local_experts
         if T == 1:
-            return token_C, expert_C, gate_C
+            return token_C, expert_C, *values_C
         shards = torch.arange(T, device=expert_C.device)[None, :]
         units = (expert_C // L * (T * L) + expert_C % L)[:, None] + shards * L   # [pairs, shards]
-        return (token_C[:, None].expand(-1, T).reshape(-1), units.reshape(-1),
-                gate_C[:, None].expand(-1, T).reshape(-1))
+        return self.per_shard(token_C), units.reshape(-1), *(self.per_shard(v) for v in values_C)
+
+    def per_shard(self, values_C: torch.Tensor) -> torch.Tensor:
+        """Each row of values_C [C, ...] repeated once per shard (--etp-size), in shard_pairs' order."""
+        T = self.tensor_parallel
+        if T == 1:
+            return values_C
+        return values_C[:, None].expand(-1, T, *values_C.shape[1:]).reshape(-1, *values_C.shape[1:])
 
     def connect(self, parallel: ParallelGroups) -> None:
         """The one place the layer's parts meet the process groups."""

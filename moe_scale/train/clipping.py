@@ -8,7 +8,8 @@ compute it correctly; tests/train/test_multiprocess.py checks all three.) Here:
     norm² = ‖dense‖²  +  Σ_groups Σ_ranks ‖local experts of the group‖² / (the group's expert-data-parallel replicas)
 
 Dense gradients are identical on every rank after DeepSpeed's all-reduce; each expert's gradient lives on
-the ranks of its expert-data-parallel group, so the sum over all ranks counts it that many times. The rows of the
+the ranks of its expert-data-parallel group, so the sum over all ranks counts it that many times (a parameter
+flagged as another rank's copy, moe/deepspeed_adapter.py's `mark_copies`, is left out). The rows of the
 vocabulary tables split over all ranks (models/vocab_parallel.py) are a group of their own (one copy each), beside
 the experts' (one --ep-size per model).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
+from deepspeed.runtime.constants import PIPE_REPLICATED
 
 from moe_scale.distributed.comm import collective_device
 from moe_scale.models.vocab_parallel import split_parameter_groups
@@ -28,12 +30,13 @@ def expert_aware_clip_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     scalar: nothing here waits for the device)."""
     names = sorted({p.group_name for p in model.parameters() if is_moe_param(p)})
     column = {name: 1 + i for i, name in enumerate(names)}   # 0: dense
-    grads = [(p.grad, column[p.group_name] if is_moe_param(p) else 0) for p in model.parameters()
-             if p.grad is not None]
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [(p.grad, column[p.group_name] if is_moe_param(p) else 0) for p in params]
     device = collective_device()
     sums = torch.zeros(1 + len(names), dtype=torch.float64, device=device)   # [dense², each group's² / replicas]
-    for grad, i in grads:
-        sums[i] += _sum_of_squares(grad.detach()).to(device)
+    for param, (grad, i) in zip(params, grads):
+        if not getattr(param, PIPE_REPLICATED, False):   # (a copy of another rank's: counted there)
+            sums[i] += _sum_of_squares(grad.detach()).to(device)
     if dist.is_initialized() and dist.get_world_size() > 1 and names:
         groups = split_parameter_groups(model)
         for name in names:

@@ -43,7 +43,8 @@ class _Split:
     """Where a parameter split over ranks lies in the whole: entries [first, first + count) of `total` along dim 0
     (experts, or rows of a vocabulary table), kept in the portable file `file` (written by the first rank of the
     parameter's expert-data-parallel group `group_name`). An expert weight under --etp-size is hidden shard
-    `shard` of `shards` of those experts (`hidden`: how its shards split and join)."""
+    `shard` of `shards` of those experts (`hidden`: how its shards split and join); a parameter without hidden
+    units beside them (`hidden` None: the hierarchical gate's secondary matrices) is a whole copy on each shard."""
 
     first: int
     count: int
@@ -233,14 +234,13 @@ class _ExpertFiles:
         `name`: the saved shards joined into whole experts (when the checkpoint has them), then cut as asked."""
         if not self.shards:
             whole = self.slice(name, split.first, split.count, split.total)
-        elif split.hidden is None:   # (no expert weight without hidden units lives beside --etp-size's)
-            raise UserError(f"{name}: its shards cannot be joined; resume with the layout the checkpoint was "
-                            f"written with")
+        elif split.hidden is None:   # without hidden units (the hierarchical gate's secondary matrices): a copy
+            whole = self.shards[0].slice(name, split.first, split.count, split.total)   # beside each shard
         else:
             parts = [shard.slice(name, split.first, split.count, split.total) for shard in self.shards]
             whole = {k: split.hidden.join([p[k] for p in parts]) if _stacked(parts[0][k], None) else parts[0][k]
                      for k in parts[0]}
-        if split.shards == 1:
+        if split.shards == 1 or split.hidden is None:
             return whole
         return {k: split.hidden.slice(v, split.shard, split.shards) if _stacked(v, None) else v
                 for k, v in whole.items()}

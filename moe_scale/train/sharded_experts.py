@@ -4,8 +4,10 @@ DeepSpeed's checkpoint keeps each (expert, shard) as an expert file of its own: 
 expert-model-parallel group, which holds shard s of expert-parallel rank r's L experts, names its local expert l
 unit (r T + s) L + l (moe/layer.py's shard_pairs). A model of whole experts (any --ep-size, one shard) takes expert
 e = r L + l as its shards joined along the hidden units: the first layer's rows by the kind's join_hidden (a gated
-kind's gate and up rows apart), the second layer's rows in order. The non-expert weights are DeepSpeed's module
-file's, the vocabulary rows a split run kept in its portable files as a plain checkpoint's.
+kind's gate and up rows apart), the second layer's rows in order; what lives beside the experts without hidden
+units (the hierarchical gate's secondary matrices) is a copy in each shard's file, read from the first. The
+non-expert weights are DeepSpeed's module file's, the vocabulary rows a split run kept in its portable files as a
+plain checkpoint's.
 """
 
 from __future__ import annotations
@@ -17,9 +19,7 @@ import torch
 
 from moe_scale.config import RunConfig
 from moe_scale.deepspeed_internals import MODEL_STATES_FILE, expert_states_file
-from moe_scale.moe.deepspeed_adapter import DS_EXPERT_PREFIX, ExpertParallelModule
-
-WEIGHTS = ("w_in", "w_out")
+from moe_scale.moe.deepspeed_adapter import DS_EXPERT_PREFIX, STACKED_PREFIX, ExpertParallelModule
 
 
 def shards_of(config: RunConfig) -> int:
@@ -44,17 +44,20 @@ def sharded_state(model: torch.nn.Module, checkpoint: Path, run: RunConfig) -> d
         if not isinstance(module, ExpertParallelModule):
             continue
         kind = module.experts.kind
+        names = [name.removeprefix(STACKED_PREFIX) for name in module.expert_shards()]
         for local in range(module.num_local_experts):
             expert = module.expert_rank * module.num_local_experts + local
             rank, index = divmod(expert, experts_per_rank)
-            parts: dict[str, list[torch.Tensor]] = {weight: [] for weight in WEIGHTS}
+            parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
             for shard in range(shards):
                 unit = (rank * shards + shard) * experts_per_rank + index
                 saved = torch.load(expert_states_file(checkpoint, layer_id, unit), map_location="cpu",
                                    weights_only=False)
-                for weight in WEIGHTS:
-                    parts[weight].append(saved[f"{prefix}.{DS_EXPERT_PREFIX}{unit}.{weight}"])
+                for name in names:
+                    parts[name].append(saved[f"{prefix}.{DS_EXPERT_PREFIX}{unit}.{name}"])
             key = f"{prefix}.{DS_EXPERT_PREFIX}{local}."
+            for name, values in parts.items():   # beside the weights: a copy with each shard (the first's)
+                state[key + name] = values[0]
             state[key + "w_in"] = kind.join_hidden([w[None] for w in parts["w_in"]])[0]
             state[key + "w_out"] = torch.cat(parts["w_out"])
         layer_id += 1

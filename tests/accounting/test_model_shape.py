@@ -57,6 +57,13 @@ def test_counts_equal_the_built_model(name):
     half = build_model(config, VOCAB, ep_size=2, ep_rank=1, world=2, rank=1)
     assert sum(p.numel() for p in half.parameters()) == planned.params_per_gpu(2, 2) == \
         planned.dense_params + planned.sharded_params // 2 + planned.vocab_params // 2
+    if config.attention.kind != "moa":   # --etp-size 2 beside 2 expert-parallel ranks: a quarter of the experts'
+        config.moe.experts.tensor_parallel = 2   # units each, half of what is copied (the secondary gates)
+        quarter = build_model(config, VOCAB, ep_size=4, ep_rank=3, world=4, rank=3)
+        copied = planned.copied_params
+        assert (copied > 0) == (config.moe.router.gate == "hierarchical")
+        assert sum(p.numel() for p in quarter.parameters()) == planned.params_per_gpu(4, 4, etp_size=2) == \
+            planned.dense_params + (planned.sharded_params - copied) // 4 + copied // 2 + planned.vocab_params // 4
     # FLOPs per token by train's own rule (train/report.py)
     macs = {**forward_macs_per_token(config, VOCAB, config.data.seq_len),
             "softmax": model.softmax.forward_macs_per_token()}

@@ -114,7 +114,8 @@ def test_the_search_keeps_axes_a_dense_model_does_not_have():
 def test_expert_tensor_parallelism_splits_the_experts_and_multiplies_the_rows():
     """--etp-size 2 at ep 4 on 8 GPUs: the experts' parameters over 8 ranks, not 4; each token's row goes to both
     shards of each expert rank it picks (2 x 4 (1 - C(6, 2) / C(8, 2)) ranks); the search tries etp 1, 2, 4, 8 (each
-    dividing the hidden units), and only 1 for the hierarchical gate."""
+    dividing the hidden units), for the hierarchical gate too, whose secondary gates each shard's rank holds whole
+    (their gradients summed over the shards: a small sync more)."""
     config = RunConfig.from_settings(num_experts=8, d_model=64, expert_hidden=256, vocab_size=2000, batch_size=64)
     config.validate()
     model = planned_model(config)
@@ -131,8 +132,14 @@ def test_expert_tensor_parallelism_splits_the_experts_and_multiplies_the_rows():
     assert planned_model(given).sharded_params == model.sharded_params
     hierarchical = RunConfig.from_settings(gate="hierarchical", num_groups=2, num_experts=8, expert_hidden=256,
                                            vocab_size=2000)
-    assert {x.etp_size for x in candidate_layouts(Planner(planned_model(hierarchical), get_gpu("h100-sxm"),
-                                                          DEFAULT_DS_CONFIG), Layout(1, 8), [1])} == {1}
+    two_level = Planner(planned_model(hierarchical), get_gpu("h100-sxm"), DEFAULT_DS_CONFIG)
+    assert {x.etp_size for x in candidate_layouts(two_level, Layout(1, 8), [1])} == {1, 2, 4, 8}
+    whole, split = two_level.plan(Layout(1, 8, ep_size=2)), two_level.plan(Layout(1, 8, ep_size=2, etp_size=2))
+    copied = two_level.model.copied_params
+    assert copied == 2 * 8 * hierarchical.model.d_model   # [groups, D, experts per group], twice
+    assert whole["params_per_gpu"] - split["params_per_gpu"] == \
+        pytest.approx((two_level.model.sharded_params - copied) / 4, abs=1)
+    assert split["time"]["seconds"]["sync"] > whole["time"]["seconds"]["sync"]
 
 
 def test_grad_accum_splits_activations_and_multiplies_the_exchanges():

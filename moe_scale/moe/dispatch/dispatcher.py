@@ -370,9 +370,13 @@ class AllToAllDispatcher:
         return torch.zeros_like(dropped_by_rank).index_copy_(0, by_rank, dropped_by_rank)   # by pair index
 
     def follow_pairs(self, values_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
-        """values_C[p] (one per routed pair, any dtype) delivered with pair p: [M], in the order of the arrived
-        pairs (grouped by local expert), without planning the exchange again."""
-        return self.exchange.move(values_C.index_select(0, state.sort_order_S)[:, None], state.pair_route)[:, 0]
+        """values_C[p] (one per routed pair, a number or a row of them, any dtype) delivered with pair p: [M] (or
+        [M, width]), in the order of the arrived pairs (grouped by local expert), without planning the exchange
+        again."""
+        sorted_S = values_C.index_select(0, state.sort_order_S)
+        if values_C.dim() == 2:
+            return self.exchange.move(sorted_S, state.pair_route)
+        return self.exchange.move(sorted_S[:, None], state.pair_route)[:, 0]
 
     def combine(self, y_MD: torch.Tensor, gate_C: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """out[t] = sum over the delivered pairs p of token t of gate_C[p] * (expert output for p)."""

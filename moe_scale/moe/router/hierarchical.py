@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from moe_scale.distributed.comm import copies_over
 from moe_scale.moe.experts.grouped_gemm import GroupLayout, per_expert_outer, rows_times_expert
 from moe_scale.moe.kernel_policy import count_per_bin
 from moe_scale.moe.losses import balance_loss
@@ -186,6 +187,7 @@ class HierarchicalRouter(Router):
             self.small_init_(secondary, d_model)
         self.w_gate_secondary = nn.Parameter(secondary[local].clone())
         self.w_noise_secondary = nn.Parameter(torch.zeros(self.num_local_groups, d_model, b))
+        self.copies, self.counts_balance = None, True   # see `copied`
 
     @classmethod
     def from_config(cls, config: RouterConfig, d_model: int, num_experts: int, ep_size: int = 1,
@@ -223,6 +225,17 @@ class HierarchicalRouter(Router):
                 param.data = param.data[first:first + local].clone()
         self.num_local_groups, self.first_group = local, first
 
+    def copied(self, group, counts_balance: bool) -> None:
+        """--etp-size T: the T ranks of `group` (each holding a shard of the same experts) hold copies of these
+        groups' secondary matrices and score the same rows with them. Each copy's gradient is the share of its
+        experts' shard, so the gradients sum over `group` in the backward; the balance statistics count only the
+        copy with `counts_balance` (one per group of ranks), and noise drawn per rank is drawn on the tokens' ranks
+        and sent with the rows (`noise_to_send`), so every copy picks the same experts.
+
+        The copies' graphs must stay alike: autograd runs the backward's collectives (this sum, the exchange's, the
+        balance statistics') in graph order, and copies whose graphs differ could each wait in another one."""
+        self.copies, self.counts_balance = group, counts_balance
+
     # ---------------------------------------------------------------- the three steps
 
     def route_groups(self, x_ND: Tensor) -> GroupRoute:
@@ -247,11 +260,20 @@ class HierarchicalRouter(Router):
         j = num_tokens * self.k_primary
         return sampler.first_row(j) + torch.arange(j, device=device)
 
+    def noise_to_send(self, num_tokens: int, device: torch.device) -> Optional[Tensor]:
+        """Under copies (`copied`), with noise drawn per rank: the secondary noise [J, G] of this rank's J token-major
+        rows, drawn here (after the primary's) to travel with them; else None."""
+        if self.copies is None or not (self.training and self.noisy) or hasattr(self.noise_sampler, "rows"):
+            return None
+        return sample_noise(self.noise_sampler, num_tokens * self.k_primary, self.experts_per_group, device)
+
     def route_within_groups(self, x_RD: Tensor, row_M: Tensor, counts, group_M: Tensor, gates_M: Tensor,
-                            noise_key_M: Optional[Tensor], num_tokens: int) -> WithinGroups:
+                            noise_key_M: Optional[Tensor], num_tokens: int,
+                            sent_noise_MG: Optional[Tensor] = None) -> WithinGroups:
         """The secondary gates of this rank's groups for M rows sorted by group: row m reads x_RD[row_M[m]],
         belongs to local group group_M[m] (`counts` rows per local group: device tensor, or (device, host)) and
-        carries its primary gate gates_M[m]. `num_tokens`: tokens per rank (for keyed noise)."""
+        carries its primary gate gates_M[m]. `num_tokens`: tokens per rank (for keyed noise); `sent_noise_MG`: the
+        rows' noise as drawn on their tokens' ranks (`noise_to_send`)."""
         b, ks, groups = self.experts_per_group, self.k_secondary, self.num_local_groups
         noisy = self.training and self.noisy
         with gating_precision(x_RD) as x_RD:
@@ -260,7 +282,7 @@ class HierarchicalRouter(Router):
             pad = -b % (16 // x_RD.element_size()) if layout.kernel in ("grouped", "triton") else 0
 
             def picked(w_aDG: Tensor) -> Tensor:
-                w_aDG = w_aDG.to(dtype)
+                w_aDG = copies_over(w_aDG, self.copies).to(dtype)
                 if pad:   # grouped GEMMs read rows 16-byte aligned: zero columns up to the next multiple
                     w_aDG = nn.functional.pad(w_aDG, (0, pad))
                 return _PickedGroupProduct.apply(x_RD, w_aDG, row_M, layout)[:, :b]
@@ -269,7 +291,8 @@ class HierarchicalRouter(Router):
             raw_MG = noise_MG = None
             if noisy:
                 raw_MG = picked(self.w_noise_secondary)
-                noise_MG = self._secondary_noise(row_M.shape[0], noise_key_M, num_tokens, x_RD.device).to(dtype)
+                noise_MG = (sent_noise_MG if sent_noise_MG is not None else
+                            self._secondary_noise(row_M.shape[0], noise_key_M, num_tokens, x_RD.device)).to(dtype)
             # Load_i(X^(i)): the secondary smooth load summed per group, NOT multiplied by G_p
             gs_MKs, local_MKs, load_aG = _top_k(clean_MG, raw_MG, noise_MG, ks, self.noise_epsilon, group_M, groups)
             experts_MKs = group_M[:, None] * b + local_MKs
@@ -292,8 +315,10 @@ class HierarchicalRouter(Router):
         def spread(local_aG: Tensor) -> Tensor:   # this rank's groups' entries in an all-experts vector
             return nn.functional.pad(local_aG.reshape(-1), (first, e - first - local))
 
-        stats = self.batch.sum(torch.cat([spread(within.importance_aG), spread(within.load_aG), route.load_A,
-                                               route.count_A]))
+        secondary = [spread(within.importance_aG), spread(within.load_aG)]
+        if not self.counts_balance:   # another copy of these groups' gates counts them (`copied`); times 0, not
+            secondary = [t * 0.0 for t in secondary]   # zeros: the copies' graphs alike (see `copied`)
+        stats = self.batch.sum(torch.cat([*secondary, route.load_A, route.count_A]))
         importance_E, load_s_E, load_p_A, count_A = stats.split([e, e, a, a])
         load_E = (load_p_A[:, None] * load_s_E.reshape(a, b) / (count_A[:, None] + _EPS)).reshape(-1)
         aux_loss = balance_loss(torch.stack([importance_E, load_E]), (self.w_importance, self.w_load))
