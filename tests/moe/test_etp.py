@@ -142,17 +142,21 @@ def test_expert_tensor_parallel_ranks_equal_one_process(world):
 
 def test_saved_shards_join_into_whole_experts_and_cut_anew(tmp_path):
     """The portable state of an --etp-size 2 checkpoint (2 expert-parallel ranks x 2 shards, SwiGLU) read for
-    another layout: the whole experts' weights and moments, and any shard of them, each exactly."""
+    another layout: the whole experts' weights and moments, and any shard of them, each exactly; the hierarchical
+    gate's secondary gates, copied beside each shard, whole for any layout."""
     from moe_scale.train.reshard import _ExpertFiles, _HiddenUnits, _Split
 
     kind = expert_kind("swiglu")
     whole = torch.randn(E, 2 * H, D, generator=torch.Generator().manual_seed(0))   # gate rows, then up rows
     hidden = _HiddenUnits(kind, first_layer=True)
+    gates = torch.randn(E // 2, D, 2, generator=torch.Generator().manual_seed(1))   # 2 groups' secondary gates
     for rank in range(2):
         for shard in range(2):
             part = hidden.slice(whole[rank * 2:(rank + 1) * 2], shard, 2)
             torch.save({"experts.w_in": {"first": rank * 2, "total": E,
-                                         "state": {"param": part, "exp_avg": 2 * part, "step": 3}}},
+                                         "state": {"param": part, "exp_avg": 2 * part, "step": 3}},
+                        "router.w_gate_secondary": {"first": rank, "total": E // 2,   # a copy beside each shard
+                                                    "state": {"param": gates[rank:rank + 1], "step": 3}}},
                        tmp_path / f"experts_ep{rank}_etp{shard}of2.pt")
     files = _ExpertFiles(tmp_path)
     got = files.shard_of("experts.w_in", _Split(1, 2, E, "x", "g", 0, 1, hidden))   # experts 1 and 2, whole
@@ -161,3 +165,6 @@ def test_saved_shards_join_into_whole_experts_and_cut_anew(tmp_path):
         for shard in range(shards):
             got = files.shard_of("experts.w_in", _Split(0, E, E, "x", "g", shard, shards, hidden))["param"]
             assert torch.equal(got, torch.stack([kind.hidden_slice(whole[e], shard, shards) for e in range(E)]))
+    for shard, shards in ((0, 1), (0, 2), (1, 2)):   # the copies: whole, into any layout
+        got = files.shard_of("router.w_gate_secondary", _Split(0, E // 2, E // 2, "x", "g", shard, shards))
+        assert torch.equal(got["param"], gates) and got["step"] == 3

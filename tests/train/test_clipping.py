@@ -11,6 +11,7 @@ import torch
 
 from moe_scale.config import RunConfig
 from moe_scale.models.lstm_lm import LSTMMoELM
+from moe_scale.moe.deepspeed_adapter import mark_copies
 from moe_scale.train.clipping import expert_aware_clip_
 
 
@@ -32,6 +33,20 @@ def test_matches_torch_clip_grad_norm():
     assert norm > 0.1
     for a, b in zip(ours.parameters(), reference.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_a_copy_of_another_ranks_parameter_is_clipped_but_not_counted():
+    """(moe/deepspeed_adapter.py's mark_copies: the hierarchical gate's secondary gates on the --etp-size shards'
+    ranks but the first)"""
+    ours, reference = model_with_grads(0), model_with_grads(0)
+    copy = ours.moe.experts.w_out
+    mark_copies([copy])
+    norm = expert_aware_clip_(ours, max_norm=0.1)
+    counted = [p for p, q in zip(reference.parameters(), ours.parameters()) if q is not copy]
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in counted]))
+    assert abs(norm - float(expected)) < 1e-5 * float(expected)
+    for a, b in zip(ours.parameters(), reference.parameters()):   # every gradient scaled by the same factor
+        torch.testing.assert_close(a.grad, b.grad * (0.1 / (expected + 1e-6)))
 
 
 def test_no_clipping_below_the_threshold():

@@ -163,16 +163,22 @@ def test_llama_block_two_processes_expert_parallel_equal_one_process_and_import_
         assert torch.equal(again[name], tensor), name
 
 
-def test_expert_tensor_parallelism_equals_one_process_and_evaluates_whole(tmp_path, embedded_cache):
+@pytest.mark.parametrize("gate", ["flat", "hierarchical"])
+def test_expert_tensor_parallelism_equals_one_process_and_evaluates_whole(tmp_path, embedded_cache, gate):
     """--etp-size 2: each SwiGLU expert's hidden units over 2 ranks. 2 processes (ep 1 x etp 2, clipping active,
-    ZeRO-2) and 4 (ep 2 x etp 2, ZeRO-1) take the steps of one process with whole experts; the 2-process run's
-    sharded checkpoint evaluates in one process, as whole experts, as the one-process run does."""
+    ZeRO-2) and 4 (ep 2 x etp 2, ZeRO-1; the hierarchical gate: without ZeRO, clipped by train/clipping.py) take
+    the steps of one process with whole experts; the 2-process run's sharded checkpoint evaluates in one process,
+    as whole experts, as the one-process run does. The hierarchical gate's secondary gates are copied on the
+    shards' ranks: their gradients summed over the shards, counted once in the norm."""
     common = [*TINY, "--expert-kind", "swiglu", "--noise-rng", "global", "--dropout", "0", "--lr", "0.01",
-              "--warmup-steps", "0", "--max-steps", "3", "--eval-interval", "3", "--checkpoint-interval", "3"]
-    zero2, zero1 = (str(_clip_config(tmp_path, name, clip=0.5)) for name in ("zero2_ep", "zero1_ep"))
+              "--warmup-steps", "0", "--max-steps", "3", "--eval-interval", "3", "--checkpoint-interval", "3",
+              *(["--gate", "hierarchical", "--num-groups", "2", "--top-k", "1", "--top-k-secondary", "2"]
+                if gate == "hierarchical" else [])]
+    zero2, other = (str(_clip_config(tmp_path, name, clip=0.5))
+                    for name in ("zero2_ep", "cpu" if gate == "hierarchical" else "zero1_ep"))
     runs = {"one": (["--ds-config", zero2], 1),
             "etp2": (["--etp-size", "2", "--ds-config", zero2], 2),
-            "ep2_etp2": (["--ep-size", "2", "--etp-size", "2", "--ds-config", zero1], 4)}
+            "ep2_etp2": (["--ep-size", "2", "--etp-size", "2", "--ds-config", other], 4)}
     logs = _runs_take_the_steps_of_one(tmp_path, embedded_cache, common, runs, grad_norm=True)
     assert all(r["grad_norm"] > 0.5 for r in logs["one"])   # clipping was active on every step
     summary = json.loads((tmp_path / "etp2" / "summary.json").read_text())

@@ -22,13 +22,14 @@ SETTINGS = ["--d-model", "32", "--expert-hidden", "32", "--num-experts", "4", "-
             "--eval-max-batches", "2", "--eval-interval", "100", "--log-interval", "1", "--checkpoint-interval", "2",
             "--noise-rng", "global", "--dropout", "0", "--max-steps", "4"]
 ADAPTIVE = ("--softmax", "adaptive", "--adaptive-cutoffs", "50,200")   # each tail cluster's rows split too
+HIERARCHICAL = ("--gate", "hierarchical", "--num-groups", "2", "--top-k", "1", "--top-k-secondary", "2")
 
 
 def _resharded_run_matches(tmp_path, cache, before: tuple[int, ...], after: tuple[int, ...], ds: str,
                            extra: tuple[str, ...] = (), resume_extra: tuple[str, ...] = ()) -> None:
     """`before` and `after`: (processes, --ep-size[, --etp-size])."""
     (procs, ep, etp), (new_procs, new_ep, new_etp) = (*before, 1)[:3], (*after, 1)[:3]
-    extra = (*extra, "--etp-size", str(etp)) if etp > 1 else extra   # (a hierarchical gate refuses the flag)
+    extra = (*extra, "--etp-size", str(etp)) if etp > 1 else extra
     resume_extra = (*resume_extra, "--etp-size", str(new_etp)) if new_etp != etp else resume_extra
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train([*SETTINGS, *extra, "--ds-config", str(CONFIGS / f"{ds}.json"), "--ep-size", str(ep), "--out",
@@ -61,8 +62,7 @@ def test_two_processes_resume_as_one(tmp_path, embedded_cache, ds):
 def test_hierarchical_secondary_gates_live_and_move_with_their_groups(tmp_path, embedded_cache):
     """Each group's secondary gate is sharded with its experts: DeepSpeed's per-expert files hold column j of group
     i with expert i*G + j (and the dense file none of it), and a 2-rank run resumes as 1 process exactly."""
-    _resharded_run_matches(tmp_path, embedded_cache, (2, 2), (1, 1), "zero2_ep",
-                           ("--gate", "hierarchical", "--num-groups", "2", "--top-k", "1", "--top-k-secondary", "2"))
+    _resharded_run_matches(tmp_path, embedded_cache, (2, 2), (1, 1), "zero2_ep", HIERARCHICAL)
     step = tmp_path / "straight" / "checkpoints" / "step00000002"
     dense = torch.load(step / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert not [key for key in dense if "secondary" in key]
@@ -101,12 +101,13 @@ def test_a_resume_may_keep_the_vocabulary_tables_whole_instead(tmp_path, embedde
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("before, after, extra", [((1, 1), (2, 1, 2), ()), ((2, 1, 2), (2, 2), ()),
+@pytest.mark.parametrize("before, after, extra", [((1, 1), (2, 1, 2), ()), ((2, 1, 2), (2, 2), HIERARCHICAL),
                                                   ((2, 2), (4, 4), ADAPTIVE)],
-                         ids=["1_to_etp2", "etp2_to_ep2", "ep2_to_ep4"])
+                         ids=["1_to_etp2", "hierarchical_etp2_to_ep2", "ep2_to_ep4"])
 def test_other_layout_changes(tmp_path, embedded_cache, before, after, extra):
     """(processes, --ep-size[, --etp-size]): whole experts into shards on 2 ranks, shards into whole experts on 2
-    expert-parallel ranks (--etp-size is a change a resume may make), and 2 expert-parallel ranks into 4."""
+    expert-parallel ranks (--etp-size is a change a resume may make; the hierarchical gate's secondary gates, a
+    copy beside each shard, go to their groups' ranks), and 2 expert-parallel ranks into 4."""
     _resharded_run_matches(tmp_path, embedded_cache, before, after, "zero2_ep", extra)
 
 
