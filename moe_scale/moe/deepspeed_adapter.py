@@ -31,6 +31,7 @@ from deepspeed.runtime.constants import PIPE_REPLICATED
 from torch import nn
 
 from moe_scale.deepspeed_internals import expert_parallel_groups
+from moe_scale.distributed.subgroups import tensor_parallel_group
 
 DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 STACKED_PREFIX = "experts."
@@ -74,6 +75,7 @@ class ParallelGroups:
     data_parallel: object          # the ranks whose batches make up the global batch (balance statistics)
     expert_data_parallel: object   # the ranks that hold copies of the same experts (their gradients' sum)
     expert_parallel_rank: int
+    expert_tensor_parallel: object = None   # --etp-size: the ranks holding shards of the same experts (None: 1)
 
 
 class ExpertParallelModule(DeepSpeedMoE):
@@ -144,7 +146,8 @@ class ExpertParallelModule(DeepSpeedMoE):
         if actual_rank != self.ep_rank:
             raise RuntimeError(f"built for expert-parallel rank {self.ep_rank}, but DeepSpeed placed this "
                                f"process at rank {actual_rank} of its expert-parallel group")
-        self.groups = ParallelGroups(expert_parallel, data_parallel, expert_data_parallel, actual_rank)
+        self.groups = ParallelGroups(expert_parallel, data_parallel, expert_data_parallel, actual_rank,
+                                     tensor_parallel_group(expert_parallel, self.tensor_parallel))
         self.connect(self.groups)
 
     def connect(self, parallel: ParallelGroups) -> None:

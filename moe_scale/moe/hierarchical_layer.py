@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_scale.distributed.subgroups import tensor_parallel_group
 from moe_scale.moe.deepspeed_adapter import ExpertShard, ParallelGroups, mark_copies
 from moe_scale.moe.expert_counts import BlockCounts, ExpertCounts
 from moe_scale.moe.kernel_policy import count_per_bin
@@ -57,8 +56,7 @@ class HierarchicalMoELayer(MoELayer):
 
     def connect(self, parallel: ParallelGroups) -> None:
         super().connect(parallel)
-        self.router.copied(tensor_parallel_group(parallel.expert_parallel, self.tensor_parallel),
-                           counts_balance=self.hidden_shard == 0)
+        self.router.copied(parallel.expert_tensor_parallel, counts_balance=self.hidden_shard == 0)
 
     def expert_shards(self) -> dict[str, ExpertShard]:
         shards = super().expert_shards()
@@ -76,24 +74,18 @@ class HierarchicalMoELayer(MoELayer):
         n, kp, ks = x_ND.shape[0], router.k_primary, router.k_secondary
         groups = router.route_groups(x_ND)
         token_J = torch.arange(n, device=x_ND.device).repeat_interleave(kp, output_size=n * kp)
-        noise = [t for t in (router.noise_keys(n, x_ND.device), router.noise_to_send(n, x_ND.device))
-                 if t is not None]   # what of the noise travels with the rows (their keys, or the noise itself)
+        noise_J = router.noise_with_rows(n, x_ND.device)
         # capacity mode: padding's (token, group) rows are left out (MoELayer.real_pairs); --etp-size: a row per
         # shard of the group
-        token_J, group_J, gate_J, *noise = self.shard_pairs(
-            *self.real_pairs((token_J, groups.groups_J, groups.gates_J, *noise), n), local=router.num_local_groups)
+        token_J, group_J, gate_J, *noise = self.shard_pairs(*self.real_pairs(
+            (token_J, groups.groups_J, groups.gates_J, *([] if noise_J is None else [noise_J])), n),
+            local=router.num_local_groups)
         padding_sent = token_J.shape[0] == n * kp * self.tensor_parallel
         rows_RD, state = dispatcher.dispatch_rows(x_ND, token_J, group_J, gate_J, every_token=True)
         row_M = state.pair_rows()
-        keys_M, sent_M = None, None
-        for t in noise:
-            if t.dim() == 1:
-                keys_M = dispatcher.follow_pairs(t, state)
-            else:
-                sent_M = dispatcher.follow_pairs(t, state)
         within = router.route_within_groups(
             rows_RD, row_M, state.expert_counts(), state.pair_local_experts(),
-            dispatcher.follow_pairs(gate_J, state), keys_M, n, sent_M)
+            dispatcher.follow_pairs(gate_J, state), dispatcher.follow_pairs(noise[0], state) if noise else None, n)
         aux_loss, importance_E, load_E = router.balance(groups, within)
 
         # The experts read the (row, expert) pairs sorted by local expert.

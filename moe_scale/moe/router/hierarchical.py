@@ -230,7 +230,7 @@ class HierarchicalRouter(Router):
         groups' secondary matrices and score the same rows with them. Each copy's gradient is the share of its
         experts' shard, so the gradients sum over `group` in the backward; the balance statistics count only the
         copy with `counts_balance` (one per group of ranks), and noise drawn per rank is drawn on the tokens' ranks
-        and sent with the rows (`noise_to_send`), so every copy picks the same experts.
+        and sent with the rows (`noise_with_rows`), so every copy picks the same experts.
 
         The copies' graphs must stay alike: autograd runs the backward's collectives (this sum, the exchange's, the
         balance statistics') in graph order, and copies whose graphs differ could each wait in another one."""
@@ -260,20 +260,21 @@ class HierarchicalRouter(Router):
         j = num_tokens * self.k_primary
         return sampler.first_row(j) + torch.arange(j, device=device)
 
-    def noise_to_send(self, num_tokens: int, device: torch.device) -> Optional[Tensor]:
-        """Under copies (`copied`), with noise drawn per rank: the secondary noise [J, G] of this rank's J token-major
-        rows, drawn here (after the primary's) to travel with them; else None."""
-        if self.copies is None or not (self.training and self.noisy) or hasattr(self.noise_sampler, "rows"):
-            return None
+    def noise_with_rows(self, num_tokens: int, device: torch.device) -> Optional[Tensor]:
+        """What of the secondary noise travels with this rank's J token-major rows: their keys (`noise_keys`), or
+        under copies (`copied`) with noise drawn per rank the noise itself [J, G], drawn here after the primary's,
+        so that every copy scores a row with the same; None: drawn where the rows are scored."""
+        keys_J = self.noise_keys(num_tokens, device)
+        if keys_J is not None or self.copies is None or not (self.training and self.noisy):
+            return keys_J
         return sample_noise(self.noise_sampler, num_tokens * self.k_primary, self.experts_per_group, device)
 
     def route_within_groups(self, x_RD: Tensor, row_M: Tensor, counts, group_M: Tensor, gates_M: Tensor,
-                            noise_key_M: Optional[Tensor], num_tokens: int,
-                            sent_noise_MG: Optional[Tensor] = None) -> WithinGroups:
+                            noise_M: Optional[Tensor], num_tokens: int) -> WithinGroups:
         """The secondary gates of this rank's groups for M rows sorted by group: row m reads x_RD[row_M[m]],
         belongs to local group group_M[m] (`counts` rows per local group: device tensor, or (device, host)) and
-        carries its primary gate gates_M[m]. `num_tokens`: tokens per rank (for keyed noise); `sent_noise_MG`: the
-        rows' noise as drawn on their tokens' ranks (`noise_to_send`)."""
+        carries its primary gate gates_M[m] and what of its noise traveled with it (`noise_with_rows`: keys [M] or
+        the noise [M, G]). `num_tokens`: tokens per rank (for keyed noise)."""
         b, ks, groups = self.experts_per_group, self.k_secondary, self.num_local_groups
         noisy = self.training and self.noisy
         with gating_precision(x_RD) as x_RD:
@@ -291,8 +292,7 @@ class HierarchicalRouter(Router):
             raw_MG = noise_MG = None
             if noisy:
                 raw_MG = picked(self.w_noise_secondary)
-                noise_MG = (sent_noise_MG if sent_noise_MG is not None else
-                            self._secondary_noise(row_M.shape[0], noise_key_M, num_tokens, x_RD.device)).to(dtype)
+                noise_MG = self._secondary_noise(row_M.shape[0], noise_M, num_tokens, x_RD.device).to(dtype)
             # Load_i(X^(i)): the secondary smooth load summed per group, NOT multiplied by G_p
             gs_MKs, local_MKs, load_aG = _top_k(clean_MG, raw_MG, noise_MG, ks, self.noise_epsilon, group_M, groups)
             experts_MKs = group_M[:, None] * b + local_MKs
@@ -302,10 +302,12 @@ class HierarchicalRouter(Router):
             importance_aG = gates_MKs.new_zeros(groups * b).index_add(0, experts_MKs.reshape(-1), gates_MKs.reshape(-1))
         return WithinGroups(gates_MKs, experts_MKs, importance_aG.reshape(groups, b), load_aG)
 
-    def _secondary_noise(self, m: int, noise_key_M: Optional[Tensor], num_tokens: int, device) -> Tensor:
-        if noise_key_M is not None:
-            return self.noise_sampler.rows(num_tokens * self.k_primary, self.experts_per_group, noise_key_M, device)
-        return sample_noise(self.noise_sampler, m, self.experts_per_group, device)
+    def _secondary_noise(self, m: int, noise_M: Optional[Tensor], num_tokens: int, device) -> Tensor:
+        if noise_M is None:
+            return sample_noise(self.noise_sampler, m, self.experts_per_group, device)
+        if noise_M.dim() == 2:   # the noise itself
+            return noise_M
+        return self.noise_sampler.rows(num_tokens * self.k_primary, self.experts_per_group, noise_M, device)
 
     def balance(self, route: GroupRoute, within: WithinGroups) -> tuple[Tensor, Tensor, Tensor]:
         """(aux_loss, importance_E, load_E) from one sum over the data-parallel batch (eq. 13-14)."""
