@@ -70,7 +70,7 @@ def _run(argv: list[str] | None) -> None:
 
     apply_process_settings()   # process-wide memory settings: here, never on import
     args = build_parser().parse_args(argv)
-    apply_thread_share()   # before the command's first torch op; logged by init_distributed
+    apply_thread_share(say=getattr(args, "computes", True))   # before the command's first torch op
     drop_library_notices()
     select_accelerator()   # before anything imports deepspeed
     args.run_command(args)

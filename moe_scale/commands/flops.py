@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--softmax", choices=SOFTMAX_KINDS, help="count this softmax instead of the preset's")
     p.add_argument("--softmax-samples", type=int, default=0, help="samples of a sampled softmax")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run_command=run)
+    p.set_defaults(run_command=run, computes=False)   # (counts and models: its threads go unsaid)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
     p.add_argument("--config", metavar="FILE", help="a saved config.json (or a run directory); flags given here "
                                                      "override it")
     add_config_flags(p, leave_out=("run",), unlisted=("resume",))   # plan makes no run directory
-    p.set_defaults(run_command=run)
+    p.set_defaults(run_command=run, computes=False)   # (counts and models: its threads go unsaid)
 
 
 def run(args: argparse.Namespace) -> None:

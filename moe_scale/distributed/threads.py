@@ -117,12 +117,13 @@ def thread_share(env: dict[str, str] | None = None, busy: float | None = None) -
     return ThreadShare(max(1, cores // ranks), cores, ranks, None)
 
 
-def apply_thread_share(env: dict[str, str] | None = None) -> ThreadShare:
+def apply_thread_share(env: dict[str, str] | None = None, say: bool = True) -> ThreadShare:
     """Give this process its share of the cores (see the module docstring); returns what it runs with. A process
-    alone that takes fewer threads than torch would says so in one line."""
+    alone that takes fewer threads than torch would says so in one line (`say`: a command that computes little,
+    such as `plan`, takes them without a word)."""
     share = thread_share(env)
     if share.chosen:
-        if share.local_ranks == 1:
+        if share.local_ranks == 1 and say:
             print(f"moe-scale: {share.describe()}", file=sys.stderr, flush=True)
         torch.set_num_threads(share.threads)
     return share

@@ -103,6 +103,20 @@ def test_a_process_alone_takes_the_cores_left_free(cores, torch_threads, monkeyp
     line = f"moe-scale: threads: {expected} ({machine} cores, {busy:.1f} of them busy with other processes at " \
            f"start; set OMP_NUM_THREADS to override)\n"
     assert capsys.readouterr().err == (line if expected < torch_count else "")
+    torch.set_num_threads(torch_count)
+    assert apply_thread_share({}, say=False) == share and capsys.readouterr().err == ""   # (plan, flops)
+
+
+def test_commands_that_compute_little_take_their_threads_without_a_word(cores, torch_threads, monkeypatch, capsys):
+    from moe_scale.cli import main
+
+    cores(2)
+    monkeypatch.setattr(threads, "busy_cores", lambda: 1.6)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)   # (the suite's: tests/parallel.py)
+    for argv in (["flops", "--preset", "lm1b-moe-32"], ["plan", "--preset", "lm1b-moe-32", "--gpus", "8"]):
+        torch.set_num_threads(2)
+        assert main(argv) == 0 and torch.get_num_threads() == 1, argv
+        assert "threads" not in capsys.readouterr().err, argv
 
 
 def test_busy_cores_are_the_machines_busy_share_of_this_process_cores(cores, monkeypatch):
