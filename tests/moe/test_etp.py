@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_scale.moe.experts.kinds import expert_kind
+from moe_scale.moe.routed_layer import real_tokens
 from moe_scale.moe.router import GlobalTokenNoise, HierarchicalRouter
 from tests.moe.layers import hierarchical_layer, moe_layer
 from tests.multiproc import run_ranks
@@ -23,6 +24,21 @@ CASES = {"relu": {}, "swiglu": {}, "capacity": {"dispatch_mode": "capacity", "ca
          # rows (a sampler without `rows`), and capacity per group without noise
          "hier_keys": {}, "hier_sent": {}, "hier_capacity": {"dispatch_mode": "capacity", "capacity_factor": 0.75}}
 NOISY = ("hier_keys", "hier_sent")
+PADDED = ("hier_keys", "hier_capacity")   # each rank's last 3 rows are padding (evaluation's last windows)
+
+
+@pytest.mark.parametrize("kind", ["relu", "swiglu", "geglu"])
+def test_shards_are_slices_of_the_whole_expert_and_join_back(kind):
+    whole = moe_layer(D, H, E, K, seed=3, activation=kind).experts
+    shards = [moe_layer(D, H, E, K, ep_size=2, ep_rank=s, seed=3, activation=kind, etp_size=2).experts
+              for s in range(2)]
+    expert = expert_kind(kind)
+    for s, shard in enumerate(shards):
+        assert shard.w_in.shape[1] == whole.w_in.shape[1] // 2 and shard.output_scale == whole.output_scale
+        for e in range(E):
+            assert torch.equal(shard.w_in[e], expert.hidden_slice(whole.w_in[e], s, 2))
+            assert torch.equal(shard.w_out[e], whole.w_out[e, s * H // 2:(s + 1) * H // 2])
+    assert torch.equal(expert.join_hidden([shard.w_in.detach() for shard in shards]), whole.w_in.detach())
 
 
 class _SentNoise:
@@ -69,10 +85,13 @@ def _batch(world):
             torch.randn(world * N, D, generator=gen, dtype=torch.float64))
 
 
-def _run(layer, x, upstream, ranks=1, aux_weight=1.0):
-    """Forward and backward; each of `ranks` ranks carries 1/ranks of the (global) aux loss."""
+def _run(layer, x, upstream, ranks=1, aux_weight=1.0, padded=False):
+    """Forward and backward; each of `ranks` ranks carries 1/ranks of the (global) aux loss. `padded`: the last 3
+    rows of each rank's N are padding."""
     x = x.clone().requires_grad_(True)
-    y, aux = layer(x)
+    real_N = (torch.arange(x.shape[0]) % N < N - 3) if padded else None
+    with real_tokens([layer], real_N):
+        y, aux = layer(x)
     ((y * upstream).sum() + aux * aux_weight / ranks).backward()
     return {"y": y.detach(), "x_grad": x.grad, "grads": {n: p.grad for n, p in layer.named_parameters()},
             "routed": layer.stats.routed_E}
@@ -84,9 +103,11 @@ def _reference(case, world):
     batch would give another one)."""
     x_all, up_all = _batch(world)
     single = _layer(1, 0, case, 1)
+    padded = case in PADDED
     if "capacity" not in case:
-        return single, _run(single, x_all, up_all)
-    parts = [_run(single, x_all[r * N:(r + 1) * N], up_all[r * N:(r + 1) * N], aux_weight=0.0) for r in range(world)]
+        return single, _run(single, x_all, up_all, padded=padded)
+    parts = [_run(single, x_all[r * N:(r + 1) * N], up_all[r * N:(r + 1) * N], aux_weight=0.0, padded=padded)
+             for r in range(world)]
     return single, {"y": torch.cat([p["y"] for p in parts]), "x_grad": torch.cat([p["x_grad"] for p in parts]),
                     "grads": parts[-1]["grads"],   # (accumulated over the ranks' backward passes)
                     "routed": sum(p["routed"] for p in parts)}
@@ -100,7 +121,7 @@ def _worker(rank, world, shards):
         layer = _layer(world, rank, case, shards)
         layer.set_deepspeed_parallelism()
         aux_weight = 0.0 if "capacity" in case else 1.0
-        got[case] = {**_run(layer, x_all[mine], up_all[mine], world, aux_weight),
+        got[case] = {**_run(layer, x_all[mine], up_all[mine], world, aux_weight, case in PADDED),
                      "rank": (layer.expert_rank, layer.hidden_shard),
                      "copies": {n for n, p in layer.named_parameters() if getattr(p, "ds_pipe_replicated", False)}}
     return got
@@ -136,8 +157,10 @@ def test_expert_tensor_parallel_ranks_equal_one_process(world):
                 ("router.w_gate_primary",) if case.startswith("hier") else ("router.w_gate",):
             router = sum(got[case]["grads"][name] for got in results)   # data-parallel: the ranks' sum
             torch.testing.assert_close(router, want["grads"][name], msg=lambda m, name=name: f"{case} {name}: {m}")
-        routed = sum(got[case]["routed"] for got in results)   # each pair counted once, not once per shard
+        routed = sum(got[case]["routed"] for got in results)   # each real pair counted once, not once per shard
         torch.testing.assert_close(routed, want["routed"], msg=lambda m: f"{case} routed pairs: {m}")
+        if case == "hier_keys":   # dropless: k pairs per real token
+            assert routed.sum() == world * (N - 3) * K
 
 
 def test_saved_shards_join_into_whole_experts_and_cut_anew(tmp_path):
