@@ -35,24 +35,27 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 class _CopiesOverGroup(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over the group: a tensor held as copies on the group's
-    ranks, each copy's gradient one share of the whole (Megatron's copy to the tensor-parallel region)."""
+    """Identity forward; the backward sums the gradients over the group, in one all-reduce: tensors held as copies
+    on the group's ranks, each copy's gradient one share of the whole (Megatron's copy to the tensor-parallel
+    region)."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+    def forward(ctx, group, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
-        return t.view_as(t)
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone(memory_format=torch.contiguous_format)   # (autograd may hand the same tensor elsewhere)
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad, None
+    def backward(ctx, *grads: torch.Tensor):
+        flat = torch.cat([g.reshape(-1) for g in grads])   # (a new tensor: autograd may hand a grad elsewhere)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
+        return None, *(part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads))
 
 
-def copies_over(t: torch.Tensor, group) -> torch.Tensor:
-    """`t`, with its gradient summed over `group` in the backward (None or one rank: `t` itself)."""
-    return t if group is None or world_size(group) == 1 else _CopiesOverGroup.apply(t, group)
+def copies_over(group, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors`, with their gradients summed over `group` in the backward (None or one rank: themselves)."""
+    if group is None or world_size(group) == 1:
+        return tensors
+    return _CopiesOverGroup.apply(group, *tensors)
 
 
 class BatchCollectives:

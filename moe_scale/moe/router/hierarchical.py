@@ -282,16 +282,20 @@ class HierarchicalRouter(Router):
             layout = GroupLayout(counts, x_RD)
             pad = -b % (16 // x_RD.element_size()) if layout.kernel in ("grouped", "triton") else 0
 
+            # under copies (`copied`) the matrices' gradients sum over the copies' ranks, in one all-reduce
+            w_gate_aDG, *w_noise_aDG = copies_over(self.copies, self.w_gate_secondary,
+                                                   *([self.w_noise_secondary] if noisy else []))
+
             def picked(w_aDG: Tensor) -> Tensor:
-                w_aDG = copies_over(w_aDG, self.copies).to(dtype)
+                w_aDG = w_aDG.to(dtype)
                 if pad:   # grouped GEMMs read rows 16-byte aligned: zero columns up to the next multiple
                     w_aDG = nn.functional.pad(w_aDG, (0, pad))
                 return _PickedGroupProduct.apply(x_RD, w_aDG, row_M, layout)[:, :b]
 
-            clean_MG = picked(self.w_gate_secondary)
+            clean_MG = picked(w_gate_aDG)
             raw_MG = noise_MG = None
             if noisy:
-                raw_MG = picked(self.w_noise_secondary)
+                raw_MG = picked(w_noise_aDG[0])
                 noise_MG = self._secondary_noise(row_M.shape[0], noise_M, num_tokens, x_RD.device).to(dtype)
             # Load_i(X^(i)): the secondary smooth load summed per group, NOT multiplied by G_p
             gs_MKs, local_MKs, load_aG = _top_k(clean_MG, raw_MG, noise_MG, ks, self.noise_epsilon, group_M, groups)
