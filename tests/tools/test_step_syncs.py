@@ -91,9 +91,14 @@ def test_two_ranks_read_only_the_exchanges_counts(tmp_path, embedded_cache, conf
     the processes); nothing else on either rank but the stop-request flag, a CPU tensor on GPUs too. Data-parallel
     only (ep_size 1): the tables' two reads, nothing else. The exchange in 4 overlapped pieces (--a2a-chunks) reads
     what one piece reads. With capacity dispatch (fixed-size slots) and whole
-    vocabulary tables, under ZeRO 1: no read at all."""
+    vocabulary tables, under ZeRO 1: no read at all. The hierarchical gate with --etp-size 2 (its secondary gates
+    copied on both ranks, their noise and gradients summed over them): the reads of expert parallelism."""
     flags = [*TRANSFORMER, *WIDTH, "--ds-config", str(config)]
     if config == GPU_CONFIGS[1]:
+        for rank, report in enumerate(count(tmp_path / "etp", [*flags, "--gate", "hierarchical", "--num-groups", "2",
+                                                               "--etp-size", "2"], embedded_cache, nprocs=2)):
+            assert report["host_reads"] == 0 and report["all_to_all_count_reads"] == 4, (rank, where(report))
+            assert [r["site"].split(" ")[-1] for r in report["reads"]] == ["_read_counts"] * 2 + ["_read_to_host"]
         for rank, report in enumerate(count(tmp_path / "capacity", [*flags, "--ep-size", "2", "--dispatch", "capacity",
                                                                     "--vocab-exchange", "dense"], embedded_cache,
                                             nprocs=2)):
