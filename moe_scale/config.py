@@ -826,10 +826,6 @@ class RunConfig:
             raise UserError("--optimizer factored with --etp-size > 1: each shard would factor its own slice of the "
                             "expert matrices' second moment, not the whole expert's; use --optimizer adam, or "
                             "--etp-size 1")
-        if (self.train.init_from_hf or self.train.upcycle_from) and self.expert_ranks > ep:
-            flag = "--init-from-hf" if self.train.init_from_hf else "--upcycle-from"
-            raise UserError(f"{flag} with --etp-size > 1 is not supported yet (the whole experts would have to be "
-                            f"cut into shards); start it with --etp-size 1")
         if self.softmax.kind == "sampled" and self.softmax.sampler == "unigram" and self.data.tokenizer != "words":
             raise UserError(UNIGRAM_NEEDS_WORD_COUNTS)   # before a BPE is learned: only the word vocabulary counts
         self.data.validate()

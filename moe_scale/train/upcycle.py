@@ -126,11 +126,10 @@ def upcycle(model: torch.nn.Module, run: Path, tag: str, noise: float, seed: int
             experts = model.get_submodule(prefix.rstrip(".")).experts
             w_in_FD, w_out_FD = _expert_weights({name[len(ffn):]: value for name, value in state.items()
                                                  if name.startswith(ffn)}, experts)
-            for local, (e_in, e_out) in enumerate(zip(experts.w_in, experts.w_out)):
+            for local in range(experts.num_local_experts):   # (with --etp-size: this rank's shard of each copy)
                 factor_in, factor_out = _noise(noise, seed, experts.first_global_expert + local,
-                                               e_in.shape, e_out.shape)
-                e_in.copy_(w_in_FD * factor_in)
-                e_out.copy_(w_out_FD * factor_out)
+                                               w_in_FD.shape, w_out_FD.shape)
+                experts.set_expert(local, w_in_FD * factor_in, w_out_FD * factor_out)
 
 
 def _moe_layers_and_their_ffns(model: torch.nn.Module) -> dict[str, str]:

@@ -402,18 +402,21 @@ def _expert_sources(i: int, layer, tensors: dict, model_type: str) -> dict:
     first, local, f = experts.first_global_expert, experts.num_local_experts, experts.d_hidden
     fused = _FUSED.format(i)
     if fused + "experts.gate_up_proj" in tensors:   # [E, 2F, D] (gate rows, then up rows) and [E, D, F]
-        mine = slice(first, first + local)
+        mine = slice(first, first + local)   # (with --etp-size: each expert's shard of them)
         return {fused + "gate.weight": (layer.router.w_gate, lambda t: t.t()),
-                fused + "experts.gate_up_proj": (experts.w_in, lambda t: t[mine]),
-                fused + "experts.down_proj": (experts.w_out, lambda t: t[mine].transpose(1, 2))}
+                fused + "experts.gate_up_proj": (experts.w_in, lambda t: torch.stack(
+                    [experts.in_shard(w) for w in t[mine]])),
+                fused + "experts.down_proj": (experts.w_out, lambda t: torch.stack(
+                    [experts.out_shard(w.t()) for w in t[mine]]))}
     prefix, w_gate, w_up, w_down = _RELEASED[model_type]
     moe = prefix.format(i)
     out = {moe + "gate.weight": (layer.router.w_gate, lambda t: t.t())}
+    hidden = lambda t: experts.out_shard(t)   # noqa: E731  (a [F, D] matrix's rows of this rank's hidden units)
     for local_id in range(local):
         e = first + local_id
-        out[f"{moe}experts.{e}.{w_gate}.weight"] = (experts.w_in[local_id, :f], lambda t: t)
-        out[f"{moe}experts.{e}.{w_up}.weight"] = (experts.w_in[local_id, f:], lambda t: t)
-        out[f"{moe}experts.{e}.{w_down}.weight"] = (experts.w_out[local_id], lambda t: t.t())
+        out[f"{moe}experts.{e}.{w_gate}.weight"] = (experts.w_in[local_id, :f], hidden)
+        out[f"{moe}experts.{e}.{w_up}.weight"] = (experts.w_in[local_id, f:], hidden)
+        out[f"{moe}experts.{e}.{w_down}.weight"] = (experts.w_out[local_id], lambda t: hidden(t.t()))
     for e in [*range(first), *range(first + local, layer.num_experts)]:   # other ranks' experts: not here
         for w in (w_gate, w_up, w_down):
             tensors.pop(f"{moe}experts.{e}.{w}.weight", None)

@@ -171,6 +171,16 @@ def test_an_expert_parallel_rank_imports_its_own_experts(layout):
         assert torch.equal(ours.ffn.experts.w_in, theirs.ffn.experts.w_in[2:])
         assert torch.equal(ours.ffn.experts.w_out, theirs.ffn.experts.w_out[2:])
         assert torch.equal(ours.ffn.router.w_gate, theirs.ffn.router.w_gate)
+    config.moe.experts.tensor_parallel = 2   # --etp-size 2: the last of 4 ranks, the second shard of experts 2-3
+    shard = build_model(config, V, ep_size=4, ep_rank=3)
+    hf_native.import_tensors(shard, config, tensors, "test")
+    kind = shard.blocks[0].ffn.experts.kind
+    for ours, theirs in zip(shard.blocks, source.blocks):
+        w_in, w_out = theirs.ffn.experts.w_in.detach()[2:], theirs.ffn.experts.w_out.detach()[2:]
+        f = w_out.shape[1] // 2
+        assert torch.equal(ours.ffn.experts.w_in, torch.stack([kind.hidden_slice(w, 1, 2) for w in w_in]))
+        assert torch.equal(ours.ffn.experts.w_out, w_out[:, f:])
+        assert torch.equal(ours.ffn.router.w_gate, theirs.ffn.router.w_gate)
 
 
 @pytest.mark.parametrize("field, value, flag", [

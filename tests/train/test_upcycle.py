@@ -92,6 +92,12 @@ def test_noise_sets_the_copies_apart_by_its_size_and_the_same_on_every_layout(tm
                                           one.embedding.weight.detach()[rows.first:rows.first + rows.count])
     assert torch.equal(split.softmax.proj.weight.detach(),
                        one.softmax.proj.weight.detach()[rows.first:rows.first + rows.count])
+    # --etp-size 2 beside 2 expert-parallel ranks: the last of 4 ranks holds the second half of the hidden units of
+    # each of experts 4-7, the copies' noise drawn whole
+    shard = build_model(_config(etp_size=2), VOCAB, ep_size=4, ep_rank=3)
+    upcycle(shard, run, TAG, noise=0.01, seed=5)
+    assert torch.equal(shard.moe.experts.w_in.detach(), w_in[4:, 12:])
+    assert torch.equal(shard.moe.experts.w_out.detach(), one.moe.experts.w_out.detach()[4:, 12:])
 
 
 @pytest.mark.slow

@@ -212,9 +212,22 @@ class GroupedExperts(nn.Module):
                 whole_in = self.w_in.new_empty(self.w_in.shape[1] * self.shards, self.d_model)
                 whole_out = self.w_out.new_empty(self.d_hidden * self.shards, self.d_model)
                 self.kind.init_expert(whole_in, whole_out, generator)
-                self.w_in[local_id].copy_(self.kind.hidden_slice(whole_in, self.shard, self.shards))
-                per = self.d_hidden
-                self.w_out[local_id].copy_(whole_out[self.shard * per:(self.shard + 1) * per])
+                self.set_expert(local_id, whole_in, whole_out)
+
+    def set_expert(self, local_id: int, whole_in_XD: torch.Tensor, whole_out_FD: torch.Tensor) -> None:
+        """Local expert `local_id` from a whole expert's weights (its first layer [X, D], its second [F, D]): this
+        rank's shard of them (--etp-size)."""
+        with torch.no_grad():
+            self.w_in[local_id].copy_(self.in_shard(whole_in_XD))
+            self.w_out[local_id].copy_(self.out_shard(whole_out_FD))
+
+    def in_shard(self, whole_in_XD: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole expert's first layer (a gated kind's gate and up rows alike)."""
+        return whole_in_XD if self.shards == 1 else self.kind.hidden_slice(whole_in_XD, self.shard, self.shards)
+
+    def out_shard(self, whole_out_FD: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole expert's second layer."""
+        return whole_out_FD[self.shard * self.d_hidden:(self.shard + 1) * self.d_hidden]
 
     def forward(self, rows_RD: torch.Tensor, tokens_per_expert: Counts, row_of_pair_M: torch.Tensor | None = None,
                 gate_M: torch.Tensor | None = None) -> torch.Tensor:
