@@ -822,10 +822,6 @@ class RunConfig:
                 raise UserError("--mae-g-unit epoch needs epochs, and streamed data (--stream) is one pass; "
                                 "pass --mae-g-unit step")
         self.softmax.validate(self.data.vocab_size)
-        if self.train.optimizer == "factored" and self.expert_ranks > ep:
-            raise UserError("--optimizer factored with --etp-size > 1: each shard would factor its own slice of the "
-                            "expert matrices' second moment, not the whole expert's; use --optimizer adam, or "
-                            "--etp-size 1")
         if self.softmax.kind == "sampled" and self.softmax.sampler == "unigram" and self.data.tokenizer != "words":
             raise UserError(UNIGRAM_NEEDS_WORD_COUNTS)   # before a BPE is learned: only the word vocabulary counts
         self.data.validate()

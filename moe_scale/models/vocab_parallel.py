@@ -20,6 +20,8 @@ one rank, which receives every rank's contribution to it. What moves instead of 
 The tables' parameters are flagged as DeepSpeed expert parameters of the group `ep_size_P` over all P ranks
 (`allreduce=False`, `group_name`): DeepSpeed reduces them over that group's expert-data-parallel group (one rank:
 nothing), ZeRO leaves each rank its rows and their Adam state, and the expert-aware clipping counts each row once.
+They are flagged `ROW_SPLIT_TABLE` too: no expert matrix, so --optimizer factored gives them AdamW, as one process
+gives the whole tables.
 Built from the model's dense modules (`shard_vocabulary`), so a seed gives the rows it gives one process; one
 process never uses this file.
 """
@@ -208,9 +210,13 @@ def _rows_of_whole_table(module, state_dict, prefix, local_metadata, strict, mis
             state_dict[prefix + name] = whole[rows.first:rows.first + rows.count]
 
 
+ROW_SPLIT_TABLE = "row_split_table"   # a parameter's attribute: a vocabulary table's rows, not an expert's weights
+
+
 def _mark(param: nn.Parameter, vocab: VocabGroup) -> nn.Parameter:
     param.allreduce = False
     param.group_name = vocab.expert_group_name
+    setattr(param, ROW_SPLIT_TABLE, True)
     return param
 
 

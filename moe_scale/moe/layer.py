@@ -97,6 +97,7 @@ class MoELayer(RoutedLayer):
     def connect(self, parallel: ParallelGroups) -> None:
         """The one place the layer's parts meet the process groups."""
         self.router.connect(BatchCollectives(parallel.data_parallel))
+        self.experts.split_rows_over(parallel.expert_tensor_parallel)
         hierarchical = self.all_to_all == "hierarchical" and self.ep_size > 1
         self.dispatcher.connect(parallel.expert_parallel, self.all_to_all,
                                 ranks_per_node(self.node_size) if hierarchical else 0)

@@ -12,6 +12,11 @@ this optimizer can factor under ZeRO-1/2 or DeepSpeed's bf16/fp16 optimizers: th
 into 1-D partitions, and the matrix shape is gone; `check_optimizer_fits` (layout/checks.py) refuses those
 configs.
 
+Under --etp-size T an expert matrix's rows (its hidden units) are split over T ranks (`ROWS_SPLIT_OVER`: the
+parameter's attribute naming their group, moe/experts/ffn.py): each rank keeps its rows' averages, and the column averages and the mean
+of the row averages, which cover every row, are averaged over the T ranks in one all-reduce per chunk, so every
+shard steps as the whole matrix would (`SAME_ON_EVERY_SHARD`: the state that is then the same on every rank).
+
 Legend (docs/shapes.md): O a matrix's rows, I its columns (the last two dims); leading dims (experts)
 are batch dims.
 """
@@ -21,11 +26,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from moe_scale.distributed.comm import world_size
+from moe_scale.models.vocab_parallel import ROW_SPLIT_TABLE
+from moe_scale.moe.experts.ffn import ROWS_SPLIT_OVER
+
+SAME_ON_EVERY_SHARD = ("col",)   # the factored state entries that cover every row: whole on each shard's rank
 
 
 class FactoredExpertAdam(torch.optim.Optimizer):
     """AdamW on groups without `factored`; App. D's factored, first-moment-free Adam on groups with
-    `factored=True` (tensors of 2 or more dims; 1-D tensors there get an unfactored second moment)."""
+    `factored=True` (tensors of 2 or more dims; 1-D tensors there get an unfactored second moment), but for the
+    rows of a vocabulary table split over the processes, which share the experts' group (AdamW)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
@@ -45,8 +58,12 @@ class FactoredExpertAdam(torch.optim.Optimizer):
                 if group["weight_decay"]:
                     p.mul_(1 - group["lr"] * group["weight_decay"])
                 g = p.grad.to(torch.promote_types(p.grad.dtype, torch.float32))   # state in fp32 or wider
+                if group["factored"] and getattr(p, ROW_SPLIT_TABLE, False):   # (rows of a vocabulary table:
+                    update = _adam_update(g, state, beta1, beta2, t, group["eps"])   # AdamW, as whole)
+                    p.add_(update.to(p.dtype), alpha=-group["lr"])
+                    continue
                 if group["factored"] and g.dim() >= 2:
-                    _factored_step_(p, g, state, beta2, t, group["eps"], group["lr"])
+                    _factored_step_(p, g, state, beta2, t, group["eps"], group["lr"], getattr(p, ROWS_SPLIT_OVER, None))
                     continue
                 if group["factored"]:
                     update = _unfactored_update(g, state, beta2, t, group["eps"])
@@ -78,9 +95,11 @@ CHUNK_ELEMENTS = 1 << 22   # temporaries per chunk of experts: a few x 16 MB in 
 
 
 def _factored_step_(p: torch.Tensor, g: torch.Tensor, state: dict, beta2: float, t: int, eps: float,
-                    lr: float) -> None:
+                    lr: float, rows_split_over=None) -> None:
     """p -= lr * g / (sqrt(v_hat) + eps), v_hat = (row ⊗ col / mean(row)) / (1 - beta2^t), in place and a
-    chunk of leading (expert) indices at a time, so the full-size temporaries (g^2, v_hat) stay small."""
+    chunk of leading (expert) indices at a time, so the full-size temporaries (g^2, v_hat) stay small.
+    `rows_split_over`: the group over whose ranks the rows are split in equal shares (None: all here)."""
+    shards = 1 if rows_split_over is None else world_size(rows_split_over)
     if "row" not in state:
         state["row"] = torch.zeros(g.shape[:-1], dtype=g.dtype, device=g.device)                  # [..., R]
         state["col"] = torch.zeros(g.shape[:-2] + g.shape[-1:], dtype=g.dtype, device=g.device)   # [..., C]
@@ -91,9 +110,17 @@ def _factored_step_(p: torch.Tensor, g: torch.Tensor, state: dict, beta2: float,
         chunk = slice(lo, lo + per_chunk)
         g2 = g_3[chunk] * g_3[chunk]
         row = row_2[chunk].mul_(beta2).add_(g2.mean(-1), alpha=1 - beta2)
-        col = col_2[chunk].mul_(beta2).add_(g2.mean(-2), alpha=1 - beta2)
+        if shards == 1:
+            col = col_2[chunk].mul_(beta2).add_(g2.mean(-2), alpha=1 - beta2)
+            row_mean = row.mean(-1, keepdim=True)
+        else:   # means over every row: the shards' (equal-sized) means averaged
+            means = torch.cat([g2.mean(-2), row.mean(-1, keepdim=True)], dim=-1)
+            dist.all_reduce(means, group=rows_split_over)
+            means.div_(shards)
+            col = col_2[chunk].mul_(beta2).add_(means[:, :-1], alpha=1 - beta2)
+            row_mean = means[:, -1:]
         # the bias correction of row and col cancels in row / mean(row) once; one factor remains
-        row_mean = row.mean(-1, keepdim=True).clamp_min(1e-30)
+        row_mean = row_mean.clamp_min(1e-30)
         v_hat = torch.mul((row / row_mean).unsqueeze(-1), col.unsqueeze(-2), out=g2).div_(1 - beta2 ** t)
         denominator = v_hat.sqrt_().add_(eps)
         p_3[chunk].addcdiv_(g_3[chunk].to(p.dtype), denominator.to(p.dtype), value=-lr)

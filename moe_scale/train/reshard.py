@@ -32,6 +32,7 @@ from moe_scale.deepspeed_internals import (PARAM, any_flat_state, base_optimizer
 from moe_scale.errors import UserError
 from moe_scale.models.vocab_parallel import split_parameter_groups, vocabulary_shards
 from moe_scale.moe.deepspeed_adapter import ExpertParallelModule
+from moe_scale.train.factored_optimizer import SAME_ON_EVERY_SHARD
 
 PORTABLE = "portable"
 VOCAB_PREFIX = "vocab_rows"   # vocab_rows<r>.pt: rank r's rows of the vocabulary tables
@@ -238,11 +239,11 @@ class _ExpertFiles:
             whole = self.shards[0].slice(name, split.first, split.count, split.total)   # beside each shard
         else:
             parts = [shard.slice(name, split.first, split.count, split.total) for shard in self.shards]
-            whole = {k: split.hidden.join([p[k] for p in parts]) if _stacked(parts[0][k], None) else parts[0][k]
+            whole = {k: split.hidden.join([p[k] for p in parts]) if _by_hidden_units(k, parts[0][k]) else parts[0][k]
                      for k in parts[0]}
         if split.shards == 1 or split.hidden is None:
             return whole
-        return {k: split.hidden.slice(v, split.shard, split.shards) if _stacked(v, None) else v
+        return {k: split.hidden.slice(v, split.shard, split.shards) if _by_hidden_units(k, v) else v
                 for k, v in whole.items()}
 
     def has(self, name: str) -> bool:
@@ -275,6 +276,12 @@ class _ExpertFiles:
         parts = [pieces[k] for k in sorted(pieces)]
         return {k: torch.cat([p[k] for p in parts]) if _stacked(parts[0][k], None) else parts[0][k]
                 for k in parts[0]}
+
+
+def _by_hidden_units(key: str, value) -> bool:
+    """Whether an expert weight's state entry `key` splits with its hidden units (the weight, Adam's moments, the
+    factored row averages), or is whole on every shard (the factored column averages; the step)."""
+    return _stacked(value, None) and key not in SAME_ON_EVERY_SHARD
 
 
 def _stacked(value, count: int | None) -> bool:

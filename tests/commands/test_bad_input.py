@@ -149,8 +149,6 @@ CASES = [
                                            *FAST], ["--etp-size 3 does not divide --expert-hidden 16"]),
     ("etp-moa", lambda w: ["train", "--model", "transformer", "--ffn", "moe", "--attention", "moa", "--etp-size",
                            "2", "--out", w.out(), *FAST], ["--etp-size does nothing here", "without --attention moa"]),
-    ("etp-factored", lambda w: ["train", "--etp-size", "2", "--optimizer", "factored", "--out", w.out(), *FAST],
-     ["--optimizer factored with --etp-size > 1"]),
     ("a2a-chunks-zero", lambda w: ["train", "--a2a-chunks", "0", "--out", w.out(), *FAST], ["--a2a-chunks must be"]),
     ("mae-epochs-while-streaming", lambda w: ["train", "--model", "transformer", "--attention", "mae", "--stream",
                                               "--out", w.out(), *FAST], ["--mae-g-unit epoch needs epochs"]),

@@ -108,9 +108,7 @@ def test_search_says_why_it_refuses_and_what_does_not_fit():
     refused = [line for line in text.splitlines() if line.startswith("  refused by train")]
     zero = "under which --optimizer factored cannot factor the expert matrices: DeepSpeed then flattens parameters " \
         "into 1-D partitions"
-    shards = "--optimizer factored with --etp-size > 1: each shard would factor its own slice"
-    assert refused and all(zero in line or shards in line for line in refused)
-    assert any(zero in line for line in refused) and any(shards in line for line in refused)   # (--search's etp)
+    assert refused and all(zero in line for line in refused)
     too_large = [line for line in text.splitlines() if line.startswith("  too large (")]
     assert len(too_large) == 1 and "does not fit, the least of them needs 2.30 GiB per GPU > 2.28 GiB usable" \
         in too_large[0]

@@ -178,3 +178,56 @@ def test_adam_is_torchs_fused_adamw_and_steps_as_the_reference():
         ours.step()
         reference.step()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _rows_split_worker(rank: int, world: int) -> dict:
+    """Rank r holds rows [4r, 4r + 4) of each of 2 matrices [8, 5] (--etp-size 2: its hidden units)."""
+    import torch.distributed as dist
+
+    from moe_scale.moe.experts.ffn import ROWS_SPLIT_OVER
+
+    gen = torch.Generator().manual_seed(0)
+    whole = torch.randn(2, 8, 5, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(2, 8, 5, generator=gen, dtype=torch.float64) for _ in range(3)]
+    mine = slice(4 * rank, 4 * rank + 4)
+    w = torch.nn.Parameter(whole[:, mine].clone())
+    setattr(w, ROWS_SPLIT_OVER, dist.group.WORLD)
+    optimizer = FactoredExpertAdam([{"params": [w], "factored": True}], lr=LR, betas=(0.9, BETA2), eps=EPS)
+    for g in grads:
+        w.grad = g[:, mine].clone()
+        optimizer.step()
+    return {"w": w.detach(), "whole": whole, "grads": grads, "col": optimizer.state[w]["col"]}
+
+
+@pytest.mark.multiprocess
+def test_rows_split_over_ranks_step_as_the_whole_matrices():
+    """--etp-size: each rank's rows step as the whole matrix's would (the reference loop's), the column averages
+    whole on both."""
+    from tests.multiproc import run_ranks
+
+    results = run_ranks(_rows_split_worker, world_size=2)
+    want = torch.tensor(_reference_factored_steps(results[0]["whole"].tolist(),
+                                                  [g.tolist() for g in results[0]["grads"]], 0.0), dtype=torch.float64)
+    for rank, got in enumerate(results):
+        torch.testing.assert_close(got["w"], want[:, 4 * rank:4 * rank + 4], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(results[0]["col"], results[1]["col"], rtol=0, atol=0)
+
+
+def test_a_vocabulary_tables_rows_in_the_experts_group_take_adamw():
+    """(models/vocab_parallel.py: the tables split over the processes share the experts' group name)"""
+    from moe_scale.models.vocab_parallel import ROW_SPLIT_TABLE
+
+    gen = torch.Generator().manual_seed(1)
+    rows, reference = (torch.nn.Parameter(torch.randn(6, 4, generator=gen)) for _ in range(2))
+    with torch.no_grad():
+        reference.copy_(rows)
+    setattr(rows, ROW_SPLIT_TABLE, True)
+    ours = FactoredExpertAdam([{"params": [rows], "factored": True}], lr=LR, weight_decay=0.01)
+    adamw = torch.optim.AdamW([reference], lr=LR, weight_decay=0.01)
+    for _ in range(3):
+        rows.grad = torch.randn(6, 4, generator=gen)
+        reference.grad = rows.grad.clone()
+        ours.step()
+        adamw.step()
+    assert set(ours.state[rows]) == {"step", "exp_avg", "exp_avg_sq"}
+    torch.testing.assert_close(rows.detach(), reference.detach())

@@ -101,14 +101,16 @@ def test_a_resume_may_keep_the_vocabulary_tables_whole_instead(tmp_path, embedde
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("before, after, extra", [((1, 1), (2, 1, 2), ()), ((2, 1, 2), (2, 2), HIERARCHICAL),
-                                                  ((2, 2), (4, 4), ADAPTIVE)],
-                         ids=["1_to_etp2", "hierarchical_etp2_to_ep2", "ep2_to_ep4"])
-def test_other_layout_changes(tmp_path, embedded_cache, before, after, extra):
-    """(processes, --ep-size[, --etp-size]): whole experts into shards on 2 ranks, shards into whole experts on 2
-    expert-parallel ranks (--etp-size is a change a resume may make; the hierarchical gate's secondary gates, a
-    copy beside each shard, go to their groups' ranks), and 2 expert-parallel ranks into 4."""
-    _resharded_run_matches(tmp_path, embedded_cache, before, after, "zero2_ep", extra)
+@pytest.mark.parametrize("before, after, extra, ds", [
+    ((1, 1), (2, 1, 2), ("--optimizer", "factored"), "cpu"), ((2, 1, 2), (2, 2), HIERARCHICAL, "zero2_ep"),
+    ((2, 2), (4, 4), ADAPTIVE, "zero2_ep")], ids=["factored_1_to_etp2", "hierarchical_etp2_to_ep2", "ep2_to_ep4"])
+def test_other_layout_changes(tmp_path, embedded_cache, before, after, extra, ds):
+    """(processes, --ep-size[, --etp-size]): whole experts into shards on 2 ranks (the factored optimizer's row
+    averages cut with them, its column averages whole on each, and its steps under --etp-size the whole matrices'),
+    shards into whole experts on 2 expert-parallel ranks (--etp-size is a change a resume may make; the hierarchical
+    gate's secondary gates, a copy beside each shard, go to their groups' ranks), and 2 expert-parallel ranks into
+    4."""
+    _resharded_run_matches(tmp_path, embedded_cache, before, after, ds, extra)
 
 
 def _save_experts(directory: Path, per_file: int, total: int) -> dict:

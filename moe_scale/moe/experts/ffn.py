@@ -161,6 +161,9 @@ def expert_ffn(rows_RD, w_in_LXD, w_out_LFD, tokens_per_expert: Counts, row_of_p
                             recompute, kernel, grad_buffers, expert_kind(kind))
 
 
+ROWS_SPLIT_OVER = "rows_split_over"   # an expert weight's attribute: the group its rows are split over (--etp-size)
+
+
 class GroupedExperts(nn.Module):
     """L local experts of one kind (moe/experts/kinds.py: `activation` names it; ReLU by default, t2t's
     `ffn_expert_fn`: D -> F -> D with no biases, output scaled by sqrt(D/F)), stacked: w_in [L, X, D] (X = F, or 2F
@@ -213,6 +216,12 @@ class GroupedExperts(nn.Module):
                 whole_out = self.w_out.new_empty(self.d_hidden * self.shards, self.d_model)
                 self.kind.init_expert(whole_in, whole_out, generator)
                 self.set_expert(local_id, whole_in, whole_out)
+
+    def split_rows_over(self, group) -> None:
+        """--etp-size: both weights' rows (the hidden units) are split over the ranks of `group` (None: one shard);
+        what reads a whole matrix's rows (the factored optimizer's column means) asks them."""
+        for param in (self.w_in, self.w_out):
+            setattr(param, ROWS_SPLIT_OVER, group)
 
     def set_expert(self, local_id: int, whole_in_XD: torch.Tensor, whole_out_FD: torch.Tensor) -> None:
         """Local expert `local_id` from a whole expert's weights (its first layer [X, D], its second [F, D]): this
