@@ -13,9 +13,10 @@ into 1-D partitions, and the matrix shape is gone; `check_optimizer_fits` (layou
 configs.
 
 Under --etp-size T an expert matrix's rows (its hidden units) are split over T ranks (`ROWS_SPLIT_OVER`: the
-parameter's attribute naming their group, moe/experts/ffn.py): each rank keeps its rows' averages, and the column averages and the mean
-of the row averages, which cover every row, are averaged over the T ranks in one all-reduce per chunk, so every
-shard steps as the whole matrix would (`SAME_ON_EVERY_SHARD`: the state that is then the same on every rank).
+parameter's attribute naming their group, moe/experts/ffn.py): each rank keeps its rows' averages, and the column
+averages and the mean of the row averages, which cover every row, are averaged over the T ranks in one all-reduce
+per chunk, so every shard steps as the whole matrix would (`SAME_ON_EVERY_SHARD`: the state that is then the same
+on every rank).
 
 Legend (docs/shapes.md): O a matrix's rows, I its columns (the last two dims); leading dims (experts)
 are batch dims.
