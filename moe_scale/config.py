@@ -783,9 +783,14 @@ class RunConfig:
         return "swiglu" if llama else "relu"
 
     @property
+    def etp_size(self) -> int:
+        """The hidden shards of each expert of the MoE feed-forward layers (--etp-size; 1: whole experts)."""
+        return self.moe.experts.tensor_parallel if self.has_moe_ffn else 1
+
+    @property
     def expert_ranks(self) -> int:
         """The ranks one copy of every expert spans: --ep-size x --etp-size (the expert-model-parallel group)."""
-        return self.parallel.ep_size * (self.moe.experts.tensor_parallel if self.has_moe_ffn else 1)
+        return self.parallel.ep_size * self.etp_size
 
     @property
     def has_moe_ffn(self) -> bool:

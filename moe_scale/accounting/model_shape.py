@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-
 import math
 from dataclasses import dataclass
 

@@ -138,7 +138,7 @@ def planner_from_args(args: argparse.Namespace) -> tuple[Planner, Layout, bool]:
                       args.margin, args.dropless_load, name)
     layout = Layout(1, args.gpus_per_node or gpu.gpus_per_node, config.parallel.ep_size, zero,
                     config.train.optimizer, precision, config.moe.experts.recompute, config.moe.dispatch.all_to_all,
-                    config.moe.experts.tensor_parallel if config.has_moe_ffn else 1)
+                    config.etp_size)
     return planner, layout, "ep_size" in given
 
 

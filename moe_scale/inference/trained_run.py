@@ -56,7 +56,7 @@ def open_trained_run(run: Path | str, checkpoint: str | None, command: str, *, e
     from moe_scale.models.build import build_model
     from moe_scale.models.vocab_parallel import connect_vocabulary
     from moe_scale.train.checkpoint import load_weights
-    from moe_scale.train.sharded_experts import shards_of, whole_experts
+    from moe_scale.train.sharded_experts import whole_experts
 
     env = init_distributed()
     if not experts_over_processes and env.world_size != 1:
@@ -65,7 +65,7 @@ def open_trained_run(run: Path | str, checkpoint: str | None, command: str, *, e
         raise UserError(f"{config.moe.experts.num_experts} experts cannot be split over {env.world_size} processes; "
                         f"launch a number of processes that divides it")
     trained = config
-    if shards_of(config) > 1:   # --etp-size: read back as whole experts
+    if config.etp_size > 1:   # --etp-size: read back as whole experts
         config = whole_experts(config)
     torch.manual_seed(config.train.seed)
     model = build_model(config, len(tokenizer), ep_size=env.world_size, ep_rank=env.rank, seed=config.train.seed,

@@ -272,7 +272,7 @@ def choose_checkpoint(run: Path, tag: str | None, flag: str, config=None, resume
     if resume_world is not None:
         split = resume_world > 1 and config.parallel.vocab_exchange == "rows"
         _check_layout(run, tag, resume_world, config.expert_ranks, split, config.data.stream,
-                      config.expert_ranks // config.parallel.ep_size)
+                      config.etp_size)
     return tag, int(tag.removeprefix("step"))
 
 

@@ -171,8 +171,7 @@ class RunReport:
             "steps": state.max_steps,
             "world_size": self.ctx.env.world_size,
             "ep_size": config.parallel.ep_size,
-            **({"etp_size": config.expert_ranks // config.parallel.ep_size}
-               if config.expert_ranks > config.parallel.ep_size else {}),
+            **({"etp_size": config.etp_size} if config.etp_size > 1 else {}),
             **({"gate": config.moe.router.gate} if config.has_moe_ffn else {}),
             **({"force_balanced_routing": True} if config.has_moe_ffn and config.moe.router.force_balanced_routing
                else {}),
@@ -194,8 +193,7 @@ class RunReport:
 
 
 def _etp_text(config) -> str:
-    shards = config.expert_ranks // config.parallel.ep_size
-    return f", etp_size={shards}" if shards > 1 else ""
+    return f", etp_size={config.etp_size}" if config.etp_size > 1 else ""
 
 
 def _stop_if_diverged(record: dict, run, logger) -> None:

@@ -22,11 +22,6 @@ from moe_scale.deepspeed_internals import MODEL_STATES_FILE, expert_states_file
 from moe_scale.moe.deepspeed_adapter import DS_EXPERT_PREFIX, STACKED_PREFIX, ExpertParallelModule
 
 
-def shards_of(config: RunConfig) -> int:
-    """The hidden shards each expert of the run was trained in (1: whole experts)."""
-    return config.moe.experts.tensor_parallel if config.has_moe_ffn else 1
-
-
 def whole_experts(config: RunConfig) -> RunConfig:
     """The run's config with whole experts: what one process (or any --ep-size) builds to read it."""
     whole = copy.deepcopy(config)
@@ -37,7 +32,7 @@ def whole_experts(config: RunConfig) -> RunConfig:
 def sharded_state(model: torch.nn.Module, checkpoint: Path, run: RunConfig) -> dict[str, torch.Tensor]:
     """The state dict of `model` (whole experts, any expert-parallel rank) from `run`'s sharded checkpoint: the
     module file's entries, and each local expert joined from its shards."""
-    shards, experts_per_rank = shards_of(run), run.moe.experts.num_experts // run.parallel.ep_size
+    shards, experts_per_rank = run.etp_size, run.moe.experts.num_experts // run.parallel.ep_size
     state = dict(torch.load(checkpoint / MODEL_STATES_FILE, map_location="cpu", weights_only=False)["module"])
     layer_id = 0
     for prefix, module in model.named_modules():

@@ -411,7 +411,7 @@ def _expert_sources(i: int, layer, tensors: dict, model_type: str) -> dict:
     prefix, w_gate, w_up, w_down = _RELEASED[model_type]
     moe = prefix.format(i)
     out = {moe + "gate.weight": (layer.router.w_gate, lambda t: t.t())}
-    hidden = lambda t: experts.out_shard(t)   # noqa: E731  (a [F, D] matrix's rows of this rank's hidden units)
+    hidden = experts.out_shard   # a [F, D] matrix's rows of this rank's hidden units
     for local_id in range(local):
         e = first + local_id
         out[f"{moe}experts.{e}.{w_gate}.weight"] = (experts.w_in[local_id, :f], hidden)

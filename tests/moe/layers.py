@@ -3,6 +3,8 @@ varies: `moe_layer(D, H, E, K, ep_size=2, ep_rank=1, seed=3, router=..., shared_
 
 from __future__ import annotations
 
+import torch
+
 from moe_scale.config import MoEConfig
 from moe_scale.moe.hierarchical_layer import HierarchicalMoELayer
 from moe_scale.moe.layer import MoELayer
@@ -17,6 +19,16 @@ _SETTINGS = {   # keyword -> (section, field) of MoEConfig
     "shared_gate": ("experts", "shared_gate"), "w_importance": ("router", "w_importance"),
     "w_load": ("router", "w_load"), "noisy_gating": ("router", "noisy_gating"),
 }
+
+
+def randomized(module, seed: int = 5, scale: float = 0.5):
+    """`module` with every parameter drawn N(0, scale^2) from a generator seeded `seed` (a gate that routes by its
+    weights, not by the ties of its zero initialisation)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
+    return module
 
 
 def moe_config(num_experts: int, k: int, hidden: int, **settings) -> MoEConfig:

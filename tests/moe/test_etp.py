@@ -14,7 +14,7 @@ import torch
 from moe_scale.moe.experts.kinds import expert_kind
 from moe_scale.moe.routed_layer import real_tokens
 from moe_scale.moe.router import GlobalTokenNoise, HierarchicalRouter
-from tests.moe.layers import hierarchical_layer, moe_layer
+from tests.moe.layers import hierarchical_layer, moe_layer, randomized
 from tests.multiproc import run_ranks
 
 D, H, E, K, N = 8, 16, 4, 2, 12
@@ -53,12 +53,7 @@ class _SentNoise:
 
 
 def _hierarchical_router() -> HierarchicalRouter:
-    router = HierarchicalRouter(D, 2, E // 2, k_primary=2, k_secondary=1).double()
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in router.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
-    return router
+    return randomized(HierarchicalRouter(D, 2, E // 2, k_primary=2, k_secondary=1).double())
 
 
 def _layer(world, rank, case, shards):

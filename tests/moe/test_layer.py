@@ -16,7 +16,7 @@ from torch import nn
 from moe_scale.moe.losses import cv_squared
 from moe_scale.moe.router import GlobalTokenNoise, HierarchicalRouter, NodeLimitedRouter
 from tests.multiproc import run_ranks
-from tests.moe.layers import hierarchical_layer, moe_layer
+from tests.moe.layers import hierarchical_layer, moe_layer, randomized
 
 D, H, E, K = 8, 16, 8, 2
 EXPERT_KEY = re.compile(r"(^|.*\.)deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w_in|w_out)$")
@@ -258,11 +258,7 @@ def _router(gate):
             router.score_bias.copy_(torch.linspace(-0.2, 0.2, E))
     else:
         router = HierarchicalRouter(D, 4, E // 4, k_primary=2, k_secondary=2).double()
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in router.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
-    return router
+    return randomized(router)
 
 
 def _four_rank_worker(rank, world, gate, all_to_all):

@@ -28,7 +28,7 @@ from torch import nn
 
 from moe_scale.moe.experts.grouped_gemm import (Counts, GroupLayout, gated_rows, pair_coefficients, per_expert_outer,
                                                 rows_times_expert)
-from moe_scale.moe.experts.kinds import ExpertKind, expert_kind
+from moe_scale.moe.experts.kinds import ExpertKind, expert_kind, hidden_rows
 
 
 class _GroupedMatmul(torch.autograd.Function):
@@ -236,7 +236,7 @@ class GroupedExperts(nn.Module):
 
     def out_shard(self, whole_out_FD: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a whole expert's second layer."""
-        return whole_out_FD[self.shard * self.d_hidden:(self.shard + 1) * self.d_hidden]
+        return hidden_rows(whole_out_FD, self.shard, self.shards)
 
     def forward(self, rows_RD: torch.Tensor, tokens_per_expert: Counts, row_of_pair_M: torch.Tensor | None = None,
                 gate_M: torch.Tensor | None = None) -> torch.Tensor:

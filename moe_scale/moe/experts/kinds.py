@@ -59,9 +59,9 @@ class ExpertKind:
         """Shard `shard` of `shards` of the first layer's rows (--etp-size): its hidden units' rows, and for a
         gated kind the matching rows of the gate and of the up projection, stacked as the kind stacks them."""
         if not self.gated:
-            return _rows(w_in_XD, shard, shards)
+            return hidden_rows(w_in_XD, shard, shards)
         gate_FD, up_FD = w_in_XD.chunk(2, dim=0)
-        return torch.cat([_rows(gate_FD, shard, shards), _rows(up_FD, shard, shards)])
+        return torch.cat([hidden_rows(gate_FD, shard, shards), hidden_rows(up_FD, shard, shards)])
 
     def join_hidden(self, w_in_shards_LXD: list[torch.Tensor]) -> torch.Tensor:
         """The whole experts' first layers [L, X, D] from their shards' (hidden_slice's inverse, stacked experts)."""
@@ -244,6 +244,7 @@ def per_pair(t_RD: torch.Tensor, row_of_pair_M: torch.Tensor | None) -> torch.Te
     return t_RD.contiguous() if row_of_pair_M is None else t_RD.index_select(0, row_of_pair_M)
 
 
-def _rows(w: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
+def hidden_rows(w: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
+    """Rows [shard F / shards, (shard + 1) F / shards) of a matrix whose F rows are hidden units (--etp-size)."""
     per = w.shape[0] // shards
     return w[shard * per:(shard + 1) * per]
